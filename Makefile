@@ -1,0 +1,24 @@
+# Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m jaxinfer.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check jaxinfer pallas_kernels tests tools
+	$(PY) -m ruff format --check jaxinfer pallas_kernels tests tools
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) tools/bench_throughput.py --baseline hf

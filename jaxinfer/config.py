@@ -1,0 +1,151 @@
+"""Engine configuration: frozen dataclasses built at the entry points and validated here."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.models.llama_config import LlamaConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """What a user may set (LLM(**options), later flags and TOML). Validated on creation.
+
+    Args:
+        model: None for the default model, a Hugging Face folder, or a .gguf file.
+        dtype: "auto" (float32 on CPU, bfloat16 on GPU), "float32", "bfloat16" or "float16".
+        max_model_len: longest sequence (prompt + output); None: the model's maximum.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step; longer prompts are chunked.
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: KV-cache blocks in the pool (block 0 is the null block); None: sized
+            from kv_cache_memory_gb.
+        kv_cache_memory_gb: memory budget of the KV cache when num_kv_blocks is None.
+        cache_dir: where converted models (and later compiled programs) are kept.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    cache_dir: str = str(Path.home() / ".cache" / "jaxinfer")
+
+    def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not isinstance(self.block_size, int) or self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be 8, 16, 32, 64 or 128, got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
+        ):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: Path  # the Hugging Face-style folder that is loaded
+    arch: LlamaConfig
+    dtype: jnp.dtype
+    max_model_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int  # including the null block 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    token_buckets: tuple[int, ...]  # padded step sizes, ascending; each is compiled once
+
+    def request_bucket(self, num_tokens_bucket: int) -> int:
+        """Padded request count that goes with a token bucket (a step has <= 1 request/token)."""
+        return min(num_tokens_bucket, self.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.model.max_model_len // self.cache.block_size)
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return _DTYPES[name]
+
+
+def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Powers of two up to the budget, and the budget itself."""
+    buckets, size = [], 1
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_num_batched_tokens)
+    return tuple(buckets)
+
+
+def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfig:
+    arch = LlamaConfig.from_file(model_path / "config.json")
+    dtype = resolve_dtype(options.dtype)
+    max_model_len = options.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({arch.max_position_embeddings})"
+        )
+    bytes_per_block = (
+        arch.num_hidden_layers
+        * 2
+        * options.block_size
+        * arch.num_key_value_heads
+        * arch.head_dim
+        * jnp.dtype(dtype).itemsize
+    )
+    num_blocks = options.num_kv_blocks or max(
+        2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
+    )
+    return EngineConfig(
+        model=ModelConfig(path=model_path, arch=arch, dtype=dtype, max_model_len=max_model_len),
+        cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            token_buckets=token_buckets(options.max_num_batched_tokens),
+        ),
+    )

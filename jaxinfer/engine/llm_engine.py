@@ -1,0 +1,175 @@
+"""The engine: requests in, one scheduled and jitted step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxinfer.config import EngineConfig, EngineOptions, build_engine_config
+from jaxinfer.engine.batch_builder import BatchBuilder
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.request import Request
+from jaxinfer.engine.sampler import SamplerOutput
+from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
+from jaxinfer.model_loader.model_cache import resolve_model
+from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.llama import build_llama
+from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.tokenizer import TokenizerWrapper
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, options: EngineOptions):
+        folder = resolve_model(options.model, Path(options.cache_dir))
+        self.config: EngineConfig = build_engine_config(options, folder)
+        arch = self.config.model.arch
+        self.tokenizer = TokenizerWrapper(folder)
+        self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
+
+        start = time.perf_counter()
+        params = load_llama_params(folder, arch, np.dtype(self.config.model.dtype))
+        graphdef, state = build_llama(arch, params, self.config.model.dtype)
+        del params
+        self.load_seconds = time.perf_counter() - start
+
+        self.runner = ModelRunner(self.config, graphdef, state)
+        self.warmup_seconds = self.runner.warmup()
+        self.kv_cache_manager = KVCacheManager(
+            self.config.cache.block_size, self.config.cache.num_blocks
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
+        self.batch_builder = BatchBuilder(self.config)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._next_id = 0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> Request:
+        """Tokenizes and admits a request; raises ValueError if it could never be served."""
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+            vocab = self.config.model.arch.vocab_size
+            if any(not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            seed=params.seed if params.seed is not None else secrets.randbits(64),
+            metrics=RequestMetrics(arrival_time=time.time()),
+            prompt=text,
+        )
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer.tokenizer, params.skip_special_tokens
+        )
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request)
+            self._detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs and samples one step; returns outputs of requests that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        now = time.time()
+        for item in scheduler_output.scheduled:
+            if item.request.metrics.first_scheduled_time is None:
+                item.request.metrics.first_scheduled_time = now
+        batch, sampling, flags = self.batch_builder.build(scheduler_output)
+        sampled = self.runner.execute(batch, sampling, flags)
+        step_output = self._to_step_output(scheduler_output, sampled)
+        updated, finished = self.scheduler.update_from_output(scheduler_output, step_output)
+        now = time.time()
+        outputs = []
+        for request in updated:
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self._detokenizers[request.request_id].add(request.output_token_ids[-1])
+        for request in finished:
+            request.metrics.finished_time = now
+        for request in updated:
+            outputs.append(self._request_output(request))
+            if request.status.finished:
+                del self.requests[request.request_id]
+                del self._detokenizers[request.request_id]
+        return outputs
+
+    def _to_step_output(
+        self, scheduler_output: SchedulerOutput, sampled: SamplerOutput
+    ) -> StepOutput:
+        num_reqs = len(scheduler_output.scheduled)
+        host = jax.device_get(sampled)  # the one device-to-host transfer of the step
+        token_ids = host.token_ids[:num_reqs].tolist()
+        logprobs: list[dict[int, float] | None] = [None] * num_reqs
+        for row, item in enumerate(scheduler_output.scheduled):
+            wanted = item.request.sampling_params.logprobs
+            if wanted is None or not item.samples:
+                continue
+            top = dict(zip(host.top_ids[row, :wanted].tolist(), host.top_logprobs[row, :wanted].tolist(), strict=True))
+            top[token_ids[row]] = float(host.sampled_logprobs[row])
+            logprobs[row] = top
+        return StepOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        finished = request.status.finished
+        completion = CompletionOutput(
+            index=0,
+            text=self._detokenizers[request.request_id].text,
+            token_ids=list(request.output_token_ids),
+            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=request.metrics,
+        )
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]

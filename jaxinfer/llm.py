@@ -1,0 +1,86 @@
+"""The offline Python API: LLM(...).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxinfer.config import EngineOptions
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Runs a model over a batch of prompts with continuous batching.
+
+    Args:
+        model: None for the default model (SmolLM2-135M-Instruct), a Hugging Face folder or a
+            .gguf file.
+        **engine_options: see EngineOptions (max_model_len, max_num_seqs,
+            max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory_gb, dtype, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = LLMEngine(EngineOptions(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (strings or token-id lists); results in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                ids.append(engine.add_request(prompt, params).request_id)
+        except Exception:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as progress:
+            while len(results) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        progress.update(1)
+        return [results[request_id] for request_id in ids]

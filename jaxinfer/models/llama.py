@@ -140,5 +140,5 @@ def build_llama(
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )
-    state.replace_by_pure_dict(jax.tree.map(jnp.asarray, values))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
     return graphdef, state

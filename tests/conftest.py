@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random Hugging Face Llama folders, and the default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog. Zwölf Boxkämpfer jagen Viktor quer über "
+    "den großen Sylter Deich. 東京は日本の首都です。 Ünïcödé ✓ 🚀 emoji and numbers 1234567890.",
+    "def f(x):\n    return x * 2  # a comment\n",
+]
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+
+
+def make_tiny_model(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random LlamaForCausalLM (or Qwen2) saved by transformers, with a byte-level tokenizer."""
+    import torch
+    import transformers
+
+    arch = overrides.pop("architecture", "llama")
+    config_kwargs = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config_kwargs.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config_kwargs))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_kwargs))
+    # Random init is small; scale weights up so logits are far from uniform and bugs show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    write_tiny_tokenizer(folder, config_kwargs["vocab_size"])
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir() -> Path:
+    """Where the default model is converted once and reused across runs."""
+    return Path.home() / ".cache" / "jaxinfer"

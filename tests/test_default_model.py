@@ -27,7 +27,10 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def llm(model_cache_dir):
     return LLM(
-        cache_dir=str(model_cache_dir), max_num_batched_tokens=256, max_num_seqs=16, max_model_len=1024
+        cache_dir=str(model_cache_dir),
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        max_model_len=1024,
     )
 
 
@@ -44,7 +47,10 @@ def hf_model(model_cache_dir):
 @pytest.fixture(scope="module")
 def prompts(llm):
     tokenizer = llm.tokenizer
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    return [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+        for q in QUESTIONS
+    ]
 
 
 def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
@@ -56,13 +62,17 @@ def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
         output = SchedulerOutput((ScheduledRequest(request, 0, len(prompt)),), len(prompt), ())
         batch, _, _ = engine.batch_builder.build(output)
         runner = engine.runner
-        runner.kv_cache, logits = runner._model_step(runner.state, runner.kv_cache, jax.device_put(batch))
+        runner.kv_cache, logits = runner._model_step(
+            runner.state, runner.kv_cache, jax.device_put(batch)
+        )
         return np.asarray(logits)[0]
     finally:
         engine.abort_request(request.request_id)
 
 
-def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[dict[int, float]]]:
+def hf_greedy(
+    model, prompt: list[int], max_tokens: int
+) -> tuple[list[int], list[dict[int, float]]]:
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
@@ -86,8 +96,12 @@ def check_logprobs_close(ours, theirs, name: str) -> None:
     (our_tokens, our_logprobs), (hf_tokens, hf_logprobs) = ours, theirs
     for i, (a, b) in enumerate(zip(our_tokens, hf_tokens, strict=False)):
         if a != b:
-            assert a in hf_logprobs[i], f"{name}: token {i}: ours {a} not in HF top-5 {hf_logprobs[i]}"
-            assert b in our_logprobs[i], f"{name}: token {i}: HF {b} not in our top-5 {our_logprobs[i]}"
+            assert a in hf_logprobs[i], (
+                f"{name}: token {i}: ours {a} not in HF top-5 {hf_logprobs[i]}"
+            )
+            assert b in our_logprobs[i], (
+                f"{name}: token {i}: HF {b} not in our top-5 {our_logprobs[i]}"
+            )
             return
 
 
@@ -116,7 +130,10 @@ def test_greedy_generation_matches_hf(llm, hf_model, prompts):
 
 def test_greedy_output_same_alone_and_in_batch_of_16(llm):
     tokenizer = llm.tokenizer
-    others = [f"Tell me fact number {i} about {topic}." for i, topic in enumerate(["cats", "rivers", "stars", "music"] * 3)]
+    others = [
+        f"Tell me fact number {i} about {topic}."
+        for i, topic in enumerate(["cats", "rivers", "stars", "music"] * 3)
+    ]
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS + others]
     assert len(conversations) == 16
     params = SamplingParams(temperature=0, max_tokens=24)

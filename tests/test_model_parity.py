@@ -130,7 +130,9 @@ def test_prompt_in_chunks_over_shuffled_blocks(harness):
 
 def test_prompt_inside_mixed_batch(harness):
     rng = np.random.default_rng(3)
-    prompts = {name: list(rng.integers(0, 320, size=n)) for name, n in [("x", 29), ("y", 41), ("z", 7)]}
+    prompts = {
+        name: list(rng.integers(0, 320, size=n)) for name, n in [("x", 29), ("y", 41), ("z", 7)]
+    }
     requests = {name: harness.new_request(name, p) for name, p in prompts.items()}
     references = {name: harness.reference(p) for name, p in prompts.items()}
     # Bring x to a "decoding" state and y part-way through its prompt.

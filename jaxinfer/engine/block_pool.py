@@ -10,7 +10,9 @@ NULL_BLOCK = 0
 class BlockPool:
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
-            raise ValueError(f"the pool needs at least 2 blocks (one is the null block): {num_blocks}")
+            raise ValueError(
+                f"the pool needs at least 2 blocks (one is the null block): {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
 

@@ -11,11 +11,24 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._token_ids: list[int] = []
         self.text = ""
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the new text it completes (possibly empty)."""
+        self._token_ids.append(token_id)
         delta = self._stream.step(self._tokenizer, token_id) or ""
         self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Flushes bytes still held back (as U+FFFD where they never became valid UTF-8);
+        afterwards `text` equals a one-shot decode of every token."""
+        full = self._tokenizer.decode(
+            self._token_ids, skip_special_tokens=self._skip_special_tokens
+        )
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text = full
         return delta

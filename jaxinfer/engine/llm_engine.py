@@ -122,6 +122,7 @@ class LLMEngine:
             self._detokenizers[request.request_id].add(request.output_token_ids[-1])
         for request in finished:
             request.metrics.finished_time = now
+            self._detokenizers[request.request_id].finish()
         for request in updated:
             outputs.append(self._request_output(request))
             if request.status.finished:
@@ -140,7 +141,13 @@ class LLMEngine:
             wanted = item.request.sampling_params.logprobs
             if wanted is None or not item.samples:
                 continue
-            top = dict(zip(host.top_ids[row, :wanted].tolist(), host.top_logprobs[row, :wanted].tolist(), strict=True))
+            top = dict(
+                zip(
+                    host.top_ids[row, :wanted].tolist(),
+                    host.top_logprobs[row, :wanted].tolist(),
+                    strict=True,
+                )
+            )
             top[token_ids[row]] = float(host.sampled_logprobs[row])
             logprobs[row] = top
         return StepOutput(token_ids=token_ids, logprobs=logprobs)
@@ -151,7 +158,9 @@ class LLMEngine:
             index=0,
             text=self._detokenizers[request.request_id].text,
             token_ids=list(request.output_token_ids),
-            logprobs=list(request.logprobs) if request.sampling_params.logprobs is not None else None,
+            logprobs=list(request.logprobs)
+            if request.sampling_params.logprobs is not None
+            else None,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
         )

@@ -87,19 +87,26 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype) -> dict:
                 lambda p: get(p + "post_attention_layernorm.weight", (E,))
             ),
             "qkv_proj": stacked(
-                lambda p: np.concatenate(
-                    [
-                        get(p + "self_attn.q_proj.weight", (q, E)),
-                        get(p + "self_attn.k_proj.weight", (kv, E)),
-                        get(p + "self_attn.v_proj.weight", (kv, E)),
-                    ]
-                ).T
+                lambda p: (
+                    np.concatenate(
+                        [
+                            get(p + "self_attn.q_proj.weight", (q, E)),
+                            get(p + "self_attn.k_proj.weight", (kv, E)),
+                            get(p + "self_attn.v_proj.weight", (kv, E)),
+                        ]
+                    ).T
+                )
             ),
             "o_proj": stacked(lambda p: get(p + "self_attn.o_proj.weight", (E, q)).T),
             "gate_up_proj": stacked(
-                lambda p: np.concatenate(
-                    [get(p + "mlp.gate_proj.weight", (I, E)), get(p + "mlp.up_proj.weight", (I, E))]
-                ).T
+                lambda p: (
+                    np.concatenate(
+                        [
+                            get(p + "mlp.gate_proj.weight", (I, E)),
+                            get(p + "mlp.up_proj.weight", (I, E)),
+                        ]
+                    ).T
+                )
             ),
             "down_proj": stacked(lambda p: get(p + "mlp.down_proj.weight", (E, I)).T),
         }
@@ -120,4 +127,6 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype) -> dict:
         }
         if not cfg.tie_word_embeddings:
             params["lm_head"] = get("lm_head.weight", (V, E)).T
-    return {k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in params.items()}
+    return {
+        k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in params.items()
+    }

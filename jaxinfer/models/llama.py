@@ -87,7 +87,9 @@ class LlamaForCausalLM(nnx.Module):
         cos_sin = self.rope_cache[...][batch.positions]  # [T, 2, D / 2]
         hidden = self.embed[...][batch.token_ids]  # [T, E]
         layers = self.layers
-        stacked = {name: getattr(layers, name)[...] for name in vars(layers) if not name.startswith("_")}
+        stacked = {
+            name: getattr(layers, name)[...] for name in vars(layers) if not name.startswith("_")
+        }
 
         def layer_step(carry, layer_params):
             hidden, kv_cache, layer = carry
@@ -130,9 +132,7 @@ class LlamaForCausalLM(nnx.Module):
         return kv_cache, logits
 
 
-def build_llama(
-    config: LlamaConfig, params: dict, dtype
-) -> tuple[nnx.GraphDef, nnx.State]:
+def build_llama(config: LlamaConfig, params: dict, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (numpy, loader layout)."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

@@ -112,13 +112,15 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 
 def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Powers of two up to the budget, and the budget itself."""
-    buckets, size = [], 1
+    """1, 2, 4, then powers of two and the midpoints between them (6, 8, 12, 16, 24, ...) up
+    to the budget, and the budget itself: a step pads by at most a third."""
+    buckets = {1, 2, 4}
+    size = 4
     while size < max_num_batched_tokens:
-        buckets.append(size)
+        buckets.update({size + size // 2, size * 2})
         size *= 2
-    buckets.append(max_num_batched_tokens)
-    return tuple(buckets)
+    buckets = {b for b in buckets if b < max_num_batched_tokens}
+    return tuple(sorted(buckets | {max_num_batched_tokens}))
 
 
 def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfig:

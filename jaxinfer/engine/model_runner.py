@@ -35,6 +35,7 @@ def _model_step(
 class ModelRunner:
     def __init__(self, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State):
         self.config = config
+        self.graphdef = graphdef
         self.state = state
         arch = config.model.arch
         self.kv_cache = jnp.zeros(
@@ -64,14 +65,23 @@ class ModelRunner:
         )
 
     def warmup(self) -> float:
-        """Compiles every bucket with an all-padding batch; returns the seconds it took."""
+        """Compiles every token bucket, and every sampler variant of each request bucket, by
+        running all-padding batches; returns the seconds it took."""
         start = time.perf_counter()
         sched = self.config.scheduler
+        sampled_buckets = set()
         for num_tokens in sched.token_buckets:
             batch, sampling = self.dummy_batch(num_tokens)
+            batch, sampling = jax.device_put((batch, sampling))
+            self.kv_cache, logits = self._model_step(self.state, self.kv_cache, batch)
+            if logits.shape[0] in sampled_buckets:
+                continue
+            sampled_buckets.add(logits.shape[0])
             for all_greedy, num_logprobs in itertools.product((True, False), (0, MAX_LOGPROBS)):
-                out = self.execute(batch, sampling, SamplingFlags(all_greedy, num_logprobs))
-            jax.block_until_ready(out)
+                jax.block_until_ready(
+                    sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs)
+                )
+        jax.block_until_ready(self.kv_cache)
         self.warmup_seconds = time.perf_counter() - start
         logger.info(
             "warm-up compiled token buckets %s in %.1f s", sched.token_buckets, self.warmup_seconds

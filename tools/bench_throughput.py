@@ -1,0 +1,135 @@
+"""Offline throughput: jaxinfer against HF transformers on the same requests, in one process.
+
+    python tools/bench_throughput.py --num_requests=32 --min_output_len=32 --max_output_len=160 \
+        --baseline=hf
+
+Requests are chat prompts (or synthetic prompts of --input_len tokens), decoded greedily with
+ignore_eos, each with its own output length drawn evenly from [min_output_len, max_output_len].
+HF transformers runs them in static batches of --hf_batch_size (each batch generates until its
+longest request is done, as static batching must); only the requested tokens are counted for
+either engine. Prints output tokens per second and the ratio.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import app, flags
+
+from jaxinfer import LLM, SamplingParams
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("num_requests", 32, "Requests in the run.")
+flags.DEFINE_integer("min_output_len", 32, "Shortest output (tokens).")
+flags.DEFINE_integer("max_output_len", 160, "Longest output (tokens).")
+flags.DEFINE_integer("input_len", 0, "Synthetic prompt length in tokens; 0 uses chat prompts.")
+flags.DEFINE_list("baseline", [], "Peers to run in the same process: hf.")
+flags.DEFINE_integer("hf_batch_size", 32, "Static batch size of the HF transformers baseline.")
+flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "jaxinfer token budget per step.")
+flags.DEFINE_integer("threads", 2, "CPU threads for torch (XLA uses the machine's cores).")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+
+TOPICS = [
+    "the history of the printing press",
+    "how vaccines train the immune system",
+    "why the sky is blue",
+    "the rules of chess",
+    "how a compiler works",
+    "the water cycle",
+    "black holes",
+    "the French revolution",
+    "photosynthesis",
+    "how to bake bread",
+    "the stock market",
+    "plate tectonics",
+    "the life of bees",
+    "quantum computing",
+    "the Roman empire",
+    "how airplanes fly",
+]
+
+
+def build_workload(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(FLAGS.seed)
+    tokenizer = llm.tokenizer
+    prompts = []
+    for i in range(FLAGS.num_requests):
+        if FLAGS.input_len:
+            prompts.append(rng.integers(100, 40000, size=FLAGS.input_len).tolist())
+        else:
+            question = f"Explain {TOPICS[i % len(TOPICS)]} to a {10 + i}-year-old."
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+            prompts.append(tokenizer.encode(text))
+    output_lens = np.linspace(FLAGS.min_output_len, FLAGS.max_output_len, FLAGS.num_requests)
+    output_lens = rng.permutation(np.round(output_lens).astype(int)).tolist()
+    return prompts, output_lens
+
+
+def run_jaxinfer(llm: LLM, prompts, output_lens) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outputs] == output_lens
+    return elapsed
+
+
+def run_hf(model_path, prompts, output_lens) -> float:
+    import torch
+    import transformers
+
+    torch.set_num_threads(FLAGS.threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.eval()
+    pad_id = 0
+    start = time.perf_counter()
+    for first in range(0, len(prompts), FLAGS.hf_batch_size):
+        batch = prompts[first : first + FLAGS.hf_batch_size]
+        longest_output = max(output_lens[first : first + FLAGS.hf_batch_size])
+        width = max(len(p) for p in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=longest_output,
+                min_new_tokens=longest_output,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+    return time.perf_counter() - start
+
+
+def main(argv):
+    del argv
+    llm = LLM(
+        max_num_seqs=FLAGS.max_num_seqs,
+        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+    )
+    prompts, output_lens = build_workload(llm)
+    total = sum(output_lens)
+    print(
+        f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, outputs {min(output_lens)}-{max(output_lens)} "
+        f"({total} output tokens), greedy, ignore_eos"
+    )
+    print(f"jaxinfer warm-up: {llm.engine.warmup_seconds:.1f} s")
+    ours = run_jaxinfer(llm, prompts, output_lens)
+    print(f"jaxinfer: {ours:.2f} s, {total / ours:.1f} output tokens/s")
+    if "hf" in FLAGS.baseline:
+        theirs = run_hf(llm.engine.config.model.path, prompts, output_lens)
+        print(
+            f"hf transformers (static batches of {FLAGS.hf_batch_size}): {theirs:.2f} s, "
+            f"{total / theirs:.1f} output tokens/s"
+        )
+        print(f"ratio jaxinfer / hf: {theirs / ours:.2f}x")
+    unknown = set(FLAGS.baseline) - {"hf"}
+    if unknown:
+        raise app.UsageError(f"unknown baselines: {sorted(unknown)} (supported: hf)")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,197 @@
+"""The GGUF converter and the model cache, on a tiny GGUF written here the way llama.cpp does."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.model_loader.gguf_convert import unpermute_qk
+from jaxinfer.model_loader.model_cache import MANIFEST, gguf_folder, is_complete, resolve_model
+from tests.conftest import make_tiny_model
+
+NUM_HEADS, NUM_KV_HEADS = 4, 2
+Q8_TENSORS = ("mlp.gate_proj.weight", "self_attn.q_proj.weight")  # quantized; the rest stay F32
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert script: interleave the rotary halves of each head's rows."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "attn_q",
+    "self_attn.k_proj.weight": "attn_k",
+    "self_attn.v_proj.weight": "attn_v",
+    "self_attn.o_proj.weight": "attn_output",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "ffn_gate",
+    "mlp.up_proj.weight": "ffn_up",
+    "mlp.down_proj.weight": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[rest]}.weight"
+
+
+def write_gguf(hf_folder, path) -> dict[str, np.ndarray]:
+    """Writes hf_folder as a GGUF file; returns the weights a faithful converter must recover."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    weights = load_file(str(hf_folder / "model.safetensors"))
+    tokenizer = json.loads((hf_folder / "tokenizer.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(NUM_HEADS)
+    writer.add_head_count_kv(NUM_KV_HEADS)
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(config["hidden_size"] // NUM_HEADS)
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["content"] for t in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list([text for text, _ in vocab])
+    writer.add_token_types([3 if text in special else 1 for text, _ in vocab])
+    merges = tokenizer["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    expected = {}
+    for name, weight in weights.items():
+        stored = weight
+        if name.endswith("q_proj.weight"):
+            stored = llama_cpp_permute(weight, NUM_HEADS)
+        elif name.endswith("k_proj.weight"):
+            stored = llama_cpp_permute(weight, NUM_KV_HEADS)
+        if name.endswith(Q8_TENSORS):
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            packed = gguf.quants.quantize(stored, qtype)
+            writer.add_tensor(gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=qtype)
+            roundtrip = gguf.quants.dequantize(packed, qtype).reshape(weight.shape)
+            expected[name] = unpermute_qk(roundtrip, NUM_HEADS) if "q_proj" in name else roundtrip
+        else:
+            writer.add_tensor(gguf_name(name), stored)
+            expected[name] = weight
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    hf_folder = make_tiny_model(tmp_path_factory.mktemp("hf"), num_key_value_heads=NUM_KV_HEADS)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    expected = write_gguf(hf_folder, path)
+    return hf_folder, path, expected
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    weight = np.random.default_rng(0).standard_normal((8 * 6, 5)).astype(np.float32)
+    for heads in (1, 2, 4, 8):
+        assert np.array_equal(unpermute_qk(llama_cpp_permute(weight, heads), heads), weight)
+    assert not np.array_equal(llama_cpp_permute(weight, 4), weight)
+
+
+def test_conversion_recovers_weights_config_and_tokenizer(tiny_gguf, tmp_path):
+    hf_folder, path, expected = tiny_gguf
+    folder = resolve_model(str(path), tmp_path)
+    assert is_complete(folder)
+    converted = load_file(str(folder / "model.safetensors"))
+    assert set(converted) == set(expected)
+    for name, weight in expected.items():
+        assert converted[name].dtype == np.float32
+        np.testing.assert_array_equal(converted[name], weight, err_msg=name)
+
+    config = json.loads((folder / "config.json").read_text())
+    original = json.loads((hf_folder / "config.json").read_text())
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        assert config[key] == original[key], key
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    assert config["tie_word_embeddings"] is False
+
+    ours = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    reference = Tokenizer.from_file(str(hf_folder / "tokenizer.json"))
+    text = "<|im_start|>user\nThe quick brown fox, 1234 ünïcödé!<|im_end|>"
+    assert ours.encode(text).ids == reference.encode(text).ids
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert 2 in generation["eos_token_id"]  # <|im_end|> and the GGUF eos
+
+
+def test_gguf_path_generates_like_the_original_folder(tiny_gguf, tmp_path):
+    hf_folder, path, _ = tiny_gguf
+    options = dict(
+        max_num_batched_tokens=16, block_size=8, num_kv_blocks=32, cache_dir=str(tmp_path)
+    )
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    from_gguf = LLM(model=str(path), **options).generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    # The original folder differs only by Q8_0 rounding of two tensors: same greedy tokens.
+    from_hf = LLM(model=str(hf_folder), **options).generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    assert len(from_gguf[0].outputs[0].token_ids) == 6
+    assert from_gguf[0].outputs[0].token_ids == from_hf[0].outputs[0].token_ids
+
+
+def test_corrupt_or_partial_cache_is_rebuilt(tiny_gguf, tmp_path):
+    _, path, _ = tiny_gguf
+    folder = gguf_folder(path, tmp_path)
+    weights = folder / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert gguf_folder(path, tmp_path) == folder and weights.stat().st_mtime_ns == stamp  # reused
+
+    with weights.open("r+b") as f:  # same size, one flipped byte
+        f.seek(weights.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert not is_complete(folder)
+    assert gguf_folder(path, tmp_path) == folder and is_complete(folder)
+
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    assert not is_complete(folder)
+    gguf_folder(path, tmp_path)
+    assert is_complete(folder)
+
+    (folder / MANIFEST).unlink()  # interrupted before the manifest was written
+    assert not is_complete(folder)
+    gguf_folder(path, tmp_path)
+    assert is_complete(folder)
+
+
+def test_bad_model_paths_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing"), tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        resolve_model(str(tmp_path), tmp_path)
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"xx")
+    with pytest.raises(ValueError, match=r"expected a folder or a \.gguf"):
+        resolve_model(str(not_gguf), tmp_path)
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        resolve_model(str(fake), tmp_path / "cache")

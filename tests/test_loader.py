@@ -1,0 +1,108 @@
+"""Loading Hugging Face folders: sharded checkpoints, dtypes, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from jaxinfer.model_loader.safetensors_loader import checkpoint_files, load_llama_params
+from jaxinfer.models.llama_config import LlamaConfig
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def single_file(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("single"))
+
+
+def flat(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def test_sharded_checkpoint_loads_like_single_file(single_file, tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(single_file)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(checkpoint_files(tmp_path)) > 2
+    config = LlamaConfig.from_file(single_file / "config.json")
+    sharded = flat(load_llama_params(tmp_path, config, np.float32))
+    single = flat(load_llama_params(single_file, config, np.float32))
+    assert sharded.keys() == single.keys()
+    for name in single:
+        np.testing.assert_array_equal(sharded[name], single[name], err_msg=name)
+
+
+def test_bfloat16_checkpoint_loads_into_float32_and_back(single_file, tmp_path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(single_file, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = LlamaConfig.from_file(tmp_path / "config.json")
+    as_f32 = flat(load_llama_params(tmp_path, config, np.float32))
+    as_bf16 = flat(load_llama_params(tmp_path, config, np.dtype(jnp.bfloat16)))
+    reference = flat(load_llama_params(single_file, config, np.float32))
+    for name, value in as_f32.items():
+        assert value.dtype == np.float32 and as_bf16[name].dtype == jnp.bfloat16
+        np.testing.assert_allclose(value, reference[name], rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(as_bf16[name].astype(np.float32), value)
+
+
+def test_shape_mismatch_names_file_tensor_and_expected_shape(single_file, tmp_path):
+    for item in single_file.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.1.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    config = LlamaConfig.from_file(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*up_proj.*\(3, 3\).*\(112, 64\)"):
+        load_llama_params(tmp_path, config, np.float32)
+
+
+def test_missing_tensor_and_missing_files(single_file, tmp_path):
+    weights = load_file(str(single_file / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    config = LlamaConfig.from_file(single_file / "config.json")
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
+        load_llama_params(tmp_path, config, np.float32)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_llama_params(empty, config, np.float32)
+    (empty / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
+        load_llama_params(empty, config, np.float32)
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        LlamaConfig.from_file(empty / "config.json")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel.*not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 3}, "multiple of"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding-window"),
+    ],
+)
+def test_unsupported_configs_are_refused(single_file, change, message):
+    config = json.loads((single_file / "config.json").read_text())
+    config.update(change)
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_dict(config)

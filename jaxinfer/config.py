@@ -28,6 +28,9 @@ class EngineOptions:
             from kv_cache_memory_gb.
         kv_cache_memory_gb: memory budget of the KV cache when num_kv_blocks is None.
         cache_dir: where converted models (and later compiled programs) are kept.
+        layer_execution: "scan" (one program per step, layers under lax.scan), "per_layer"
+            (one compiled layer program called per layer) or "auto" (per_layer on CPU, where
+            it is faster; scan elsewhere).
     """
 
     model: str | None = None
@@ -39,6 +42,7 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     cache_dir: str = str(Path.home() / ".cache" / "jaxinfer")
+    layer_execution: str = "auto"
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -55,6 +59,11 @@ class EngineOptions:
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.layer_execution not in ("auto", "scan", "per_layer"):
+            raise ValueError(
+                "layer_execution must be 'auto', 'scan' or 'per_layer', "
+                f"got {self.layer_execution!r}"
+            )
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 
@@ -99,6 +108,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    layer_execution: str  # "scan" or "per_layer" (see ModelRunner)
 
     @property
     def max_blocks_per_request(self) -> int:
@@ -152,4 +162,11 @@ def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfi
             max_model_len=max_model_len,
             token_buckets=token_buckets(options.max_num_batched_tokens),
         ),
+        layer_execution=_resolve_layer_execution(options.layer_execution),
     )
+
+
+def _resolve_layer_execution(name: str) -> str:
+    if name == "auto":
+        return "per_layer" if jax.default_backend() == "cpu" else "scan"
+    return name

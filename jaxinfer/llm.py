@@ -41,17 +41,8 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
-                )
-        return self._run(prompts, params_list, use_tqdm)
+        params_list = _params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True)
 
     def chat(
         self,
@@ -62,16 +53,22 @@ class LLM:
         """Applies the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        params_list = _params_per_prompt(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=False)
 
     def _run(
-        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        add_special_tokens: bool,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(engine.add_request(prompt, params).request_id)
+                request = engine.add_request(prompt, params, add_special_tokens=add_special_tokens)
+                ids.append(request.request_id)
         except Exception:
             for request_id in ids:
                 engine.abort_request(request_id)
@@ -84,3 +81,16 @@ class LLM:
                         results[output.request_id] = output
                         progress.update(1)
         return [results[request_id] for request_id in ids]
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params_list = list(sampling_params)
+    if len(params_list) != num_prompts:
+        raise ValueError(f"got {len(params_list)} SamplingParams for {num_prompts} prompts")
+    return params_list

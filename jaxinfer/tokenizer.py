@@ -33,15 +33,19 @@ class TokenizerWrapper:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. With add_special_tokens (plain prompts), the tokenizer's own
+        post-processor runs and a BOS is prepended when tokenizer_config asks for one; chat
+        prompts pass False, since the template already wrote the special tokens as text."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -59,6 +63,13 @@ class TokenizerWrapper:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):
+    """As transformers renders chat templates: plain JSON, no HTML escaping."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _token_text(value) -> str | None:

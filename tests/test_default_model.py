@@ -61,10 +61,7 @@ def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
         assert engine.kv_cache_manager.allocate_slots(request, len(prompt))
         output = SchedulerOutput((ScheduledRequest(request, 0, len(prompt)),), len(prompt), ())
         batch, _, _ = engine.batch_builder.build(output)
-        runner = engine.runner
-        runner.kv_cache, logits = runner._model_step(
-            runner.state, runner.kv_cache, jax.device_put(batch)
-        )
+        logits = engine.runner.forward(jax.device_put(batch))
         return np.asarray(logits)[0]
     finally:
         engine.abort_request(request.request_id)

@@ -272,3 +272,26 @@ def test_kv_cache_is_donated(llm):
     llm.generate(prompts_of([4]), SamplingParams(max_tokens=2), use_tqdm=False)
     assert before.is_deleted() and not runner.kv_cache.is_deleted()
     assert isinstance(runner.kv_cache, jax.Array)
+
+
+def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
+    scan = LLM(
+        model=str(tiny_model_dir),
+        layer_execution="scan",
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        block_size=8,
+        num_kv_blocks=96,
+        max_model_len=128,
+    )
+    assert scan.engine.runner.layer_execution == "scan"
+    assert llm.engine.runner.layer_execution == "per_layer"  # "auto" on CPU
+    prompts = prompts_of([3, 40, 17, 1])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    theirs = scan.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys()
+            assert max(abs(x[k] - y[k]) for k in x) < 1e-4

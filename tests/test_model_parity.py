@@ -31,9 +31,10 @@ NUM_BLOCKS = 64
 class Harness:
     """Runs the model runner's jitted step on hand-made scheduler outputs."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, layer_execution: str):
         options = EngineOptions(
             model=str(folder),
+            layer_execution=layer_execution,
             block_size=BLOCK_SIZE,
             num_kv_blocks=NUM_BLOCKS,
             max_num_batched_tokens=128,
@@ -68,9 +69,7 @@ class Harness:
         output = SchedulerOutput(scheduled, sum(n for _, n in chunks), ())
         batch, _, _ = self.builder.build(output)
         batch = jax.device_put(batch)
-        self.runner.kv_cache, logits = self.runner._model_step(
-            self.runner.state, self.runner.kv_cache, batch
-        )
+        logits = self.runner.forward(batch)
         for request, count in chunks:
             request.num_computed_tokens += count
         return np.asarray(logits)[: len(chunks)]
@@ -104,9 +103,13 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def harness(request, tmp_path_factory):
-    folder = make_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
-    return Harness(folder)
+def model_folder(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+
+
+@pytest.fixture(scope="module", params=["scan", "per_layer"])
+def harness(request, model_folder):
+    return Harness(model_folder, request.param)
 
 
 def test_prompt_in_one_step(harness):

@@ -61,14 +61,22 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        add_special_tokens: bool = True,
     ) -> Request:
-        """Tokenizes and admits a request; raises ValueError if it could never be served."""
+        """Tokenizes and admits a request; raises ValueError if it could never be served.
+
+        Args:
+            prompt: text, or token ids used as they are.
+            params: how to sample.
+            request_id: unique id; one is made up when None.
+            add_special_tokens: for text prompts; False for rendered chat templates.
+        """
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens)
         else:
             text, token_ids = None, [int(t) for t in prompt]
             vocab = self.config.model.arch.vocab_size

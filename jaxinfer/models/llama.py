@@ -81,55 +81,85 @@ class LlamaForCausalLM(nnx.Module):
         *,
         attention_fn: AttentionFn = ragged_paged_attention_reference,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, logits f32[R, V])
-        cfg = self.config
-        num_tokens = batch.token_ids.shape[0]
-        sm_scale = cfg.head_dim**-0.5
-        cos_sin = self.rope_cache[...][batch.positions]  # [T, 2, D / 2]
-        hidden = self.embed[...][batch.token_ids]  # [T, E]
-        layers = self.layers
-        stacked = {
-            name: getattr(layers, name)[...] for name in vars(layers) if not name.startswith("_")
-        }
+        """The whole step in one program: the layers run under `lax.scan`."""
+        params = nnx.to_pure_dict(nnx.state(self))
+        hidden, cos_sin = embed_tokens(params, batch)
 
         def layer_step(carry, layer_params):
             hidden, kv_cache, layer = carry
-            p = layer_params
-            with jax.named_scope("attention"):
-                x = rms_norm(hidden, p["input_norm"], cfg.rms_norm_eps)
-                qkv = x @ p["qkv_proj"]  # [T, (H+2K)*D]
-                if "qkv_bias" in p:
-                    qkv = qkv + p["qkv_bias"]
-                q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-                q = apply_rotary(q.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, H, D]
-                k = apply_rotary(k.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, K, D]
-                v = v.reshape(num_tokens, -1, cfg.head_dim)  # [T, K, D]
-                kv_cache = write_kv_reference(kv_cache, layer, k, v, batch.slot_mapping)
-                attn = attention_fn(
-                    q,
-                    kv_cache,
-                    batch.block_tables,
-                    batch.seq_lens,
-                    batch.query_start_loc,
-                    batch.num_seqs,
-                    sm_scale=sm_scale,
-                    layer=layer,
-                )  # [T, H, D]
-                hidden = hidden + attn.reshape(num_tokens, -1) @ p["o_proj"]
-            with jax.named_scope("mlp"):
-                x = rms_norm(hidden, p["post_attention_norm"], cfg.rms_norm_eps)
-                gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)  # [T, I] each
-                hidden = hidden + (jax.nn.silu(gate) * up) @ p["down_proj"]
+            hidden, kv_cache = decoder_layer(
+                self.config,
+                layer_params,
+                hidden,
+                kv_cache,
+                layer,
+                batch,
+                cos_sin,
+                attention_fn=attention_fn,
+            )
             return (hidden, kv_cache, layer + 1), None
 
         (hidden, kv_cache, _), _ = jax.lax.scan(
-            layer_step, (hidden, kv_cache, jnp.int32(0)), stacked
+            layer_step, (hidden, kv_cache, jnp.int32(0)), params["layers"]
         )
-        with jax.named_scope("lm_head"):
-            last = hidden[batch.logits_indices]  # [R, E], only the rows that sample
-            last = rms_norm(last, self.norm[...], cfg.rms_norm_eps)
-            head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-            logits = (last @ head).astype(jnp.float32)  # [R, V]
-        return kv_cache, logits
+        return kv_cache, compute_logits(self.config, params, hidden, batch)
+
+
+def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array]:
+    """(hidden [T, E], cos_sin f32[T, 2, D / 2]) of the step's tokens."""
+    return params["embed"][batch.token_ids], params["rope_cache"][batch.positions]
+
+
+def decoder_layer(
+    config: LlamaConfig,
+    p: dict,  # one layer's parameters (no [L] axis)
+    hidden: jax.Array,  # [T, E]
+    kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
+    layer: jax.Array,  # i32[], this layer's index in the cache
+    batch: BatchInputs,
+    cos_sin: jax.Array,  # f32[T, 2, D / 2]
+    *,
+    attention_fn: AttentionFn,
+) -> tuple[jax.Array, jax.Array]:  # (hidden [T, E], kv_cache)
+    cfg = config
+    num_tokens = hidden.shape[0]
+    with jax.named_scope("attention"):
+        x = rms_norm(hidden, p["input_norm"], cfg.rms_norm_eps)
+        qkv = x @ p["qkv_proj"]  # [T, (H+2K)*D]
+        if "qkv_bias" in p:
+            qkv = qkv + p["qkv_bias"]
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = apply_rotary(q.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, H, D]
+        k = apply_rotary(k.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, K, D]
+        v = v.reshape(num_tokens, -1, cfg.head_dim)  # [T, K, D]
+        kv_cache = write_kv_reference(kv_cache, layer, k, v, batch.slot_mapping)
+        attn = attention_fn(
+            q,
+            kv_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.num_seqs,
+            sm_scale=cfg.head_dim**-0.5,
+            layer=layer,
+        )  # [T, H, D]
+        hidden = hidden + attn.reshape(num_tokens, -1) @ p["o_proj"]
+    with jax.named_scope("mlp"):
+        x = rms_norm(hidden, p["post_attention_norm"], cfg.rms_norm_eps)
+        gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)  # [T, I] each
+        hidden = hidden + (jax.nn.silu(gate) * up) @ p["down_proj"]
+    return hidden, kv_cache
+
+
+def compute_logits(
+    config: LlamaConfig, params: dict, hidden: jax.Array, batch: BatchInputs
+) -> jax.Array:  # f32[R, V]
+    """Final norm and LM head on the rows that sample only (one per request)."""
+    with jax.named_scope("lm_head"):
+        last = rms_norm(hidden[batch.logits_indices], params["norm"], config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            return (last @ params["embed"].T).astype(jnp.float32)
+        return (last @ params["lm_head"]).astype(jnp.float32)
 
 
 def build_llama(config: LlamaConfig, params: dict, dtype) -> tuple[nnx.GraphDef, nnx.State]:

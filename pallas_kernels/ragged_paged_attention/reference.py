@@ -76,8 +76,7 @@ def ragged_paged_attention_reference(
     )
 
     pad = (-max_blocks) % kv_chunk_blocks
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
-    token_blocks = block_tables[req]  # i32[T, MB']
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # i32[R, MB'], MB' % chunk == 0
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
     num_chunks = (jnp.max(visible) + chunk_len - 1) // chunk_len
@@ -85,8 +84,8 @@ def ragged_paged_attention_reference(
     def chunk_step(chunk, carry):
         running_max, denom, acc = carry  # [T, K, G], [T, K, G], [T, K, G, D]
         blocks = jax.lax.dynamic_slice_in_dim(
-            token_blocks, chunk * kv_chunk_blocks, kv_chunk_blocks, axis=1
-        )  # [T, kv_chunk_blocks]
+            block_tables, chunk * kv_chunk_blocks, kv_chunk_blocks, axis=1
+        )[req]  # i32[T, kv_chunk_blocks]
         k = kv_cache[layer, 0, blocks].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
         v = kv_cache[layer, 1, blocks].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
         scores = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))  # [T, K, G, C]

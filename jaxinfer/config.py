@@ -28,6 +28,7 @@ class EngineOptions:
             from kv_cache_memory_gb.
         kv_cache_memory_gb: memory budget of the KV cache when num_kv_blocks is None.
         cache_dir: where converted models (and later compiled programs) are kept.
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes computed before.
         layer_execution: "scan" (one program per step, layers under lax.scan), "per_layer"
             (one compiled layer program called per layer) or "auto" (per_layer on CPU, where
             it is faster; scan elsewhere).
@@ -42,6 +43,7 @@ class EngineOptions:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     cache_dir: str = str(Path.home() / ".cache" / "jaxinfer")
+    enable_prefix_caching: bool = True
     layer_execution: str = "auto"
 
     def __post_init__(self):
@@ -85,6 +87,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int
     num_blocks: int  # including the null block 0
+    enable_prefix_caching: bool = True
 
     @property
     def num_usable_blocks(self) -> int:
@@ -155,7 +158,11 @@ def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfi
     )
     return EngineConfig(
         model=ModelConfig(path=model_path, arch=arch, dtype=dtype, max_model_len=max_model_len),
-        cache=CacheConfig(block_size=options.block_size, num_blocks=num_blocks),
+        cache=CacheConfig(
+            block_size=options.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=options.enable_prefix_caching,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,

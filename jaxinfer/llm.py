@@ -34,15 +34,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (strings or token-id lists); results in prompt order."""
+        """Generates for every prompt (strings or token-id lists); results in prompt order.
+
+        `priority` (one integer per prompt, lower first) only matters when the prompts do not
+        all fit in the engine at once."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True, priority=priority)
 
     def chat(
         self,
@@ -62,12 +68,16 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         add_special_tokens: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                request = engine.add_request(prompt, params, add_special_tokens=add_special_tokens)
+            priorities = priority if priority is not None else [0] * len(prompts)
+            for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
+                request = engine.add_request(
+                    prompt, params, add_special_tokens=add_special_tokens, priority=rank
+                )
                 ids.append(request.request_id)
         except Exception:
             for request_id in ids:

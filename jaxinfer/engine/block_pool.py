@@ -1,8 +1,13 @@
-"""The pool of KV-cache blocks. Block 0 is the null block: padding tokens write there."""
+"""The pool of KV-cache blocks, with reference counts and a prefix cache.
+
+Block 0 is the null block: padding tokens write there and it is never handed out. A full block
+can carry the hash of its contents (see kv_cache_manager.block_hashes); a freed block keeps its
+hash and stays findable until it is needed for something else, in least-recently-freed order.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 NULL_BLOCK = 0
 
@@ -14,7 +19,11 @@ class BlockPool:
                 f"the pool needs at least 2 blocks (one is the null block): {num_blocks}"
             )
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
+        # Blocks no request holds, oldest first; those with a hash are still cache hits.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -22,13 +31,53 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of usable blocks in use."""
+        """Fraction of usable blocks held by requests."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def allocate(self, count: int) -> list[int]:
+        """`count` fresh blocks (reference count 1); evicts the least recently freed."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
 
-    def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+    def touch(self, blocks: list[int]) -> None:
+        """Takes a reference to cached blocks (a prefix-cache hit)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drops one reference to each block; pass them tail first, so a request's last
+        (least shared) blocks are evicted before its first ones."""
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} freed more often than allocated")
+            if self.ref_counts[block] == 0:
+                self._free[block] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Records that `block` holds the tokens of `block_hash` (first holder wins)."""
+        if self.block_hash[block] is None and block_hash not in self.cached:
+            self.block_hash[block] = block_hash
+            self.cached[block_hash] = block
+
+    def _evict(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hash[block] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._free):
+            self._evict(block)

@@ -1,31 +1,105 @@
-"""Gives requests the KV-cache blocks their tokens need, on demand."""
+"""Gives requests the KV-cache blocks their tokens need, on demand, and finds cached prefixes.
+
+Full blocks are identified by a chained SHA-256: hash(parent block's hash, the block's token
+ids, extra keys), the extra keys (a per-request cache_salt) folded into the first block, so
+tenants with different salts never share blocks.
+"""
 
 from __future__ import annotations
+
+import hashlib
+
+import numpy as np
 
 from jaxinfer.engine.block_pool import BlockPool
 from jaxinfer.engine.request import Request
 
+_ROOT = b"\x00" * 32
+
+
+def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
+    digest = hashlib.sha256(parent or _ROOT)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(len(extra).to_bytes(4, "little") + extra)
+    return digest.digest()
+
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int):
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grows the request's blocks to hold num_computed_tokens + num_new_tokens; False if the
-        pool cannot (nothing is allocated then)."""
-        needed = self.blocks_for(request.num_computed_tokens + num_new_tokens)
-        missing = needed - len(request.block_ids)
-        if missing <= 0:
-            return True
-        if missing > self.pool.num_free_blocks:
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            extra = request.cache_salt.encode() if request.cache_salt and not hashes else b""
+            hashes.append(
+                hash_block(hashes[-1] if hashes else None, tokens[start : start + bs], extra)
+            )
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of a request that has computed nothing yet. The last
+        token is always left to compute, since its logits are needed."""
+        if not self.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        limit = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self.block_hashes(request)[:limit]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()
+    ) -> bool:
+        """Grows the request's blocks to hold its computed tokens, `computed_blocks` (cache hits,
+        which raise num_computed_tokens) and num_new_tokens. False if the pool cannot; nothing
+        changes then."""
+        total = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.blocks_for(total + num_new_tokens)
+        missing = needed - len(request.block_ids) - len(computed_blocks)
+        # Hits nobody holds sit in the free queue: taking them shrinks what can be allocated.
+        unheld_hits = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if max(missing, 0) > self.pool.num_free_blocks - unheld_hits:
             return False
-        request.block_ids.extend(self.pool.allocate(missing))
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            request.block_ids.extend(computed_blocks)
+            request.num_computed_tokens = total
+        if missing > 0:
+            request.block_ids.extend(self.pool.allocate(missing))
         return True
 
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Makes the request's newly computed full blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self.block_hashes(request)
+        for index in range(request.num_cached_blocks, num_full):
+            self.pool.cache(request.block_ids[index], hashes[index])
+        request.num_cached_blocks = num_full
+
     def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids)
+        self.pool.free(request.block_ids[::-1])
         request.block_ids = []
+        request.num_cached_blocks = 0

@@ -18,7 +18,7 @@ from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.sampler import SamplerOutput
-from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, StepOutput
+from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
@@ -46,7 +46,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, graphdef, state)
         self.warmup_seconds = self.runner.warmup()
         self.kv_cache_manager = KVCacheManager(
-            self.config.cache.block_size, self.config.cache.num_blocks
+            self.config.cache.block_size,
+            self.config.cache.num_blocks,
+            self.config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
         self.batch_builder = BatchBuilder(self.config)
@@ -62,6 +64,8 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Tokenizes and admits a request; raises ValueError if it could never be served.
 
@@ -70,7 +74,11 @@ class LLMEngine:
             params: how to sample.
             request_id: unique id; one is made up when None.
             add_special_tokens: for text prompts; False for rendered chat templates.
+            priority: lower is scheduled first and preempted last; FCFS among equals.
+            cache_salt: prefix-cache entries are shared only among requests with the same salt.
         """
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id is None:
             request_id, self._next_id = str(self._next_id), self._next_id + 1
         if request_id in self.requests:
@@ -90,6 +98,8 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else secrets.randbits(64),
             metrics=RequestMetrics(arrival_time=time.time()),
             prompt=text,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -106,6 +116,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> SchedulerStats:
+        """Running and waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
+        return self.scheduler.stats()
 
     # -- the step --------------------------------------------------------------------------
 
@@ -125,8 +139,12 @@ class LLMEngine:
         now = time.time()
         outputs = []
         for request in updated:
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            else:
+                metrics.inter_token_latencies.append(now - metrics.last_token_time)
+            metrics.last_token_time = now
             self._detokenizers[request.request_id].add(request.output_token_ids[-1])
         for request in finished:
             request.metrics.finished_time = now

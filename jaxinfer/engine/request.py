@@ -31,6 +31,8 @@ class Request:
         sampling_params: how to sample.
         eos_token_ids: the model's end-of-sequence tokens (ignored with ignore_eos).
         seed: the random stream of this request (the user's seed, or fresh entropy).
+        priority: lower runs first (and is preempted last); equal priorities are FCFS.
+        cache_salt: isolates this request's prefix-cache entries from other tenants'.
     """
 
     request_id: str
@@ -40,15 +42,24 @@ class Request:
     seed: int
     metrics: RequestMetrics
     prompt: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_index: int = 0  # tie-break of equal priorities: admission order
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_index)
 
     @property
     def num_tokens(self) -> int:

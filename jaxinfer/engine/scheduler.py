@@ -8,8 +8,8 @@ when the pool runs dry the latest-arrived running request is preempted and recom
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections import deque
 
 from jaxinfer.config import SchedulerConfig
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
@@ -36,6 +36,18 @@ class SchedulerOutput:
 
 
 @dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for logging and the server's metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    num_preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StepOutput:
     """Sampled results of one step, on the host, one row per scheduled request."""
 
@@ -47,9 +59,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self._arrivals = 0
 
     def check_admissible(self, request: Request) -> None:
         """Raises ValueError for a request that could never complete."""
@@ -73,7 +86,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request)
-        self.waiting.append(request)
+        request.arrival_index = self._arrivals
+        self._arrivals += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,7 +103,9 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the latest arrival gives its blocks back
+                # The lowest priority, latest arrival gives its blocks back.
+                victim = max(self.running, key=lambda r: r.sort_key)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -106,10 +123,14 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new):
+            hits = self.kv.get_computed_blocks(request)
+            num_cached = len(hits) * self.kv.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
                 break
-            self.waiting.popleft()
+            if self.kv.enable_prefix_caching:
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
@@ -125,7 +146,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)  # ahead of later arrivals
         self.num_preemptions += 1
 
     def update_from_output(
@@ -138,6 +159,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(request)
             if not item.samples:
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token(step_output.token_ids[row])
@@ -168,6 +190,16 @@ class Scheduler:
         request.status = status
         self.running.remove(request)
         self.kv.free(request)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.pool.usage,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
 
     def abort(self, request: Request) -> None:
         """Drops a request at any stage and frees what it held."""

@@ -1,0 +1,141 @@
+"""Scheduling depth on a tiny real model: the same greedy tokens whatever the memory pressure,
+token budget or prefix caching, cache hits on shared prefixes, and aborts that leak nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+
+COMMON = dict(block_size=8, max_model_len=128, max_num_seqs=8)
+SHARED_PREFIX = [(5 * i) % 300 + 3 for i in range(48)]
+
+
+def prompts(count: int, prefix: list[int] = ()) -> list[list[int]]:
+    return [
+        list(prefix) + [(11 * i + 3 * j) % 300 + 3 for j in range(12 + 3 * i)] for i in range(count)
+    ]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    model = str(tiny_model_dir)
+    return {
+        "roomy": LLM(model, num_kv_blocks=256, max_num_batched_tokens=128, **COMMON),
+        "tiny_pool": LLM(model, num_kv_blocks=24, max_num_batched_tokens=128, **COMMON),
+        "tiny_budget": LLM(model, num_kv_blocks=256, max_num_batched_tokens=8, **COMMON),
+        "no_cache": LLM(
+            model,
+            num_kv_blocks=256,
+            max_num_batched_tokens=128,
+            enable_prefix_caching=False,
+            **COMMON,
+        ),
+    }
+
+
+def tokens(llm: LLM, batch, params=PARAMS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    engine = llm.engine
+    pool = engine.kv_cache_manager.pool
+    assert not engine.has_unfinished_requests()
+    assert pool.num_free_blocks == pool.num_blocks - 1
+    assert all(count == 0 for count in pool.ref_counts)
+
+
+def test_same_tokens_under_preemption_chunking_and_caching(engines):
+    batch = prompts(8)
+    reference = tokens(engines["roomy"], batch)
+    assert all(len(t) == PARAMS.max_tokens for t in reference)
+
+    tiny_pool = engines["tiny_pool"]
+    before = tiny_pool.engine.stats().num_preemptions
+    assert tokens(tiny_pool, batch) == reference
+    assert tiny_pool.engine.stats().num_preemptions > before, "the small pool must preempt"
+
+    tiny_budget = engines["tiny_budget"]
+    assert all(len(p) > 8 for p in batch)  # every prompt is chunked
+    assert tokens(tiny_budget, batch) == reference
+    assert tokens(engines["no_cache"], batch) == reference
+    for llm in engines.values():
+        assert_pool_empty(llm)
+
+
+def test_second_wave_hits_the_prefix_cache(engines):
+    roomy, no_cache = engines["roomy"], engines["no_cache"]
+    first, second = prompts(4, SHARED_PREFIX), prompts(8, SHARED_PREFIX)[4:]
+    tokens(roomy, first)
+    stats = roomy.engine.stats()
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    assert tokens(roomy, second) == tokens(no_cache, second)
+    stats = roomy.engine.stats()
+    new_queries, new_hits = stats.prefix_cache_queries - queries, stats.prefix_cache_hits - hits
+    # Every request of the second wave finds the 48-token prefix (6 blocks of 8).
+    assert new_hits >= 4 * len(SHARED_PREFIX), (new_queries, new_hits)
+    assert no_cache.engine.stats().prefix_cache_hits == 0
+    assert_pool_empty(roomy)
+
+
+def test_cache_salt_isolates_tenants(engines):
+    engine = engines["roomy"].engine
+    prompt = [*SHARED_PREFIX, 9, 9, 9]
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def hits_for(salt):
+        before = engine.stats().prefix_cache_hits
+        engine.add_request(prompt, params, cache_salt=salt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return engine.stats().prefix_cache_hits - before
+
+    hits_for("tenant-a")
+    assert hits_for("tenant-a") == len(SHARED_PREFIX)
+    assert hits_for("tenant-b") == 0
+    assert hits_for("tenant-b") == len(SHARED_PREFIX)
+
+
+@pytest.mark.parametrize("stage", ["waiting", "mid_prefill", "decoding"])
+def test_abort_at_any_stage_frees_everything(engines, stage):
+    llm = engines["tiny_budget"]  # 8-token budget: prompts take several steps
+    engine = llm.engine
+    long_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    victims = [engine.add_request(p, long_params) for p in prompts(10, SHARED_PREFIX)]
+    target = victims[-1] if stage == "waiting" else victims[0]
+    for _ in range(200):
+        if stage == "waiting" and target in engine.scheduler.waiting:
+            break
+        if stage == "mid_prefill" and 0 < target.num_computed_tokens < target.num_prompt_tokens:
+            break
+        if stage == "decoding" and target.num_output_tokens >= 2:
+            break
+        engine.step()
+    else:
+        pytest.fail(f"never reached stage {stage}")
+    held = list(target.block_ids)
+    if stage != "waiting":
+        assert held
+    engine.abort_request(target.request_id)
+    assert target.status.value == "abort" and target.block_ids == []
+    for request in victims:
+        engine.abort_request(request.request_id)
+    assert_pool_empty(llm)
+    # The engine goes on serving.
+    assert tokens(llm, prompts(1))[0]
+
+
+def test_request_metrics_and_stats(engines):
+    llm = engines["roomy"]
+    output = llm.generate(
+        prompts(1), SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
+    metrics = output.metrics
+    assert metrics.queue_time >= 0 and metrics.time_to_first_token >= metrics.queue_time
+    assert len(metrics.inter_token_latencies) == 4 and min(metrics.inter_token_latencies) >= 0
+    stats = llm.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0

@@ -1,0 +1,196 @@
+"""Property-based tests of the scheduler and KV-cache manager, with a stand-in for the model.
+
+Random sequences of add, step and abort, with random lengths, budgets and pool sizes; after
+every step the block accounting and the scheduling limits must hold.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.config import SchedulerConfig, token_buckets
+from jaxinfer.engine.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.request import Request, RequestStatus
+from jaxinfer.engine.scheduler import Scheduler, StepOutput
+from jaxinfer.outputs import RequestMetrics
+from jaxinfer.sampling_params import SamplingParams
+
+PREFIXES = [[7] * 40, list(range(3, 43))]  # shared prompt starts, so the prefix cache is hit
+
+
+def fake_token(request: Request) -> int:
+    """Deterministic 'model': the next token depends only on the sequence so far."""
+    return (sum(request.all_token_ids) * 31 + request.num_tokens) % 1000 + 3
+
+
+def check_invariants(scheduler: Scheduler, requests: list[Request], output=None) -> None:
+    kv, config = scheduler.kv, scheduler.config
+    pool = kv.pool
+    holders = Counter()
+    for request in requests:
+        blocks = request.block_ids
+        assert len(set(blocks)) == len(blocks), "a request holds a block twice"
+        if request.status is not RequestStatus.RUNNING:
+            assert not blocks, f"{request.status} request holds blocks"
+            continue
+        assert 0 not in blocks, "the null block was handed out"
+        assert request.num_computed_tokens <= request.num_tokens <= config.max_model_len
+        assert len(blocks) * kv.block_size >= request.num_computed_tokens
+        holders.update(blocks)
+    for block in range(1, pool.num_blocks):
+        assert pool.ref_counts[block] == holders[block], f"block {block}: refs != owners"
+        if holders[block] > 1:
+            assert pool.block_hash[block] is not None, "block shared outside the prefix cache"
+    assert pool.num_free_blocks + len(holders) == pool.num_blocks - 1, "free + used != total"
+    assert len(scheduler.running) <= config.max_num_seqs
+    if output is not None:
+        assert output.num_scheduled_tokens <= config.max_num_batched_tokens
+        assert sum(item.num_new_tokens for item in output.scheduled) == output.num_scheduled_tokens
+        assert len(output.scheduled) <= config.max_num_seqs
+        assert all(item.num_new_tokens > 0 for item in output.scheduled)
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.integers(0, len(PREFIXES)),  # which shared prefix (or none)
+            st.integers(1, 60),  # own prompt tokens
+            st.integers(1, 30),  # max_tokens
+            st.integers(-1, 1),  # priority
+        ),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 1000)),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=operations,
+    block_size=st.sampled_from([4, 8, 16]),
+    num_blocks=st.integers(12, 64),
+    max_num_seqs=st.integers(1, 8),
+    budget=st.integers(1, 96),
+    prefix_caching=st.booleans(),
+)
+def test_random_add_step_abort_keeps_block_accounting(
+    ops, block_size, num_blocks, max_num_seqs, budget, prefix_caching
+):
+    max_model_len = 128
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        token_buckets=token_buckets(budget),
+    )
+    kv = KVCacheManager(block_size, num_blocks, prefix_caching)
+    scheduler = Scheduler(config, kv)
+    requests: list[Request] = []
+
+    def step():
+        output = scheduler.schedule()
+        check_invariants(scheduler, requests, output)
+        tokens = [fake_token(item.request) for item in output.scheduled]
+        scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+        check_invariants(scheduler, requests)
+
+    for op in ops:
+        if op[0] == "add":
+            _, prefix, own, max_tokens, priority = op
+            prompt = (PREFIXES[prefix - 1] if prefix else []) + [
+                (len(requests) * 13 + i) % 500 + 3 for i in range(own)
+            ]
+            request = Request(
+                request_id=str(len(requests)),
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens),
+                eos_token_ids=frozenset(),
+                seed=0,
+                metrics=RequestMetrics(arrival_time=0.0),
+                priority=priority,
+            )
+            try:
+                scheduler.add_request(request)
+            except ValueError:
+                continue  # can never fit: refused, nothing held
+            requests.append(request)
+        elif op[0] == "step":
+            step()
+        elif requests:
+            scheduler.abort(requests[op[1] % len(requests)])
+            check_invariants(scheduler, requests)
+
+    for _ in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        step()
+    assert not scheduler.has_unfinished(), "requests left hanging"
+    for request in requests:
+        assert request.status.finished
+        if request.status is not RequestStatus.FINISHED_ABORTED:
+            expected = min(
+                request.sampling_params.max_tokens, max_model_len - request.num_prompt_tokens
+            )
+            assert request.num_output_tokens == expected
+    assert all(count == 0 for count in kv.pool.ref_counts)
+    assert kv.pool.num_free_blocks == num_blocks - 1
+
+
+def test_preempted_request_resumes_with_identical_tokens():
+    """A tiny pool forces preemption; the stand-in model's outputs must not change."""
+
+    def run(num_blocks):
+        config = SchedulerConfig(4, 64, 128, token_buckets(64))
+        scheduler = Scheduler(config, KVCacheManager(4, num_blocks))
+        requests = []
+        for i in range(4):
+            request = Request(
+                request_id=str(i),
+                prompt_token_ids=[(i * 7 + j) % 50 + 3 for j in range(10 + i)],
+                sampling_params=SamplingParams(temperature=0, max_tokens=20),
+                eos_token_ids=frozenset(),
+                seed=0,
+                metrics=RequestMetrics(arrival_time=0.0),
+            )
+            scheduler.add_request(request)
+            requests.append(request)
+        while scheduler.has_unfinished():
+            output = scheduler.schedule()
+            tokens = [fake_token(item.request) for item in output.scheduled]
+            scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+        return [r.output_token_ids for r in requests], scheduler.num_preemptions
+
+    roomy, no_preemption = run(200)
+    tight, preemptions = run(12)
+    assert no_preemption == 0 and preemptions > 0
+    assert roomy == tight
+
+
+def test_priority_orders_admission_and_preemption():
+    config = SchedulerConfig(1, 64, 128, token_buckets(64))
+    scheduler = Scheduler(config, KVCacheManager(4, 100))
+    made = {}
+    for name, priority in [("late_low", 5), ("urgent", -1), ("normal_a", 0), ("normal_b", 0)]:
+        made[name] = Request(
+            request_id=name,
+            prompt_token_ids=[5, 6, 7],
+            sampling_params=SamplingParams(temperature=0, max_tokens=1),
+            eos_token_ids=frozenset(),
+            seed=0,
+            metrics=RequestMetrics(arrival_time=0.0),
+            priority=priority,
+        )
+        scheduler.add_request(made[name])
+    order = []
+    while scheduler.has_unfinished():
+        output = scheduler.schedule()
+        order += [item.request.request_id for item in output.scheduled]
+        tokens = [fake_token(item.request) for item in output.scheduled]
+        scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+    assert order == ["urgent", "normal_a", "normal_b", "late_low"]

@@ -5,6 +5,13 @@
 
 Requests are chat prompts (or synthetic prompts of --input_len tokens), decoded greedily with
 ignore_eos, each with its own output length drawn evenly from [min_output_len, max_output_len].
+With --shared_prefix_len=N every chat prompt starts with the same system message of about N
+tokens; --compare_prefix_caching then runs jaxinfer with the prefix cache on and off and
+reports the hit rate and the speed-up:
+
+    python tools/bench_throughput.py --num_requests=64 --shared_prefix_len=512 \
+        --min_output_len=16 --max_output_len=64 --compare_prefix_caching
+
 HF transformers runs them in static batches of --hf_batch_size (each batch generates until its
 longest request is done, as static batching must); only the requested tokens are counted for
 either engine. Prints output tokens per second and the ratio.
@@ -30,6 +37,14 @@ flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "jaxinfer token budget per step.")
 flags.DEFINE_integer("threads", 2, "CPU threads for torch (XLA uses the machine's cores).")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
+flags.DEFINE_bool("compare_prefix_caching", False, "Also run jaxinfer without prefix caching.")
+flags.DEFINE_float("kv_cache_memory_gb", 1.0, "jaxinfer KV-cache budget.")
+
+SYSTEM_SENTENCE = (
+    "You are a careful assistant for a library of technical manuals; answer briefly, cite the "
+    "manual section when you can, and say so plainly when a question falls outside them. "
+)
 
 TOPICS = [
     "the history of the printing press",
@@ -60,11 +75,20 @@ def build_workload(llm: LLM) -> tuple[list[list[int]], list[int]]:
             prompts.append(rng.integers(100, 40000, size=FLAGS.input_len).tolist())
         else:
             question = f"Explain {TOPICS[i % len(TOPICS)]} to a {10 + i}-year-old."
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-            prompts.append(tokenizer.encode(text))
+            messages = [{"role": "user", "content": question}]
+            if FLAGS.shared_prefix_len:
+                messages.insert(0, {"role": "system", "content": system_prompt(tokenizer)})
+            text = tokenizer.apply_chat_template(messages)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
     output_lens = np.linspace(FLAGS.min_output_len, FLAGS.max_output_len, FLAGS.num_requests)
     output_lens = rng.permutation(np.round(output_lens).astype(int)).tolist()
     return prompts, output_lens
+
+
+def system_prompt(tokenizer) -> str:
+    """A system message of about --shared_prefix_len tokens."""
+    sentence_len = len(tokenizer.encode(SYSTEM_SENTENCE, add_special_tokens=False))
+    return SYSTEM_SENTENCE * max(1, round(FLAGS.shared_prefix_len / sentence_len))
 
 
 def run_jaxinfer(llm: LLM, prompts, output_lens) -> float:
@@ -103,12 +127,26 @@ def run_hf(model_path, prompts, output_lens) -> float:
     return time.perf_counter() - start
 
 
-def main(argv):
-    del argv
-    llm = LLM(
+def make_llm(enable_prefix_caching: bool = True) -> LLM:
+    return LLM(
         max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        kv_cache_memory_gb=FLAGS.kv_cache_memory_gb,
+        enable_prefix_caching=enable_prefix_caching,
     )
+
+
+def shared_prefix_tokens(prompts) -> int:
+    first = prompts[0]
+    return min(
+        next((i for i, (a, b) in enumerate(zip(first, p, strict=False)) if a != b), len(p))
+        for p in prompts[1:]
+    )
+
+
+def main(argv):
+    del argv
+    llm = make_llm()
     prompts, output_lens = build_workload(llm)
     total = sum(output_lens)
     print(
@@ -116,9 +154,25 @@ def main(argv):
         f"{max(map(len, prompts))} tokens, outputs {min(output_lens)}-{max(output_lens)} "
         f"({total} output tokens), greedy, ignore_eos"
     )
+    if FLAGS.shared_prefix_len and len(prompts) > 1:
+        print(f"shared prefix: {shared_prefix_tokens(prompts)} tokens")
     print(f"jaxinfer warm-up: {llm.engine.warmup_seconds:.1f} s")
     ours = run_jaxinfer(llm, prompts, output_lens)
-    print(f"jaxinfer: {ours:.2f} s, {total / ours:.1f} output tokens/s")
+    stats = llm.engine.stats()
+    hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
+    print(
+        f"jaxinfer: {ours:.2f} s, {total / ours:.1f} output tokens/s "
+        f"(prefix cache hit rate {hit_rate:.1%}, {stats.num_preemptions} preemptions)"
+    )
+    if FLAGS.compare_prefix_caching:
+        del llm
+        uncached = make_llm(enable_prefix_caching=False)
+        without = run_jaxinfer(uncached, prompts, output_lens)
+        print(
+            f"jaxinfer without prefix caching: {without:.2f} s, {total / without:.1f} output "
+            f"tokens/s ({uncached.engine.stats().num_preemptions} preemptions)"
+        )
+        print(f"ratio prefix caching on / off: {without / ours:.2f}x")
     if "hf" in FLAGS.baseline:
         theirs = run_hf(llm.engine.config.model.path, prompts, output_lens)
         print(

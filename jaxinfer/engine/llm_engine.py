@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -27,6 +28,19 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """perf_counter() marks of one step, for tools/profile_step.py."""
+
+    start: float  # scheduling begins
+    built: float  # the batch is built; transfers and dispatch begin
+    dispatched: float  # the step is enqueued on the device (JAX dispatch is asynchronous)
+    ready: float  # its sampled tokens are ready on the device
+    end: float  # outputs updated, detokenized and returned
+    num_tokens: int  # scheduled tokens (before padding)
+    num_reqs: int
 
 
 class LLMEngine:
@@ -55,6 +69,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._next_id = 0
+        self.last_step_timing: StepTiming | None = None
 
     # -- requests --------------------------------------------------------------------------
 
@@ -125,6 +140,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedules, runs and samples one step; returns outputs of requests that advanced."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
@@ -133,7 +149,11 @@ class LLMEngine:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
         batch, sampling, flags = self.batch_builder.build(scheduler_output)
+        built = time.perf_counter()
         sampled = self.runner.execute(batch, sampling, flags)
+        dispatched = time.perf_counter()
+        jax.block_until_ready(sampled)
+        ready = time.perf_counter()
         step_output = self._to_step_output(scheduler_output, sampled)
         updated, finished = self.scheduler.update_from_output(scheduler_output, step_output)
         now = time.time()
@@ -154,6 +174,15 @@ class LLMEngine:
             if request.status.finished:
                 del self.requests[request.request_id]
                 del self._detokenizers[request.request_id]
+        self.last_step_timing = StepTiming(
+            start=start,
+            built=built,
+            dispatched=dispatched,
+            ready=ready,
+            end=time.perf_counter(),
+            num_tokens=scheduler_output.num_scheduled_tokens,
+            num_reqs=len(scheduler_output.scheduled),
+        )
         return outputs
 
     def _to_step_output(

@@ -51,6 +51,14 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
         assert sum(item.num_new_tokens for item in output.scheduled) == output.num_scheduled_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         assert all(item.num_new_tokens > 0 for item in output.scheduled)
+        for item in output.scheduled:  # what the batch builder will read must be there
+            request = item.request
+            assert request.status is RequestStatus.RUNNING, "a preempted request was scheduled"
+            assert item.num_computed_tokens == request.num_computed_tokens
+            needed = item.num_computed_tokens + item.num_new_tokens
+            assert len(request.block_ids) * kv.block_size >= needed, "slots missing"
+        ids = [item.request.request_id for item in output.scheduled]
+        assert len(set(ids)) == len(ids)
 
 
 operations = st.lists(

@@ -103,9 +103,16 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                # The lowest priority, latest arrival gives its blocks back.
+                # The lowest priority, latest arrival gives its blocks back; if it was already
+                # scheduled in this step (a lower priority ahead of this one), so are its tokens.
                 victim = max(self.running, key=lambda r: r.sort_key)
-                self.running.remove(victim)
+                victim_index = self.running.index(victim)
+                if victim_index < index:
+                    dropped = next(x for x in scheduled if x.request is victim)
+                    scheduled.remove(dropped)
+                    budget += dropped.num_new_tokens
+                    index -= 1
+                del self.running[victim_index]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:

@@ -295,3 +295,16 @@ def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert x.keys() == y.keys()
             assert max(abs(x[k] - y[k]) for k in x) < 1e-4
+
+
+def test_request_ids_unique_and_user_ids_respected(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1)
+    mine = engine.add_request([5, 6], params, request_id=str(engine._next_id))
+    auto = engine.add_request([5, 6], params)
+    assert auto.request_id != mine.request_id
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5, 6], params, request_id=mine.request_id)
+    for request_id in (mine.request_id, auto.request_id):
+        engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests()

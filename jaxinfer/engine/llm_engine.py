@@ -95,7 +95,7 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id is None:
-            request_id, self._next_id = str(self._next_id), self._next_id + 1
+            request_id = self._new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -122,6 +122,12 @@ class LLMEngine:
             self.tokenizer.tokenizer, params.skip_special_tokens
         )
         return request
+
+    def _new_request_id(self) -> str:
+        while str(self._next_id) in self.requests:  # skip ids a caller chose
+            self._next_id += 1
+        self._next_id += 1
+        return str(self._next_id - 1)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

@@ -77,7 +77,3 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block] = None
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._free):
-            self._evict(block)

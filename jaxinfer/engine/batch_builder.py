@@ -35,59 +35,53 @@ class BatchBuilder:
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")
         return buckets[index]
 
+    def padding_batch(self, num_tokens: int) -> tuple[BatchInputs, SamplingMetadata]:
+        """An all-padding batch of a token bucket (what build() fills in; also warm-up's input).
+        Padding tokens write into the null block; padding requests see nothing."""
+        num_reqs = self.scheduler_config.request_bucket(num_tokens)
+        batch = BatchInputs(
+            token_ids=np.zeros(num_tokens, np.int32),
+            positions=np.zeros(num_tokens, np.int32),
+            slot_mapping=np.full(num_tokens, NULL_BLOCK * self.block_size, np.int32),
+            block_tables=np.full((num_reqs, self.max_blocks), NULL_BLOCK, np.int32),
+            seq_lens=np.zeros(num_reqs, np.int32),
+            query_start_loc=np.zeros(num_reqs + 1, np.int32),
+            logits_indices=np.zeros(num_reqs, np.int32),
+            num_seqs=np.zeros(1, np.int32),
+        )
+        sampling = SamplingMetadata(
+            temperature=np.zeros(num_reqs, np.float32),
+            seeds=np.zeros((num_reqs, 2), np.uint32),
+            output_positions=np.zeros(num_reqs, np.int32),
+        )
+        return batch, sampling
+
     def build(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[BatchInputs, SamplingMetadata, SamplingFlags]:
         items = scheduler_output.scheduled
         num_reqs = len(items)
-        padded_tokens = self.bucket(scheduler_output.num_scheduled_tokens)
-        padded_reqs = self.scheduler_config.request_bucket(padded_tokens)
+        batch, sampling = self.padding_batch(self.bucket(scheduler_output.num_scheduled_tokens))
         bs = self.block_size
-
-        token_ids = np.zeros(padded_tokens, np.int32)
-        positions = np.zeros(padded_tokens, np.int32)
-        slot_mapping = np.full(padded_tokens, NULL_BLOCK * bs, np.int32)
-        block_tables = np.full((padded_reqs, self.max_blocks), NULL_BLOCK, np.int32)
-        seq_lens = np.zeros(padded_reqs, np.int32)
-        query_start_loc = np.zeros(padded_reqs + 1, np.int32)
-        temperature = np.zeros(padded_reqs, np.float32)
-        seeds = np.zeros((padded_reqs, 2), np.uint32)
-        output_positions = np.zeros(padded_reqs, np.int32)
-
         start = 0
         for row, item in enumerate(items):
             request, first, count = item.request, item.num_computed_tokens, item.num_new_tokens
             end = start + count
-            blocks = request.block_ids
-            token_ids[start:end] = request.all_token_ids[first : first + count]
-            pos = np.arange(first, first + count, dtype=np.int32)
-            positions[start:end] = pos
-            block_row = np.asarray(blocks, np.int32)
-            slot_mapping[start:end] = block_row[pos // bs] * bs + pos % bs
-            block_tables[row, : len(blocks)] = block_row
-            seq_lens[row] = first + count
-            query_start_loc[row + 1] = end
-            params = request.sampling_params
-            temperature[row] = params.temperature
-            seeds[row] = (request.seed & 0xFFFFFFFF, (request.seed >> 32) & 0xFFFFFFFF)
-            output_positions[row] = request.num_output_tokens
+            batch.token_ids[start:end] = request.all_token_ids[first : first + count]
+            positions = np.arange(first, first + count, dtype=np.int32)
+            batch.positions[start:end] = positions
+            blocks = np.asarray(request.block_ids, np.int32)
+            batch.slot_mapping[start:end] = blocks[positions // bs] * bs + positions % bs
+            batch.block_tables[row, : len(blocks)] = blocks
+            batch.seq_lens[row] = first + count
+            batch.query_start_loc[row + 1] = end
+            sampling.temperature[row] = request.sampling_params.temperature
+            sampling.seeds[row] = (request.seed & 0xFFFFFFFF, (request.seed >> 32) & 0xFFFFFFFF)
+            sampling.output_positions[row] = request.num_output_tokens
             start = end
-        query_start_loc[num_reqs + 1 :] = start
-        logits_indices = np.maximum(query_start_loc[1:] - 1, 0).astype(np.int32)
-
-        batch = BatchInputs(
-            token_ids=token_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            logits_indices=logits_indices,
-            num_seqs=np.array([num_reqs], np.int32),
-        )
-        sampling = SamplingMetadata(
-            temperature=temperature, seeds=seeds, output_positions=output_positions
-        )
+        batch.query_start_loc[num_reqs + 1 :] = start
+        batch.logits_indices[:] = np.maximum(batch.query_start_loc[1:] - 1, 0)
+        batch.num_seqs[0] = num_reqs
         flags = SamplingFlags(
             all_greedy=all(item.request.sampling_params.greedy for item in items),
             num_logprobs=MAX_LOGPROBS

@@ -57,15 +57,15 @@ class LLMEngine:
         del params
         self.load_seconds = time.perf_counter() - start
 
+        self.batch_builder = BatchBuilder(self.config)
         self.runner = ModelRunner(self.config, graphdef, state)
-        self.warmup_seconds = self.runner.warmup()
+        self.warmup_seconds = self.runner.warmup(self.batch_builder.padding_batch)
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,
             self.config.cache.num_blocks,
             self.config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
-        self.batch_builder = BatchBuilder(self.config)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._next_id = 0

@@ -10,10 +10,10 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
@@ -110,14 +110,15 @@ class ModelRunner:
             logits, sampling, all_greedy=flags.all_greedy, num_logprobs=flags.num_logprobs
         )
 
-    def warmup(self) -> float:
+    def warmup(self, padding_batch: Callable[[int], tuple[BatchInputs, SamplingMetadata]]) -> float:
         """Compiles every token bucket, and every sampler variant of each request bucket, by
-        running all-padding batches; returns the seconds it took."""
+        running the all-padding batches `padding_batch(num_tokens)` (BatchBuilder's); returns
+        the seconds it took."""
         start = time.perf_counter()
         sched = self.config.scheduler
         sampled_buckets = set()
         for num_tokens in sched.token_buckets:
-            batch, sampling = self.dummy_batch(num_tokens)
+            batch, sampling = padding_batch(num_tokens)
             batch, sampling = jax.device_put((batch, sampling))
             logits = self.forward(batch)
             if logits.shape[0] in sampled_buckets:
@@ -133,23 +134,3 @@ class ModelRunner:
             "warm-up compiled token buckets %s in %.1f s", sched.token_buckets, self.warmup_seconds
         )
         return self.warmup_seconds
-
-    def dummy_batch(self, num_tokens: int) -> tuple[BatchInputs, SamplingMetadata]:
-        num_reqs = self.config.scheduler.request_bucket(num_tokens)
-        max_blocks = self.config.max_blocks_per_request
-        batch = BatchInputs(
-            token_ids=np.zeros(num_tokens, np.int32),
-            positions=np.zeros(num_tokens, np.int32),
-            slot_mapping=np.zeros(num_tokens, np.int32),
-            block_tables=np.zeros((num_reqs, max_blocks), np.int32),
-            seq_lens=np.zeros(num_reqs, np.int32),
-            query_start_loc=np.zeros(num_reqs + 1, np.int32),
-            logits_indices=np.zeros(num_reqs, np.int32),
-            num_seqs=np.zeros(1, np.int32),
-        )
-        sampling = SamplingMetadata(
-            temperature=np.zeros(num_reqs, np.float32),
-            seeds=np.zeros((num_reqs, 2), np.uint32),
-            output_positions=np.zeros(num_reqs, np.int32),
-        )
-        return batch, sampling

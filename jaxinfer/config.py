@@ -32,6 +32,10 @@ class EngineOptions:
         layer_execution: "scan" (one program per step, layers under lax.scan), "per_layer"
             (one compiled layer program called per layer) or "auto" (per_layer on CPU, where
             it is faster; scan elsewhere).
+        async_scheduling: schedule and enqueue step N+1 while the device runs step N (decode
+            inputs are read on the device), so host work does not leave the device idle.
+            None: on for accelerators, off on CPU, where the "device" is the host's own cores
+            and the overlap made the plain benchmark about 15% slower (docs/benchmarks.md).
     """
 
     model: str | None = None
@@ -45,6 +49,7 @@ class EngineOptions:
     cache_dir: str = str(Path.home() / ".cache" / "jaxinfer")
     enable_prefix_caching: bool = True
     layer_execution: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -65,6 +70,10 @@ class EngineOptions:
             raise ValueError(
                 "layer_execution must be 'auto', 'scan' or 'per_layer', "
                 f"got {self.layer_execution!r}"
+            )
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}"
             )
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
@@ -112,6 +121,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     layer_execution: str  # "scan" or "per_layer" (see ModelRunner)
+    async_scheduling: bool  # schedule step N+1 while step N runs (see EngineOptions)
 
     @property
     def max_blocks_per_request(self) -> int:
@@ -170,6 +180,11 @@ def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfi
             token_buckets=token_buckets(options.max_num_batched_tokens),
         ),
         layer_execution=_resolve_layer_execution(options.layer_execution),
+        async_scheduling=(
+            jax.default_backend() != "cpu"
+            if options.async_scheduling is None
+            else options.async_scheduling
+        ),
     )
 
 

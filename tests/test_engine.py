@@ -232,6 +232,7 @@ def test_unsupported_sampling_parameter_is_an_error():
         (dict(dtype="int4"), "dtype"),
         (dict(max_model_len=-5), "max_model_len"),
         (dict(kv_cache_memory_gb=0), "kv_cache_memory_gb"),
+        (dict(async_scheduling="yes"), "async_scheduling"),
     ],
 )
 def test_engine_options_validation(options, message):
@@ -275,9 +276,10 @@ def test_kv_cache_is_donated(llm):
 
 
 def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
-    scan = LLM(
+    scan = LLM(  # as on accelerators: one program per step, async scheduling
         model=str(tiny_model_dir),
         layer_execution="scan",
+        async_scheduling=True,
         max_num_batched_tokens=32,
         max_num_seqs=8,
         block_size=8,
@@ -286,6 +288,7 @@ def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
     )
     assert scan.engine.runner.layer_execution == "scan"
     assert llm.engine.runner.layer_execution == "per_layer"  # "auto" on CPU
+    assert not llm.engine.config.async_scheduling  # likewise
     prompts = prompts_of([3, 40, 17, 1])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ours = llm.generate(prompts, params, use_tqdm=False)
@@ -308,3 +311,35 @@ def test_request_ids_unique_and_user_ids_respected(llm):
     for request_id in (mine.request_id, auto.request_id):
         engine.abort_request(request_id)
     assert not engine.has_unfinished_requests()
+
+
+def test_block_table_rows_move_only_when_they_change(llm):
+    """The device keeps the block table; a step sends a request's row only when it gained a
+    block (or the request took a row), not on every decode step."""
+    engine = llm.engine
+    build = engine.batch_builder.build
+    sent = []
+
+    def watched_build(scheduler_output):
+        step = build(scheduler_output)
+        update = step.table_update
+        sent.append(
+            0 if update is None else int((update.rows != engine.batch_builder.padding_slot).sum())
+        )
+        return step
+
+    engine.batch_builder.build = watched_build
+    try:
+        # block_size 8: a 5-token prompt and 20 outputs use positions 0..23, blocks 0..2.
+        output = llm.generate(
+            prompts_of([5]),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+    finally:
+        engine.batch_builder.build = build
+    assert len(output.outputs[0].token_ids) == 20
+    assert len(sent) == 20
+    # The admission step sends the row with block 0; blocks 1 and 2 are sent when positions 8
+    # and 16 are first computed (steps 4 and 12); the other 17 steps send nothing.
+    assert [i for i, n in enumerate(sent) if n] == [0, 4, 12] and sum(sent) == 3

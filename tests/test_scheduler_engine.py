@@ -3,6 +3,7 @@ token budget or prefix caching, cache hits on shared prefixes, and aborts that l
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -27,6 +28,9 @@ def engines(tiny_model_dir):
         "roomy": LLM(model, num_kv_blocks=256, max_num_batched_tokens=128, **COMMON),
         "tiny_pool": LLM(model, num_kv_blocks=24, max_num_batched_tokens=128, **COMMON),
         "tiny_budget": LLM(model, num_kv_blocks=256, max_num_batched_tokens=8, **COMMON),
+        "tiny_budget_async": LLM(
+            model, num_kv_blocks=256, max_num_batched_tokens=8, async_scheduling=True, **COMMON
+        ),
         "no_cache": LLM(
             model,
             num_kv_blocks=256,
@@ -100,9 +104,10 @@ def test_cache_salt_isolates_tenants(engines):
     assert hits_for("tenant-b") == len(SHARED_PREFIX)
 
 
+@pytest.mark.parametrize("engine_name", ["tiny_budget", "tiny_budget_async"])
 @pytest.mark.parametrize("stage", ["waiting", "mid_prefill", "decoding"])
-def test_abort_at_any_stage_frees_everything(engines, stage):
-    llm = engines["tiny_budget"]  # 8-token budget: prompts take several steps
+def test_abort_at_any_stage_frees_everything(engines, stage, engine_name):
+    llm = engines[engine_name]  # 8-token budget: prompts take several steps
     engine = llm.engine
     long_params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     victims = [engine.add_request(p, long_params) for p in prompts(10, SHARED_PREFIX)]
@@ -139,3 +144,85 @@ def test_request_metrics_and_stats(engines):
     assert len(metrics.inter_token_latencies) == 4 and min(metrics.inter_token_latencies) >= 0
     stats = llm.engine.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_async_scheduling_gives_the_same_results_as_sync(tiny_model_dir):
+    """Async scheduling (step N+1 scheduled while step N runs, its decode inputs read on the
+    device) against one step at a time, under preemption and chunking, with greedy, seeded and
+    logprob requests and early stops."""
+    options = dict(num_kv_blocks=20, max_num_batched_tokens=16, **COMMON)
+    sync = LLM(str(tiny_model_dir), async_scheduling=False, **options)
+    pipelined = LLM(str(tiny_model_dir), async_scheduling=True, **options)
+    batch = prompts(8)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = tokens(sync, batch, greedy)
+    params = []
+    for i, output in enumerate(reference):
+        kind = i % 4
+        if kind == 0:
+            params.append(greedy)
+        elif kind == 1:  # stops early on a token it will generate
+            params.append(SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[output[5]]))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=0.9, seed=i, max_tokens=20, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=7 + i, logprobs=3))
+
+    most_placeholders = []
+    schedule = pipelined.engine.scheduler.schedule
+
+    def watched_schedule():
+        output = schedule()
+        running = pipelined.engine.scheduler.running
+        most_placeholders.append(max((r.num_output_placeholders for r in running), default=0))
+        return output
+
+    pipelined.engine.scheduler.schedule = watched_schedule
+    preemptions = [llm.engine.stats().num_preemptions for llm in (sync, pipelined)]
+    expected = sync.generate(batch, params, use_tqdm=False)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = pipelined.generate(batch, params, use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert not compiles, "async scheduling compiled after warm-up"
+    for want, have in zip(expected, got, strict=True):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
+        assert have.outputs[0].text == want.outputs[0].text
+        if want.outputs[0].logprobs is not None:
+            for a, b in zip(have.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                assert a.keys() == b.keys()
+                assert all(abs(a[k] - b[k]) < 1e-5 for k in a)
+    stopped = [len(o.outputs[0].token_ids) for o in got[1::4]]
+    assert stopped == [r.index(r[5]) + 1 for r in reference[1::4]]  # at the first stop token
+    for llm, before in zip((sync, pipelined), preemptions, strict=True):
+        assert llm.engine.stats().num_preemptions > before, "the small pool must preempt"
+        assert_pool_empty(llm)
+    assert max(most_placeholders) == 2, "no step was scheduled while another was in flight"
+
+
+def test_reset_prefix_cache(engines):
+    llm = engines["roomy"]
+    engine = llm.engine
+    prompt = [*SHARED_PREFIX, 4, 4]
+    params = SamplingParams(temperature=0, max_tokens=3)
+
+    def hits():
+        before = engine.stats().prefix_cache_hits
+        llm.generate([prompt], params, use_tqdm=False)
+        return engine.stats().prefix_cache_hits - before
+
+    hits()
+    assert hits() == len(SHARED_PREFIX)
+    engine.add_request(prompt, params, request_id="busy")
+    assert not engine.reset_prefix_cache()  # refused while a request is unfinished
+    engine.abort_request("busy")
+    assert engine.reset_prefix_cache()
+    assert hits() == 0

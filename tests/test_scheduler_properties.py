@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,24 @@ def fake_token(request: Request) -> int:
     return (sum(request.all_token_ids) * 31 + request.num_tokens) % 1000 + 3
 
 
+def process(scheduler: Scheduler, output) -> None:
+    """The stand-in model's results of a step, computed when the step is processed: by then
+    every earlier step is, so each request's tokens are those its sample is drawn after."""
+    tokens = [fake_token(item.request) for item in output.scheduled]
+    scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+
+
+def run_to_completion(scheduler: Scheduler, pipelined: bool) -> None:
+    """Steps until done; pipelined schedules step N+1 before processing step N, as the
+    engine's async scheduling does."""
+    in_flight = []
+    while scheduler.has_unfinished() or in_flight:
+        output = scheduler.schedule()
+        in_flight.append(output)
+        while len(in_flight) > (1 if pipelined and output.scheduled else 0):
+            process(scheduler, in_flight.pop(0))
+
+
 def check_invariants(scheduler: Scheduler, requests: list[Request], output=None) -> None:
     kv, config = scheduler.kv, scheduler.config
     pool = kv.pool
@@ -37,7 +56,8 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
             assert not blocks, f"{request.status} request holds blocks"
             continue
         assert 0 not in blocks, "the null block was handed out"
-        assert request.num_computed_tokens <= request.num_tokens <= config.max_model_len
+        assert request.num_computed_tokens <= request.num_tokens_with_placeholders
+        assert request.num_tokens_with_placeholders <= config.max_model_len
         assert len(blocks) * kv.block_size >= request.num_computed_tokens
         holders.update(blocks)
     for block in range(1, pool.num_blocks):
@@ -54,7 +74,7 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
         for item in output.scheduled:  # what the batch builder will read must be there
             request = item.request
             assert request.status is RequestStatus.RUNNING, "a preempted request was scheduled"
-            assert item.num_computed_tokens == request.num_computed_tokens
+            assert item.num_computed_tokens + item.num_new_tokens == request.num_computed_tokens
             needed = item.num_computed_tokens + item.num_new_tokens
             assert len(request.block_ids) * kv.block_size >= needed, "slots missing"
         ids = [item.request.request_id for item in output.scheduled]
@@ -86,9 +106,10 @@ operations = st.lists(
     max_num_seqs=st.integers(1, 8),
     budget=st.integers(1, 96),
     prefix_caching=st.booleans(),
+    pipelined=st.booleans(),
 )
 def test_random_add_step_abort_keeps_block_accounting(
-    ops, block_size, num_blocks, max_num_seqs, budget, prefix_caching
+    ops, block_size, num_blocks, max_num_seqs, budget, prefix_caching, pipelined
 ):
     max_model_len = 128
     config = SchedulerConfig(
@@ -101,12 +122,15 @@ def test_random_add_step_abort_keeps_block_accounting(
     scheduler = Scheduler(config, kv)
     requests: list[Request] = []
 
+    in_flight = []
+
     def step():
         output = scheduler.schedule()
         check_invariants(scheduler, requests, output)
-        tokens = [fake_token(item.request) for item in output.scheduled]
-        scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
-        check_invariants(scheduler, requests)
+        in_flight.append(output)
+        while len(in_flight) > (1 if pipelined and output.scheduled else 0):
+            process(scheduler, in_flight.pop(0))
+            check_invariants(scheduler, requests)
 
     for op in ops:
         if op[0] == "add":
@@ -135,7 +159,7 @@ def test_random_add_step_abort_keeps_block_accounting(
             check_invariants(scheduler, requests)
 
     for _ in range(2000):
-        if not scheduler.has_unfinished():
+        if not scheduler.has_unfinished() and not in_flight:
             break
         step()
     assert not scheduler.has_unfinished(), "requests left hanging"
@@ -150,7 +174,8 @@ def test_random_add_step_abort_keeps_block_accounting(
     assert kv.pool.num_free_blocks == num_blocks - 1
 
 
-def test_preempted_request_resumes_with_identical_tokens():
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_preempted_request_resumes_with_identical_tokens(pipelined):
     """A tiny pool forces preemption; the stand-in model's outputs must not change."""
 
     def run(num_blocks):
@@ -168,10 +193,7 @@ def test_preempted_request_resumes_with_identical_tokens():
             )
             scheduler.add_request(request)
             requests.append(request)
-        while scheduler.has_unfinished():
-            output = scheduler.schedule()
-            tokens = [fake_token(item.request) for item in output.scheduled]
-            scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+        run_to_completion(scheduler, pipelined)
         return [r.output_token_ids for r in requests], scheduler.num_preemptions
 
     roomy, no_preemption = run(200)
@@ -199,6 +221,5 @@ def test_priority_orders_admission_and_preemption():
     while scheduler.has_unfinished():
         output = scheduler.schedule()
         order += [item.request.request_id for item in output.scheduled]
-        tokens = [fake_token(item.request) for item in output.scheduled]
-        scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+        process(scheduler, output)
     assert order == ["urgent", "normal_a", "normal_b", "late_low"]

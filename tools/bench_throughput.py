@@ -19,6 +19,7 @@ either engine. Prints output tokens per second and the ratio.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -40,6 +41,11 @@ flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Also run jaxinfer without prefix caching.")
 flags.DEFINE_float("kv_cache_memory_gb", 1.0, "jaxinfer KV-cache budget.")
+flags.DEFINE_bool(
+    "compare_async",
+    False,
+    "Also run jaxinfer with one step at a time (no async scheduling) on the same engine.",
+)
 
 SYSTEM_SENTENCE = (
     "You are a careful assistant for a library of technical manuals; answer briefly, cite the "
@@ -93,6 +99,7 @@ def system_prompt(tokenizer) -> str:
 
 def run_jaxinfer(llm: LLM, prompts, output_lens) -> float:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    assert llm.engine.reset_prefix_cache()  # every run starts cold: no hits from the last one
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -164,6 +171,17 @@ def main(argv):
         f"jaxinfer: {ours:.2f} s, {total / ours:.1f} output tokens/s "
         f"(prefix cache hit rate {hit_rate:.1%}, {stats.num_preemptions} preemptions)"
     )
+    if FLAGS.compare_async:
+        engine = llm.engine
+        async_config = engine.config
+        engine.config = dataclasses.replace(async_config, async_scheduling=False)
+        sync = run_jaxinfer(llm, prompts, output_lens)
+        engine.config = async_config
+        again = run_jaxinfer(llm, prompts, output_lens)
+        print(
+            f"jaxinfer one step at a time: {sync:.2f} s, {total / sync:.1f} output tokens/s; "
+            f"async again: {again:.2f} s; ratio async / sync: {2 * sync / (ours + again):.2f}x"
+        )
     if FLAGS.compare_prefix_caching:
         del llm
         uncached = make_llm(enable_prefix_caching=False)

@@ -2,34 +2,38 @@
 
     python tools/profile_step.py --batch_sizes=1,32 --output_len=64
 
-For each batch size, B identical-length chat requests decode together (greedy, ignore_eos);
-for every step after the prefill the engine records when scheduling began, when the step was
-enqueued, when its tokens were ready and when the step returned. Reported (median and p90 over
-the decode steps):
+For each batch size, B identical-length chat requests decode together (greedy, ignore_eos),
+once with one step at a time (sync) and once with async scheduling (step N+1 scheduled and
+enqueued while step N runs), on the same engine. Reported per decode step (median and p90):
 
-- host: Python work of the step (scheduling, batch building, transfers, dispatch, then
+- host: the step's Python work (scheduling, batch building, transfers, dispatch, then
   fetching, stop checks, detokenization);
-- device: from the first transfer of the step to its tokens being ready (an upper bound on
-  the device's work: it includes the dispatch of the first program);
-- idle gap: from one step's tokens being ready to the next step's first transfer, the time the
-  device waits for the host.
+- device: in sync mode, from the first transfer of a step to its tokens being ready (an upper
+  bound on the device's work: it includes dispatching the programs);
+- period: time between consecutive steps' outputs, what a request sees per token;
+- idle gap: in sync mode, from one step's tokens being ready to the next step's first
+  transfer (the device waits for the host all that time); in async mode, the median period
+  minus the sync device time (what the host still adds), and the share of steps whose
+  successor was enqueued before they finished.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.llm_engine import StepTiming
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "32"], "Concurrent requests.")
 flags.DEFINE_integer("output_len", 64, "Tokens per request.")
 
 
-def profile(llm: LLM, batch_size: int) -> dict[str, np.ndarray]:
+def profile(llm: LLM, batch_size: int) -> list[StepTiming]:
     engine = llm.engine
     tokenizer = llm.tokenizer
     params = SamplingParams(temperature=0, max_tokens=FLAGS.output_len, ignore_eos=True)
@@ -42,24 +46,51 @@ def profile(llm: LLM, batch_size: int) -> dict[str, np.ndarray]:
     while engine.has_unfinished_requests():
         engine.step()
         timings.append(engine.last_step_timing)
-    decode = [t for t in timings if t.num_tokens == t.num_reqs]  # steps with no prefill
-    host = [(t.dispatched - t.start) + (t.end - t.ready) for t in decode]
-    device = [t.ready - t.built for t in decode]
-    gaps = [b.built - a.ready for a, b in itertools.pairwise(decode)]
-    return {"host": np.array(host), "device": np.array(device), "idle gap": np.array(gaps)}
+    # Decode steps only (no prefill), and not the last few, where requests start finishing.
+    return [t for t in timings if t.num_tokens == t.num_reqs == batch_size][1:-2]
+
+
+def summary(name: str, values) -> str:
+    values = np.asarray(values) * 1e3
+    return f"{name} {np.median(values):.2f} ms (p90 {np.percentile(values, 90):.2f})"
 
 
 def main(argv):
     del argv
     llm = LLM()
+    async_config = llm.engine.config
+    sync_config = dataclasses.replace(async_config, async_scheduling=False)
     for batch_size in map(int, FLAGS.batch_sizes):
-        result = profile(llm, batch_size)
-        steps = len(result["device"])
-        parts = ", ".join(
-            f"{name} {np.median(v) * 1e3:.2f} ms (p90 {np.percentile(v, 90) * 1e3:.2f})"
-            for name, v in result.items()
+        llm.engine.config = sync_config
+        steps = profile(llm, batch_size)
+        host = [(t.dispatched - t.start) + (t.end - t.ready) for t in steps]
+        device = [t.ready - t.built for t in steps]
+        period = [b.end - a.end for a, b in itertools.pairwise(steps)]
+        gaps = [b.built - a.ready for a, b in itertools.pairwise(steps)]
+        print(
+            f"batch {batch_size}, sync, {len(steps)} decode steps: "
+            + ", ".join(
+                summary(n, v)
+                for n, v in [
+                    ("host", host),
+                    ("device", device),
+                    ("period", period),
+                    ("idle gap", gaps),
+                ]
+            )
         )
-        print(f"batch {batch_size}: {steps} decode steps: {parts}")
+        llm.engine.config = async_config
+        steps = profile(llm, batch_size)
+        host = [(t.dispatched - t.start) + (t.end - t.ready) for t in steps]
+        period = [b.end - a.end for a, b in itertools.pairwise(steps)]
+        overlapped = np.mean([t.overlapped for t in steps])
+        gap = max(np.median(period) - np.median(device), 0.0)
+        print(
+            f"batch {batch_size}, async, {len(steps)} decode steps: "
+            + ", ".join(summary(n, v) for n, v in [("host", host), ("period", period)])
+            + f", idle gap ~{gap * 1e3:.2f} ms (period - sync device), successor enqueued "
+            f"before the step finished in {overlapped:.0%} of steps"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""The fixed-shape, flattened batch that one jitted step consumes.
+"""The fixed-shape, flattened batch that one jitted step consumes, and what the host sends to
+build it on the device.
 
-T: tokens in the step (padded to a bucket), R: requests (padded), MB: blocks per request.
+T: tokens in the step (padded to a bucket), R: requests (padded), MB: blocks per request,
+S: rows of the device-resident block table (max_num_seqs, plus one row for padding requests),
+U: block-table rows rewritten in a step (padded to a power of two).
 """
 
 from __future__ import annotations
@@ -46,3 +49,39 @@ class SamplingMetadata:
     temperature: np.ndarray  # f32[R]; 0 means greedy
     seeds: np.ndarray  # u32[R, 2], low and high words of each request's seed
     output_positions: np.ndarray  # i32[R], index of the token being sampled in its output
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The host's part of one step, O(T + R): the device turns it into BatchInputs with the
+    block table it keeps (rows addressed by request_slots) and the tokens it sampled last."""
+
+    token_ids: np.ndarray  # i32[T]; 0 where the token is the output of a step still in flight
+    token_slots: np.ndarray  # i32[T], the request's slot where the token is read on the device,
+    #                          else -1
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]
+    request_slots: np.ndarray  # i32[R], each request's block-table row (padding: the last row)
+    seq_lens: np.ndarray  # i32[R]
+    query_start_loc: np.ndarray  # i32[R + 1]
+    logits_indices: np.ndarray  # i32[R]
+    num_seqs: np.ndarray  # i32[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockTableUpdate:
+    """Block-table rows that changed since the device last saw them (new blocks, a request
+    taking a row); padding entries rewrite the padding row with null blocks."""
+
+    rows: np.ndarray  # i32[U]
+    block_ids: np.ndarray  # i32[U, MB]

@@ -72,6 +72,14 @@ class BlockPool:
             self.block_hash[block] = block_hash
             self.cached[block_hash] = block
 
+    def reset_cache(self) -> bool:
+        """Forgets every cached prefix; only while no block is held (False otherwise)."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def _evict(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:

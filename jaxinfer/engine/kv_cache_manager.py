@@ -88,10 +88,12 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Makes the request's newly computed full blocks findable by later requests."""
+        """Makes the request's newly computed full blocks findable by later requests. Only
+        blocks whose tokens are all known count (not those holding an output placeholder), and
+        the engine calls this once the steps that write them are enqueued on the device."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         hashes = self.block_hashes(request)

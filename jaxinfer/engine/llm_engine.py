@@ -32,15 +32,24 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class StepTiming:
-    """perf_counter() marks of one step, for tools/profile_step.py."""
+    """perf_counter() marks of one engine.step() call, for tools/profile_step.py. The call
+    enqueues one step (when any is scheduled) and returns the results of the oldest step in
+    flight: with async scheduling the one enqueued by the call before, else its own."""
 
     start: float  # scheduling begins
-    built: float  # the batch is built; transfers and dispatch begin
-    dispatched: float  # the step is enqueued on the device (JAX dispatch is asynchronous)
-    ready: float  # its sampled tokens are ready on the device
+    built: float  # the last step enqueued by the call is built; transfers and dispatch begin
+    dispatched: float  # it is enqueued on the device (dispatch is asynchronous)
+    ready: float  # the processed step's sampled tokens are on the host
     end: float  # outputs updated, detokenized and returned
-    num_tokens: int  # scheduled tokens (before padding)
+    num_tokens: int  # scheduled tokens of the processed step (before padding)
     num_reqs: int
+    overlapped: bool  # the processed step was still running when the new one was enqueued
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    scheduler_output: SchedulerOutput
+    sampled: SamplerOutput  # on the device
 
 
 class LLMEngine:
@@ -59,7 +68,7 @@ class LLMEngine:
 
         self.batch_builder = BatchBuilder(self.config)
         self.runner = ModelRunner(self.config, graphdef, state)
-        self.warmup_seconds = self.runner.warmup(self.batch_builder.padding_batch)
+        self.warmup_seconds = self.runner.warmup(self.batch_builder)
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,
             self.config.cache.num_blocks,
@@ -70,6 +79,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._next_id = 0
         self.last_step_timing: StepTiming | None = None
+        self._in_flight: _InFlight | None = None  # a step enqueued and not yet processed
+        self._marks = (0.0, 0.0)  # (built, dispatched) of the last step enqueued
 
     # -- requests --------------------------------------------------------------------------
 
@@ -138,6 +149,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (for benchmarks, or after changing weights). Only when
+        no request is unfinished; returns whether it did."""
+        if self.scheduler.has_unfinished():
+            return False
+        self._in_flight = None
+        return self.kv_cache_manager.pool.reset_cache()
+
     def stats(self) -> SchedulerStats:
         """Running and waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
         return self.scheduler.stats()
@@ -145,25 +164,59 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs and samples one step; returns outputs of requests that advanced."""
+        """Enqueues the next step and returns the outputs of the oldest step in flight.
+
+        With async scheduling the device runs step N while the host schedules and enqueues
+        step N+1 (whose decode inputs are step N's samples, read on the device) and only then
+        waits for step N's tokens, so host work hides behind device work. Without it, each
+        call runs one step to completion.
+        """
         start = time.perf_counter()
+        self._marks = (start, start)
+        current, self._in_flight = self._in_flight, None
+        if current is not None and not self.scheduler.has_unfinished():
+            current = None  # everything in it finished or was aborted: nothing to process
+        if current is None:
+            current = self._schedule_and_dispatch()
+            if current is None:
+                return []
+        if self.config.async_scheduling:
+            self._in_flight = self._schedule_and_dispatch()
+        overlapped = self._in_flight is not None and not current.sampled.token_ids.is_ready()
+        step_output = self._to_step_output(current.scheduler_output, current.sampled)
+        ready = time.perf_counter()
+        outputs = self._process(current.scheduler_output, step_output)
+        self.last_step_timing = StepTiming(
+            start=start,
+            built=self._marks[0],
+            dispatched=self._marks[1],
+            ready=ready,
+            end=time.perf_counter(),
+            num_tokens=current.scheduler_output.num_scheduled_tokens,
+            num_reqs=len(current.scheduler_output.scheduled),
+            overlapped=overlapped,
+        )
+        return outputs
+
+    def _schedule_and_dispatch(self) -> _InFlight | None:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
-            return []
+            return None
         now = time.time()
         for item in scheduler_output.scheduled:
             if item.request.metrics.first_scheduled_time is None:
                 item.request.metrics.first_scheduled_time = now
-        batch, sampling, flags = self.batch_builder.build(scheduler_output)
+        host_step = self.batch_builder.build(scheduler_output)
         built = time.perf_counter()
-        sampled = self.runner.execute(batch, sampling, flags)
-        dispatched = time.perf_counter()
-        jax.block_until_ready(sampled)
-        ready = time.perf_counter()
-        step_output = self._to_step_output(scheduler_output, sampled)
+        sampled = self.runner.execute(host_step)
+        self._marks = (built, time.perf_counter())
+        return _InFlight(scheduler_output, sampled)
+
+    def _process(
+        self, scheduler_output: SchedulerOutput, step_output: StepOutput
+    ) -> list[RequestOutput]:
         updated, finished = self.scheduler.update_from_output(scheduler_output, step_output)
         now = time.time()
-        outputs = []
         for request in updated:
             metrics = request.metrics
             if metrics.first_token_time is None:
@@ -175,20 +228,12 @@ class LLMEngine:
         for request in finished:
             request.metrics.finished_time = now
             self._detokenizers[request.request_id].finish()
+        outputs = []
         for request in updated:
             outputs.append(self._request_output(request))
             if request.status.finished:
                 del self.requests[request.request_id]
                 del self._detokenizers[request.request_id]
-        self.last_step_timing = StepTiming(
-            start=start,
-            built=built,
-            dispatched=dispatched,
-            ready=ready,
-            end=time.perf_counter(),
-            num_tokens=scheduler_output.num_scheduled_tokens,
-            num_reqs=len(scheduler_output.scheduled),
-        )
         return outputs
 
     def _to_step_output(

@@ -10,15 +10,16 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import BatchInputs, SamplingMetadata
-from jaxinfer.engine.batch_builder import SamplingFlags
+from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.engine.batch_builder import BatchBuilder, HostStep, SamplingFlags
+from jaxinfer.engine.block_pool import NULL_BLOCK
+from jaxinfer.engine.device_inputs import assemble_batch, record_sampled, update_block_table
 from jaxinfer.engine.sampler import SamplerOutput, sample
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens
 from jaxinfer.sampling_params import MAX_LOGPROBS
@@ -86,6 +87,16 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
             self._logits = jax.jit(functools.partial(compute_logits, arch))
+        # Kept on the device between steps: block-table rows by request slot (the last row is
+        # the padding requests') and each slot's last sampled token.
+        num_slots = config.scheduler.max_num_seqs + 1
+        self.block_table = jnp.full(
+            (num_slots, config.max_blocks_per_request), NULL_BLOCK, jnp.int32
+        )  # [S, MB]
+        self.last_tokens = jnp.zeros(num_slots, jnp.int32)  # [S]
+        self._update_table = jax.jit(update_block_table, donate_argnums=0)
+        self._assemble = jax.jit(assemble_batch)
+        self._record = jax.jit(record_sampled, donate_argnums=0)
         self.warmup_seconds: float | None = None
 
     def forward(self, batch: BatchInputs) -> jax.Array:
@@ -100,35 +111,48 @@ class ModelRunner:
         self.kv_cache = kv_cache
         return self._logits(self.top_params, hidden, batch)
 
-    def execute(
-        self, batch: BatchInputs, sampling: SamplingMetadata, flags: SamplingFlags
-    ) -> SamplerOutput:
-        """Runs one step; the result is still on the device (fetch with jax.device_get)."""
-        batch, sampling = jax.device_put((batch, sampling))
+    def execute(self, step: HostStep) -> SamplerOutput:
+        """Enqueues one step: the block-table rows that changed, the step's inputs, the model
+        and the sampler. Returns at once; the result stays on the device until fetched."""
+        if step.table_update is not None:
+            self.block_table = self._update_table(
+                self.block_table, jax.device_put(step.table_update)
+            )
+        inputs, sampling = jax.device_put((step.inputs, step.sampling))
+        batch = self._assemble(inputs, self.block_table, self.last_tokens)
         logits = self.forward(batch)
-        return sample(
-            logits, sampling, all_greedy=flags.all_greedy, num_logprobs=flags.num_logprobs
+        sampled = sample(
+            logits,
+            sampling,
+            all_greedy=step.flags.all_greedy,
+            num_logprobs=step.flags.num_logprobs,
         )
+        self.last_tokens = self._record(self.last_tokens, inputs.request_slots, sampled.token_ids)
+        return sampled
 
-    def warmup(self, padding_batch: Callable[[int], tuple[BatchInputs, SamplingMetadata]]) -> float:
-        """Compiles every token bucket, and every sampler variant of each request bucket, by
-        running the all-padding batches `padding_batch(num_tokens)` (BatchBuilder's); returns
+    def warmup(self, builder: BatchBuilder) -> float:
+        """Compiles every token bucket, every sampler variant of each request bucket and every
+        block-table update size, by running all-padding steps from the batch builder; returns
         the seconds it took."""
         start = time.perf_counter()
         sched = self.config.scheduler
         sampled_buckets = set()
         for num_tokens in sched.token_buckets:
-            batch, sampling = padding_batch(num_tokens)
-            batch, sampling = jax.device_put((batch, sampling))
-            logits = self.forward(batch)
-            if logits.shape[0] in sampled_buckets:
-                continue
-            sampled_buckets.add(logits.shape[0])
-            for all_greedy, num_logprobs in itertools.product((True, False), (0, MAX_LOGPROBS)):
-                jax.block_until_ready(
-                    sample(logits, sampling, all_greedy=all_greedy, num_logprobs=num_logprobs)
-                )
-        jax.block_until_ready(self.kv_cache)
+            inputs, sampling = builder.padding_batch(num_tokens)
+            num_reqs = inputs.num_reqs
+            variants = (
+                [(True, 0)]
+                if num_reqs in sampled_buckets
+                else itertools.product((True, False), (0, MAX_LOGPROBS))
+            )
+            sampled_buckets.add(num_reqs)
+            for all_greedy, num_logprobs in variants:
+                flags = SamplingFlags(all_greedy=all_greedy, num_logprobs=num_logprobs)
+                jax.block_until_ready(self.execute(HostStep(inputs, sampling, flags, None)))
+        for num_rows in builder.update_buckets:
+            update = builder.padding_table_update(num_rows)
+            self.block_table = self._update_table(self.block_table, jax.device_put(update))
+        jax.block_until_ready((self.kv_cache, self.block_table))
         self.warmup_seconds = time.perf_counter() - start
         logger.info(
             "warm-up compiled token buckets %s in %.1f s", sched.token_buckets, self.warmup_seconds

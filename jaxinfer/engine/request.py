@@ -25,6 +25,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence. The scheduler's only rule: bring num_computed_tokens up to num_tokens.
 
+    num_tokens counts the tokens known on the host. A step that samples for the request adds
+    a placeholder when it is scheduled; the sampled token replaces it when the step's results
+    are processed, so with async scheduling the next step is scheduled (its input read on the
+    device) before the host knows that token.
+
     Args:
         request_id: unique id.
         prompt_token_ids: the prompt.
@@ -53,6 +58,12 @@ class Request:
     stop_reason: int | None = None
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Tokens sampled by steps still in flight (async scheduling): counted as computed inputs
+    # of the next step before their values reach the host.
+    num_output_placeholders: int = 0
+    epoch: int = 0  # times preempted; results of steps scheduled in an older epoch are dropped
+    batch_slot: int | None = None  # row in the device-resident block table while running
+    num_synced_blocks: int = 0  # leading blocks of block_ids already in that row
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -66,6 +77,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -74,5 +89,8 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
+        """Fills the oldest placeholder with the token sampled for it."""
+        assert self.num_output_placeholders > 0, "a token arrived that no step was sampling"
+        self.num_output_placeholders -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

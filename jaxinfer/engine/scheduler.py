@@ -4,6 +4,13 @@ No prefill or decode phase: each step gives every request num_tokens - num_compu
 tokens, within max_num_seqs, the token budget, max_model_len and the free KV blocks. Running
 requests go first, in arrival order, so a long prompt (chunked by the budget) never stalls them;
 when the pool runs dry the latest-arrived running request is preempted and recomputed later.
+
+A step is applied to the requests when it is scheduled: num_computed_tokens advances and each
+request that samples gains an output placeholder. update_from_output later fills the
+placeholders with the sampled tokens and applies stops. So the engine may schedule step N+1
+while step N runs on the device (async scheduling): a decode's input token is then step N's
+placeholder, read on the device; the results of steps that a preemption or abort overtook are
+dropped.
 """
 
 from __future__ import annotations
@@ -21,11 +28,9 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step: the first new token's position
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's tokens, so its sample is kept."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    samples: bool  # the step reaches the end of the request's tokens, so its sample is kept
+    output_position: int  # index in the output of the token sampled (when samples)
+    epoch: int  # request.epoch when scheduled; a preemption since voids the result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self._arrivals = 0
+        # Rows of the device block table; max_num_seqs is the padding rows' (never handed out).
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
     def check_admissible(self, request: Request) -> None:
         """Raises ValueError for a request that could never complete."""
@@ -95,22 +102,28 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[tuple[Request, int]] = []  # (request, new tokens)
         preempted: list[str] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            )
+            if num_new <= 0 or self._sampled_enough(request):
+                index += 1  # its in-flight step finishes it, or there is nothing to compute
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 # The lowest priority, latest arrival gives its blocks back; if it was already
                 # scheduled in this step (a lower priority ahead of this one), so are its tokens.
                 victim = max(self.running, key=lambda r: r.sort_key)
                 victim_index = self.running.index(victim)
                 if victim_index < index:
-                    dropped = next(x for x in scheduled if x.request is victim)
-                    scheduled.remove(dropped)
-                    budget += dropped.num_new_tokens
+                    dropped = next((x for x in scheduled if x[0] is victim), None)
+                    if dropped is not None:
+                        scheduled.remove(dropped)
+                        budget += dropped[1]
                     index -= 1
                 del self.running[victim_index]
                 self._preempt(victim)
@@ -119,7 +132,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled.append((request, num_new))
             budget -= num_new
             index += 1
 
@@ -139,19 +152,56 @@ class Scheduler:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
+            request.batch_slot = self._free_slots.pop()
+            request.num_synced_blocks = 0
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled.append((request, num_new))
             budget -= num_new
 
         return SchedulerOutput(
-            scheduled=tuple(scheduled),
+            scheduled=tuple(self._apply(request, num_new) for request, num_new in scheduled),
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted=tuple(preempted),
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _sampled_enough(self, request: Request) -> bool:
+        """True when the steps in flight already sample the request's last token."""
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens_with_placeholders >= self.config.max_model_len
+        )
+
+    @staticmethod
+    def _apply(request: Request, num_new: int) -> ScheduledRequest:
+        """Advances the request by a scheduled step (before the step runs)."""
+        first = request.num_computed_tokens
+        samples = first + num_new == request.num_tokens_with_placeholders
+        item = ScheduledRequest(
+            request=request,
+            num_computed_tokens=first,
+            num_new_tokens=num_new,
+            samples=samples,
+            output_position=request.num_output_tokens + request.num_output_placeholders,
+            epoch=request.epoch,
+        )
+        request.num_computed_tokens = first + num_new
+        if samples:
+            request.num_output_placeholders += 1
+        return item
+
+    def _release(self, request: Request) -> None:
+        """Gives back everything a request holds that leaves the running set."""
         self.kv.free(request)
+        self._free_slots.append(request.batch_slot)
+        request.batch_slot = None
+        request.num_synced_blocks = 0
+        request.num_output_placeholders = 0
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
         request.num_computed_tokens = 0
+        request.epoch += 1
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)  # ahead of later arrivals
         self.num_preemptions += 1
@@ -159,19 +209,21 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, step_output: StepOutput
     ) -> tuple[list[Request], list[Request]]:
-        """Advances each scheduled request; returns (requests with a new token, finished)."""
+        """Fills each sampling request's oldest placeholder with its token and applies stops;
+        returns (requests with a new token, finished). Rows of requests preempted, aborted or
+        finished since the step was scheduled are dropped."""
         updated, finished = [], []
         for row, item in enumerate(scheduler_output.scheduled):
             request = item.request
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(request)
+            if request.status is not RequestStatus.RUNNING or request.epoch != item.epoch:
+                continue
             if not item.samples:
+                self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token(step_output.token_ids[row])
             if step_output.logprobs[row] is not None:
                 request.logprobs.append(step_output.logprobs[row])
+            self.kv.cache_full_blocks(request)
             updated.append(request)
             status = self._stop_status(request)
             if status is not None:
@@ -196,7 +248,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.running.remove(request)
-        self.kv.free(request)
+        self._release(request)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -214,7 +266,8 @@ class Scheduler:
             return
         if request in self.waiting:
             self.waiting.remove(request)
+            self.kv.free(request)
         else:
             self.running.remove(request)
-        self.kv.free(request)
+            self._release(request)
         request.status = RequestStatus.FINISHED_ABORTED

@@ -37,7 +37,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # per token: top-N ids and the sampled one
     finish_reason: str | None  # "stop", "length", "abort" or None while running
-    stop_reason: int | None = None  # the stop token id, when one ended the output
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
         return self.finish_reason is not None

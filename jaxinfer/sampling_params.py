@@ -1,10 +1,66 @@
-"""Per-request sampling parameters, with vLLM's names and meaning."""
+"""Per-request sampling parameters, with vLLM's (and OpenAI's) names and meaning.
+
+Every field is validated on creation; a value out of range is a ValueError naming the field,
+and an unknown keyword (best_of included) is an error rather than something ignored.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
 
 MAX_LOGPROBS = 20  # like OpenAI's top_logprobs limit
+MAX_N = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrains the output to a language; exactly one field is set.
+
+    Args:
+        json: a JSON schema (dict or its text): the output is one JSON value that validates.
+        json_object: any JSON object.
+        regex: the output matches the regular expression in full.
+        choice: the output is exactly one of these strings.
+        grammar: a Lark grammar (llguidance's dialect).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice, "
+                f"grammar; got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured outputs json must be a schema (dict or JSON text)")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured outputs json is not valid JSON: {error}") from None
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured outputs choice must be a list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs {name} must be a non-empty string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,43 +68,165 @@ class SamplingParams:
     """How to sample one request's output.
 
     Args:
+        n: independent samples of the same prompt (they share the prompt's KV blocks).
         temperature: 0 is greedy (argmax); above 0 scales the logits before a random draw.
+        top_p: sample from the smallest set of tokens whose probability reaches top_p (0, 1].
+        top_k: sample from the k most likely tokens; 0 or -1 means all.
+        min_p: drop tokens less likely than min_p times the most likely one, [0, 1].
+        repetition_penalty: > 0; divides positive (multiplies negative) logits of tokens seen
+            in the prompt or the output; 1 is off.
+        presence_penalty: [-2, 2], subtracted from the logits of tokens in the output.
+        frequency_penalty: [-2, 2], times each token's count in the output, subtracted.
+        logit_bias: token id -> bias in [-100, 100], added to the logits.
+        allowed_token_ids: only these tokens may be sampled.
+        bad_words: words that must not be generated (their token sequences are blocked, as
+            vLLM does: the last token of each, after the rest).
+        min_tokens: the end-of-sequence and stop tokens are suppressed until this many tokens
+            have been generated.
         max_tokens: most tokens to generate; None runs until a stop or max_model_len.
+        stop: strings that end the output; found across token boundaries and left out of
+            the text unless include_stop_str_in_output.
         stop_token_ids: tokens that end the output (kept in token_ids, finish_reason "stop").
+        include_stop_str_in_output: keep the stop string at the end of the text.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         seed: makes this request's draws reproducible whatever else is in the batch.
         logprobs: for each output token, the log-probabilities of the top N tokens and of the
-            sampled one (N <= 20).
+            sampled one (N <= 20), from the model's distribution before any processing.
+        prompt_logprobs: the same for every prompt token after the first.
         skip_special_tokens: leave special tokens out of the returned text.
+        structured_outputs: constrain the output (json schema, json object, regex, choice,
+            Lark grammar).
     """
 
+    n: int = 1
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    min_tokens: int = 0
     max_tokens: int | None = 16
-    stop_token_ids: tuple[int, ...] = ()
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    best_of: None = None  # refused: vLLM v1 dropped it too; use n
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        if self.best_of is not None:
+            raise ValueError("best_of is not supported; ask for n samples instead")
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.stop, str):
+            set_("stop", (self.stop,))
+        set_("stop", tuple(self.stop or ()))
+        set_("bad_words", tuple(self.bad_words or ()))
+        if self.allowed_token_ids is not None:
+            set_("allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logit_bias is not None:
+            try:
+                set_("logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
+        if isinstance(self.structured_outputs, Mapping):
+            set_("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+        self._validate()
+
+    def _validate(self) -> None:
+        _integer("n", self.n, 1, MAX_N)
+        _number("temperature", self.temperature, 0, None)
+        _number("top_p", self.top_p, 0, 1)
+        if self.top_p <= 0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _integer("top_k", self.top_k, -1, None)
+        _number("min_p", self.min_p, 0, 1)
+        _number("repetition_penalty", self.repetition_penalty, 0, None)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _number("presence_penalty", self.presence_penalty, -2, 2)
+        _number("frequency_penalty", self.frequency_penalty, -2, 2)
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -100 <= bias <= 100 or math.isnan(bias):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for token in self.allowed_token_ids:
+                _integer("allowed_token_ids entries", token, 0, None)
+        if not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        _integer("min_tokens", self.min_tokens, 0, None)
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1, None)
+            if self.min_tokens > self.max_tokens:
+                raise ValueError(
+                    f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+                )
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a string or a list of non-empty strings")
+        for token in self.stop_token_ids:
+            _integer("stop_token_ids entries", token, 0, None)
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, 2**64 - 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
         ):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers: {self.stop_token_ids}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+            raise ValueError("structured_outputs must be StructuredOutputsParams or a dict")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def top_k_or_all(self) -> int:
+        """top_k with 'all' as 0."""
+        return max(self.top_k, 0)
+
+
+def _integer(name: str, value, low: int, high: int | None) -> None:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+
+
+def _number(name: str, value, low: float, high: float | None) -> None:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or math.isnan(value)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be a number {bound}, got {value!r}")

@@ -204,26 +204,6 @@ def test_request_larger_than_pool_is_refused(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    ("params", "message"),
-    [
-        (dict(temperature=-1), "temperature"),
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=21), "logprobs"),
-        (dict(seed=-3), "seed"),
-        (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    ],
-)
-def test_sampling_params_validation(params, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**params)
-
-
-def test_unsupported_sampling_parameter_is_an_error():
-    with pytest.raises(TypeError):
-        SamplingParams(top_p=0.5)  # not implemented yet: refused, never ignored
-
-
-@pytest.mark.parametrize(
     ("options", "message"),
     [
         (dict(max_num_seqs=0), "max_num_seqs"),
@@ -322,7 +302,7 @@ def test_block_table_rows_move_only_when_they_change(llm):
 
     def watched_build(scheduler_output):
         step = build(scheduler_output)
-        update = step.table_update
+        update = step.updates.block_table
         sent.append(
             0 if update is None else int((update.rows != engine.batch_builder.padding_slot).sum())
         )

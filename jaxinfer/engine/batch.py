@@ -44,11 +44,21 @@ class BatchInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-request sampling parameters as arrays (R rows, padded like the batch)."""
+    """Per-request sampling parameters as arrays (R rows, padded like the batch; neutral
+    values in padding rows and for parameters a request does not use)."""
 
     temperature: np.ndarray  # f32[R]; 0 means greedy
+    top_k: np.ndarray  # i32[R]; 0 means all
+    top_p: np.ndarray  # f32[R]; 1 means all
+    min_p: np.ndarray  # f32[R]; 0 means off
+    repetition_penalty: np.ndarray  # f32[R]; 1 means off
+    presence_penalty: np.ndarray  # f32[R]
+    frequency_penalty: np.ndarray  # f32[R]
+    has_bias: np.ndarray  # i32[R], 1 where the slot's bias row applies
+    constrained: np.ndarray  # i32[R], 1 where the slot's bitmask row applies this step
     seeds: np.ndarray  # u32[R, 2], low and high words of each request's seed
     output_positions: np.ndarray  # i32[R], index of the token being sampled in its output
+    keeps: np.ndarray  # i32[R], 1 where the sample is kept (the step ends the request's tokens)
 
 
 @jax.tree_util.register_dataclass
@@ -79,9 +89,22 @@ class StepInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class BlockTableUpdate:
-    """Block-table rows that changed since the device last saw them (new blocks, a request
-    taking a row); padding entries rewrite the padding row with null blocks."""
+class SlotRows:
+    """New contents of some rows of a per-slot device array: the block table (rows that gained
+    a block or changed hands), the logit bias, the token bitmask. Padding entries rewrite the
+    padding slot."""
 
     rows: np.ndarray  # i32[U]
-    block_ids: np.ndarray  # i32[U, MB]
+    values: np.ndarray  # [U, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyRows:
+    """Token history of requests that took a slot and use penalties: the prompt (for the
+    repetition penalty) and the output so far (counts, after a preemption)."""
+
+    rows: np.ndarray  # i32[U]
+    token_ids: np.ndarray  # i32[U, max_model_len]
+    num_prompt: np.ndarray  # i32[U]
+    num_tokens: np.ndarray  # i32[U]

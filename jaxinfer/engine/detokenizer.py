@@ -32,3 +32,15 @@ class IncrementalDetokenizer:
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text = full
         return delta
+
+
+def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> tuple[str, int]:
+    """The earliest stop string that ends within the last num_new_chars characters (so it may
+    span earlier text, and token boundaries), and where it starts; ("", -1) if none."""
+    best, best_index = "", -1
+    for stop in stops:
+        start = max(len(text) - num_new_chars - len(stop) + 1, 0)
+        index = text.find(stop, start)
+        if index != -1 and (best_index == -1 or index < best_index):
+            best, best_index = stop, index
+    return best, best_index

@@ -1,22 +1,53 @@
 """Device-side assembly of a step's BatchInputs from what the host sent and what the device
-keeps between steps: the block table (rows by request slot) and the tokens sampled last.
+keeps between steps (the block table, each slot's last sampled token, the sampler's per-slot
+state), and the updates of the rows that changed.
 
-S: block-table rows (slots), MB: blocks per request, T: tokens, R: requests, U: rows updated.
+S: slots, MB: blocks per request, T: tokens, R: requests, U: rows updated, V: vocabulary,
+L: max_model_len.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.batch import BatchInputs, BlockTableUpdate, StepInputs
+from jaxinfer.engine.batch import BatchInputs, PenaltyRows, SlotRows, StepInputs
+from jaxinfer.engine.sampler import SamplerState
 
 
-def update_block_table(
-    block_table: jax.Array,  # i32[S, MB]
-    update: BlockTableUpdate,
-) -> jax.Array:
-    return block_table.at[update.rows].set(update.block_ids)
+def set_rows(table: jax.Array, update: SlotRows) -> jax.Array:  # [S, ...]
+    return table.at[update.rows].set(update.values)
+
+
+def set_bias_rows(state: SamplerState, update: SlotRows) -> SamplerState:
+    return dataclasses.replace(state, bias=set_rows(state.bias, update))
+
+
+def set_bitmask_rows(state: SamplerState, update: SlotRows) -> SamplerState:
+    return dataclasses.replace(state, bitmask=set_rows(state.bitmask, update))
+
+
+def set_penalty_rows(state: SamplerState, update: PenaltyRows) -> SamplerState:
+    """Rebuilds the prompt mask and output counts of requests that took a slot."""
+    num_rows, length = update.token_ids.shape
+    vocab = state.output_counts.shape[1]
+    position = jnp.arange(length)[None, :]  # [1, L]
+    in_prompt = position < update.num_prompt[:, None]  # [U, L]
+    in_output = ~in_prompt & (position < update.num_tokens[:, None])
+    row = jnp.broadcast_to(jnp.arange(num_rows)[:, None], (num_rows, length))
+    prompt_mask = jnp.zeros((num_rows, vocab), bool).at[row, update.token_ids].max(in_prompt)
+    counts = (
+        jnp.zeros((num_rows, vocab), jnp.int32)
+        .at[row, update.token_ids]
+        .add(in_output.astype(jnp.int32))
+    )
+    return dataclasses.replace(
+        state,
+        prompt_mask=state.prompt_mask.at[update.rows].set(prompt_mask),
+        output_counts=state.output_counts.at[update.rows].set(counts),
+    )
 
 
 def assemble_batch(
@@ -42,9 +73,16 @@ def assemble_batch(
 
 def record_sampled(
     last_tokens: jax.Array,  # i32[S]
+    state: SamplerState,
     request_slots: jax.Array,  # i32[R]
     token_ids: jax.Array,  # i32[R]
-) -> jax.Array:
-    """Keeps each request's sampled token where the next step's input reads it. Rows that did
-    not sample (prefill chunks, padding) write too; nothing reads those values."""
-    return last_tokens.at[request_slots].set(token_ids)
+    keeps: jax.Array,  # i32[R], 1 where the row's sample is kept
+) -> tuple[jax.Array, SamplerState]:
+    """Keeps each request's sampled token where the next step's input reads it, and counts the
+    kept ones in the output counts of the penalties. Rows that did not sample (prefill
+    chunks, padding) write last_tokens too; nothing reads those values."""
+    counts = state.output_counts.at[request_slots, token_ids].add(keeps)
+    return (
+        last_tokens.at[request_slots].set(token_ids),
+        dataclasses.replace(state, output_counts=counts),
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -14,10 +15,11 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions, build_engine_config
 from jaxinfer.engine.batch_builder import BatchBuilder
-from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.constraints import GrammarCompiler, bias_row, build_constraints
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
 from jaxinfer.model_loader.model_cache import resolve_model
@@ -109,13 +111,28 @@ class LLMEngine:
             request_id = self._new_request_id()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.config.model.arch.vocab_size
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens)
         else:
             text, token_ids = None, [int(t) for t in prompt]
-            vocab = self.config.model.arch.vocab_size
             if any(not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self._check_supported(params)
+        for name, ids in [
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", (params.logit_bias or {}).keys()),
+        ]:
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} has token ids beyond the vocabulary ({vocab})")
+        bad_words = self._bad_word_sequences(params.bad_words)
+        constraints = build_constraints(
+            params,
+            self._grammar_compiler,
+            bad_words,
+            stop_ids=sorted(set(params.stop_token_ids) | self.eos_token_ids),
+        )
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -126,6 +143,8 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             cache_salt=cache_salt,
+            bias=bias_row(params, vocab, [w[0] for w in bad_words if len(w) == 1]),
+            constraints=constraints,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -133,6 +152,32 @@ class LLMEngine:
             self.tokenizer.tokenizer, params.skip_special_tokens
         )
         return request
+
+    @staticmethod
+    def _check_supported(params: SamplingParams) -> None:
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported yet; send n separate requests")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+
+    def _bad_word_sequences(self, bad_words: tuple[str, ...]) -> list[list[int]]:
+        """Token sequences of each bad word, as written and after a space (vLLM's rule)."""
+        sequences = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    @functools.cached_property
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built on first use (it indexes the whole vocabulary)."""
+        return GrammarCompiler(
+            self.config.model.path / "tokenizer.json",
+            self.config.model.arch.vocab_size,
+            sorted(self.eos_token_ids),
+        )
 
     def _new_request_id(self) -> str:
         while str(self._next_id) in self.requests:  # skip ids a caller chose
@@ -180,7 +225,7 @@ class LLMEngine:
             current = self._schedule_and_dispatch()
             if current is None:
                 return []
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self._needs_tokens_on_host():
             self._in_flight = self._schedule_and_dispatch()
         overlapped = self._in_flight is not None and not current.sampled.token_ids.is_ready()
         step_output = self._to_step_output(current.scheduler_output, current.sampled)
@@ -197,6 +242,14 @@ class LLMEngine:
             overlapped=overlapped,
         )
         return outputs
+
+    def _needs_tokens_on_host(self) -> bool:
+        """True when a running request's next bitmask row depends on the tokens of the step
+        in flight (grammars, multi-token bad words): then that step is processed first."""
+        return any(
+            r.constraints is not None and r.constraints.depends_on_tokens
+            for r in self.scheduler.running
+        )
 
     def _schedule_and_dispatch(self) -> _InFlight | None:
         scheduler_output = self.scheduler.schedule()
@@ -224,10 +277,22 @@ class LLMEngine:
             else:
                 metrics.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
-            self._detokenizers[request.request_id].add(request.output_token_ids[-1])
+            detokenizer = self._detokenizers[request.request_id]
+            delta = detokenizer.add(request.output_token_ids[-1])
+            stops = request.sampling_params.stop
+            ended = request.status.finished
+            if stops and delta and request.status is not RequestStatus.FINISHED_STOPPED:
+                stop, index = find_stop_string(detokenizer.text, len(delta), stops)
+                if index >= 0:
+                    keep = index + len(stop) * request.sampling_params.include_stop_str_in_output
+                    detokenizer.text = detokenizer.text[:keep]
+                    self.scheduler.stop(request, stop)
+                    if not ended:
+                        finished.append(request)
         for request in finished:
             request.metrics.finished_time = now
-            self._detokenizers[request.request_id].finish()
+            if not isinstance(request.stop_reason, str):
+                self._detokenizers[request.request_id].finish()
         outputs = []
         for request in updated:
             outputs.append(self._request_output(request))

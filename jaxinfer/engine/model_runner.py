@@ -7,7 +7,6 @@ warm-up; afterwards every step reuses a compiled program.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import time
 
@@ -17,10 +16,18 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.batch import BatchInputs
-from jaxinfer.engine.batch_builder import BatchBuilder, HostStep, SamplingFlags
+from jaxinfer.engine.batch_builder import BatchBuilder, HostStep, SamplingFlags, SlotUpdates
 from jaxinfer.engine.block_pool import NULL_BLOCK
-from jaxinfer.engine.device_inputs import assemble_batch, record_sampled, update_block_table
-from jaxinfer.engine.sampler import SamplerOutput, sample
+from jaxinfer.engine.constraints import bitmask_width
+from jaxinfer.engine.device_inputs import (
+    assemble_batch,
+    record_sampled,
+    set_bias_rows,
+    set_bitmask_rows,
+    set_penalty_rows,
+    set_rows,
+)
+from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -87,16 +94,26 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
             self._logits = jax.jit(functools.partial(compute_logits, arch))
-        # Kept on the device between steps: block-table rows by request slot (the last row is
-        # the padding requests') and each slot's last sampled token.
+        # Kept on the device between steps, by request slot (the last slot is the padding
+        # requests'): block-table rows, each slot's last sampled token, the sampler's state.
         num_slots = config.scheduler.max_num_seqs + 1
+        vocab = arch.vocab_size
         self.block_table = jnp.full(
             (num_slots, config.max_blocks_per_request), NULL_BLOCK, jnp.int32
         )  # [S, MB]
         self.last_tokens = jnp.zeros(num_slots, jnp.int32)  # [S]
-        self._update_table = jax.jit(update_block_table, donate_argnums=0)
+        self.sampler_state = SamplerState(
+            output_counts=jnp.zeros((num_slots, vocab), jnp.int32),
+            prompt_mask=jnp.zeros((num_slots, vocab), bool),
+            bias=jnp.zeros((num_slots, vocab), jnp.float32),
+            bitmask=jnp.full((num_slots, bitmask_width(vocab)), -1, jnp.int32),
+        )
+        self._set_rows = jax.jit(set_rows, donate_argnums=0)
+        self._set_penalty_rows = jax.jit(set_penalty_rows, donate_argnums=0)
+        self._set_bias_rows = jax.jit(set_bias_rows, donate_argnums=0)
+        self._set_bitmask_rows = jax.jit(set_bitmask_rows, donate_argnums=0)
         self._assemble = jax.jit(assemble_batch)
-        self._record = jax.jit(record_sampled, donate_argnums=0)
+        self._record = jax.jit(record_sampled, donate_argnums=(0, 1))
         self.warmup_seconds: float | None = None
 
     def forward(self, batch: BatchInputs) -> jax.Array:
@@ -112,47 +129,62 @@ class ModelRunner:
         return self._logits(self.top_params, hidden, batch)
 
     def execute(self, step: HostStep) -> SamplerOutput:
-        """Enqueues one step: the block-table rows that changed, the step's inputs, the model
-        and the sampler. Returns at once; the result stays on the device until fetched."""
-        if step.table_update is not None:
-            self.block_table = self._update_table(
-                self.block_table, jax.device_put(step.table_update)
-            )
+        """Enqueues one step: the per-slot rows that changed, the step's inputs, the model and
+        the sampler. Returns at once; the result stays on the device until fetched."""
+        self.apply_updates(step.updates)
         inputs, sampling = jax.device_put((step.inputs, step.sampling))
         batch = self._assemble(inputs, self.block_table, self.last_tokens)
         logits = self.forward(batch)
         sampled = sample(
             logits,
             sampling,
-            all_greedy=step.flags.all_greedy,
+            self.sampler_state,
+            inputs.request_slots,
             num_logprobs=step.flags.num_logprobs,
         )
-        self.last_tokens = self._record(self.last_tokens, inputs.request_slots, sampled.token_ids)
+        self.last_tokens, self.sampler_state = self._record(
+            self.last_tokens,
+            self.sampler_state,
+            inputs.request_slots,
+            sampled.token_ids,
+            sampling.keeps,
+        )
         return sampled
 
+    def apply_updates(self, updates: SlotUpdates) -> None:
+        if updates.block_table is not None:
+            self.block_table = self._set_rows(self.block_table, jax.device_put(updates.block_table))
+        if updates.penalties is not None:
+            self.sampler_state = self._set_penalty_rows(
+                self.sampler_state, jax.device_put(updates.penalties)
+            )
+        if updates.bias is not None:
+            self.sampler_state = self._set_bias_rows(
+                self.sampler_state, jax.device_put(updates.bias)
+            )
+        if updates.bitmask is not None:
+            self.sampler_state = self._set_bitmask_rows(
+                self.sampler_state, jax.device_put(updates.bitmask)
+            )
+
     def warmup(self, builder: BatchBuilder) -> float:
-        """Compiles every token bucket, every sampler variant of each request bucket and every
-        block-table update size, by running all-padding steps from the batch builder; returns
-        the seconds it took."""
+        """Compiles every token bucket, the sampler of each request bucket (with and without
+        logprobs) and every size of per-slot row updates, by running all-padding steps from
+        the batch builder; returns the seconds it took."""
         start = time.perf_counter()
         sched = self.config.scheduler
         sampled_buckets = set()
         for num_tokens in sched.token_buckets:
             inputs, sampling = builder.padding_batch(num_tokens)
             num_reqs = inputs.num_reqs
-            variants = (
-                [(True, 0)]
-                if num_reqs in sampled_buckets
-                else itertools.product((True, False), (0, MAX_LOGPROBS))
-            )
+            variants = [0] if num_reqs in sampled_buckets else [0, MAX_LOGPROBS]
             sampled_buckets.add(num_reqs)
-            for all_greedy, num_logprobs in variants:
-                flags = SamplingFlags(all_greedy=all_greedy, num_logprobs=num_logprobs)
-                jax.block_until_ready(self.execute(HostStep(inputs, sampling, flags, None)))
+            for num_logprobs in variants:
+                step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), SlotUpdates())
+                jax.block_until_ready(self.execute(step))
         for num_rows in builder.update_buckets:
-            update = builder.padding_table_update(num_rows)
-            self.block_table = self._update_table(self.block_table, jax.device_put(update))
-        jax.block_until_ready((self.kv_cache, self.block_table))
+            self.apply_updates(builder.padding_updates(num_rows))
+        jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))
         self.warmup_seconds = time.perf_counter() - start
         logger.info(
             "warm-up compiled token buckets %s in %.1f s", sched.token_buckets, self.warmup_seconds

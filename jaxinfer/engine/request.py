@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import numpy as np
+
+from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 
@@ -55,15 +58,18 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | None = None
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     # Tokens sampled by steps still in flight (async scheduling): counted as computed inputs
     # of the next step before their values reach the host.
     num_output_placeholders: int = 0
     epoch: int = 0  # times preempted; results of steps scheduled in an older epoch are dropped
-    batch_slot: int | None = None  # row in the device-resident block table while running
+    batch_slot: int | None = None  # row of the device's per-slot arrays while running
     num_synced_blocks: int = 0  # leading blocks of block_ids already in that row
+    needs_slot_init: bool = False  # the slot is new: its sampler rows must be written
+    bias: np.ndarray | None = None  # f32[V], fixed logit bias (see constraints.bias_row)
+    constraints: RequestConstraints | None = None  # per-step token bitmask rows
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

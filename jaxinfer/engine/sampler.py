@@ -1,6 +1,15 @@
 """The vectorized sampler: one jitted call over the logits of every request in the step.
 
-R: requests, V: vocabulary, K: logprobs returned per row.
+R: requests, V: vocabulary, K: logprobs returned per row, S: slots (rows of the per-request
+state the device keeps), W = ceil(V / 32).
+
+Order, as in the seeds: logit bias (with allowed_token_ids and bad words), penalties and the
+token bitmask (structured outputs, min_tokens) change the logits; greedy rows take the argmax
+there, before any temperature; the others are scaled by their temperature, truncated by min_p,
+top-k and top-p, and drawn by Gumbel-max (argmax of logits - log E, E ~ Exp(1)) with a key
+that depends only on the request's seed and output position. Which stages run is decided at
+run time by `lax.cond` on the rows' parameters, so one program per request bucket serves every
+mix of parameters and a stage nobody uses costs nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +21,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.engine.batch import SamplingMetadata
+from jaxinfer.engine.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    unpack_bitmask,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """Per-slot state the device keeps between steps (rows are set when a request takes a
+    slot, counts grow with each kept sample)."""
+
+    output_counts: jax.Array  # i32[S, V], each token's count in the request's output
+    prompt_mask: jax.Array  # bool[S, V], tokens of the request's prompt
+    bias: jax.Array  # f32[S, V], logit_bias, allowed_token_ids and single-token bad words
+    bitmask: jax.Array  # i32[S, W], allowed tokens of the current step (constrained rows)
 
 
 @jax.tree_util.register_dataclass
@@ -33,26 +60,80 @@ def request_keys(seeds: jax.Array, output_positions: jax.Array) -> jax.Array:
     return jax.vmap(key)(seeds, output_positions)
 
 
-@functools.partial(jax.jit, static_argnames=("all_greedy", "num_logprobs"))
+def process_logits(
+    logits: jax.Array,  # f32[R, V]
+    metadata: SamplingMetadata,
+    state: SamplerState,
+    slots: jax.Array,  # i32[R]
+) -> jax.Array:
+    """Bias, penalties and the bitmask: what greedy and random rows both see."""
+    vocab = logits.shape[-1]
+
+    def bias(x):
+        rows = state.bias[slots]
+        return x + jnp.where(metadata.has_bias[:, None] > 0, rows, 0.0)
+
+    def penalties(x):
+        return apply_penalties(
+            x,
+            state.output_counts[slots],
+            state.prompt_mask[slots],
+            metadata.repetition_penalty,
+            metadata.presence_penalty,
+            metadata.frequency_penalty,
+        )
+
+    def bitmask(x):
+        allowed = unpack_bitmask(state.bitmask[slots], vocab)
+        return jnp.where((metadata.constrained[:, None] > 0) & ~allowed, -jnp.inf, x)
+
+    uses_penalties = jnp.any(
+        (metadata.repetition_penalty != 1)
+        | (metadata.presence_penalty != 0)
+        | (metadata.frequency_penalty != 0)
+    )
+    logits = jax.lax.cond(jnp.any(metadata.has_bias > 0), bias, lambda x: x, logits)
+    logits = jax.lax.cond(uses_penalties, penalties, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(metadata.constrained > 0), bitmask, lambda x: x, logits)
+
+
+def draw(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:  # i32[R]
+    """Temperature, min_p, top-k, top-p, then the Gumbel-max draw."""
+    temperature = metadata.temperature
+    scaled = logits / jnp.where(temperature == 0, 1.0, temperature)[:, None]
+    scaled = jax.lax.cond(
+        jnp.any(metadata.min_p > 0), lambda x: apply_min_p(x, metadata.min_p), lambda x: x, scaled
+    )
+    truncates = jnp.any((metadata.top_k > 0) | (metadata.top_p < 1))
+    scaled = jax.lax.cond(
+        truncates,
+        lambda x: apply_top_k_top_p(x, metadata.top_k, metadata.top_p),
+        lambda x: x,
+        scaled,
+    )
+    keys = request_keys(metadata.seeds, metadata.output_positions)
+    exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
+    return jnp.argmax(scaled - jnp.log(exponential), axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(
     logits: jax.Array,  # f32[R, V]
     metadata: SamplingMetadata,
+    state: SamplerState,
+    slots: jax.Array,  # i32[R], each row's slot in `state`
     *,
-    all_greedy: bool,
     num_logprobs: int,
 ) -> SamplerOutput:
-    """Greedy argmax first, taken before any temperature scaling; then, unless every row is
-    greedy, a Gumbel-max draw (argmax of logits / T - log E, E ~ Exp(1)) with per-request keys."""
     logits = logits.astype(jnp.float32)
-    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not all_greedy:
-        temperature = metadata.temperature
-        is_greedy = temperature == 0
-        scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
-        keys = request_keys(metadata.seeds, metadata.output_positions)
-        exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
-        drawn = jnp.argmax(scaled - jnp.log(exponential), axis=-1).astype(jnp.int32)
-        token_ids = jnp.where(is_greedy, token_ids, drawn)
+    processed = process_logits(logits, metadata, state, slots)
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    is_greedy = metadata.temperature == 0
+    token_ids = jax.lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy_ids,
+        lambda: jnp.where(is_greedy, greedy_ids, draw(processed, metadata)),
+    )
     if not num_logprobs:
         return SamplerOutput(token_ids, None, None, None)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # of the model's own distribution

@@ -154,6 +154,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.batch_slot = self._free_slots.pop()
             request.num_synced_blocks = 0
+            request.needs_slot_init = True
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
@@ -221,6 +222,8 @@ class Scheduler:
                 self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk that has not reached the end of the prompt
             request.append_output_token(step_output.token_ids[row])
+            if request.constraints is not None:
+                request.constraints.accept(step_output.token_ids[row])
             if step_output.logprobs[row] is not None:
                 request.logprobs.append(step_output.logprobs[row])
             self.kv.cache_full_blocks(request)
@@ -234,16 +237,33 @@ class Scheduler:
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         token = request.output_token_ids[-1]
+        if request.num_output_tokens < params.min_tokens:
+            return self._length_status(request)
         if not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if request.constraints is not None and request.constraints.finished:
+            return RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
+        return self._length_status(request)
+
+    def _length_status(self, request: Request) -> RequestStatus | None:
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def stop(self, request: Request, reason: str) -> None:
+        """Ends a request on a stop found outside the scheduler (a stop string); one that
+        ended on its length with the same token is relabelled."""
+        request.stop_reason = reason
+        if request.status.finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -1,0 +1,153 @@
+"""Host-side token constraints of a request, as rows of llguidance's token bitmask.
+
+A row (i32[W], W = ceil(V / 32), bit j of word i allows token 32 i + j) is filled for each
+constrained request that samples in a step: its structured-output grammar (llguidance), its
+multi-token bad words (the last token of a bad word is blocked after the rest), and its
+min_tokens (end-of-sequence and stop tokens blocked until then).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+
+MAX_SPEC_CHARS = 100_000  # longest schema, regex or grammar text accepted
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def clear_bits(row: np.ndarray, token_ids) -> None:
+    """Disallows tokens in a bitmask row."""
+    words = row.view(np.uint32)
+    for token in token_ids:
+        words[token >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (token & 31)))
+
+
+def bias_row(params: SamplingParams, vocab_size: int, banned_ids: list[int]) -> np.ndarray | None:
+    """The request's fixed additive bias f32[V] (logit_bias, -inf outside allowed_token_ids
+    and on single-token bad words), or None when it has none."""
+    if not params.logit_bias and params.allowed_token_ids is None and not banned_ids:
+        return None
+    row = np.zeros(vocab_size, np.float32)
+    if params.allowed_token_ids is not None:
+        row[:] = -np.inf
+        row[list(params.allowed_token_ids)] = 0.0
+    for token, bias in (params.logit_bias or {}).items():
+        row[token] += bias
+    row[banned_ids] = -np.inf
+    return row
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs to llguidance matchers, within llguidance's parser
+    limits (lexer fuel, items per step, grammar size), so a hostile spec fails fast."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids
+        )
+        self.limits = llguidance.LLParserLimits()
+
+    def grammar(self, spec: StructuredOutputsParams) -> str:
+        texts = [spec.json if isinstance(spec.json, str) else None, spec.regex, spec.grammar]
+        texts += list(spec.choice or ())
+        if sum(len(t) for t in texts if t) > MAX_SPEC_CHARS:
+            raise ValueError(f"the structured-output spec is longer than {MAX_SPEC_CHARS} chars")
+        if spec.json is not None or spec.json_object:
+            schema = spec.json if spec.json is not None else {"type": "object"}
+            if isinstance(schema, dict) and len(json.dumps(schema)) > MAX_SPEC_CHARS:
+                raise ValueError(f"the JSON schema is longer than {MAX_SPEC_CHARS} chars")
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults={"whitespace_flexible": False}
+                )
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"invalid JSON schema: {error}") from None
+        if spec.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        if spec.choice is not None:
+            return llguidance.LLMatcher.grammar_from_regex(
+                "|".join(f"(?:{re.escape(c)})" for c in spec.choice)
+            )
+        return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher; ValueError (for this request alone) if the spec is invalid."""
+        grammar = self.grammar(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
+        if error and not error.startswith("WARNING"):
+            raise ValueError(f"invalid structured-output spec: {error}")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=self.limits, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured-output spec: {matcher.get_error()}")
+        return matcher
+
+
+class RequestConstraints:
+    """The per-step constraints of one request (None fields are unused)."""
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher | None,
+        bad_word_sequences: list[list[int]],
+        min_tokens: int,
+        stop_ids: list[int],
+    ):
+        self.matcher = matcher
+        self.bad_word_sequences = [s for s in bad_word_sequences if len(s) > 1]
+        self.min_tokens = min_tokens
+        self.stop_ids = stop_ids
+
+    @property
+    def depends_on_tokens(self) -> bool:
+        """True when a step's row depends on the tokens sampled before it (so the step cannot
+        be scheduled before they reach the host)."""
+        return self.matcher is not None or bool(self.bad_word_sequences)
+
+    def active(self, output_position: int) -> bool:
+        return self.depends_on_tokens or output_position < self.min_tokens
+
+    def fill(
+        self, bitmask: np.ndarray, index: int, output_ids: list[int], output_position: int
+    ) -> None:
+        """Writes row `index` of bitmask (i32[U, W], preset to all-allowed)."""
+        row = bitmask[index]
+        if self.matcher is not None:
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, index)
+        for sequence in self.bad_word_sequences:
+            prefix = sequence[:-1]
+            if output_ids[len(output_ids) - len(prefix) :] == prefix:
+                clear_bits(row, [sequence[-1]])
+        if output_position < self.min_tokens:
+            clear_bits(row, self.stop_ids)
+
+    def accept(self, token_id: int) -> None:
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing more may follow."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+
+def build_constraints(
+    params: SamplingParams,
+    compiler: GrammarCompiler,
+    bad_word_sequences: list[list[int]],
+    stop_ids: list[int],
+) -> RequestConstraints | None:
+    matcher = compiler.matcher(params.structured_outputs) if params.structured_outputs else None
+    constraints = RequestConstraints(matcher, bad_word_sequences, params.min_tokens, stop_ids)
+    if constraints.depends_on_tokens or constraints.min_tokens:
+        return constraints
+    return None

@@ -1,0 +1,241 @@
+"""The sampler against numpy: each logits processor on fixed logits, the draws' distributions
+(chi-square), and the bitmask rows of bad words and min_tokens."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer import SamplingParams
+from jaxinfer.engine.batch import SamplingMetadata
+from jaxinfer.engine.constraints import (
+    RequestConstraints,
+    bias_row,
+    bitmask_width,
+    clear_bits,
+)
+from jaxinfer.engine.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    unpack_bitmask,
+)
+from jaxinfer.engine.sampler import SamplerState, sample
+
+RNG = np.random.default_rng(0)
+
+
+def numpy_penalties(logits, counts, prompt_mask, rep, pres, freq):
+    out = logits.copy()
+    for r in range(len(out)):
+        seen = prompt_mask[r] | (counts[r] > 0)
+        for v in np.nonzero(seen)[0]:
+            out[r, v] = out[r, v] / rep[r] if out[r, v] > 0 else out[r, v] * rep[r]
+        out[r] -= freq[r] * counts[r]
+        out[r] -= pres[r] * (counts[r] > 0)
+    return out
+
+
+def numpy_top_k_top_p(logits, top_k, top_p):
+    out = logits.copy()
+    for r, row in enumerate(out):
+        order = np.argsort(-row, kind="stable")
+        if 0 < top_k[r] < len(row):
+            kth = row[order[top_k[r] - 1]]
+            row[row < kth] = -np.inf
+        if top_p[r] < 1:
+            probs = np.exp(row - row.max())
+            probs /= probs.sum()
+            order = np.argsort(-row, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            last = np.argmax(cumulative >= top_p[r])
+            row[row < row[order[last]]] = -np.inf
+    return out
+
+
+def numpy_min_p(logits, min_p):
+    out = logits.copy()
+    probs = np.exp(out - out.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    for r in range(len(out)):
+        if min_p[r] > 0:
+            out[r, probs[r] < min_p[r] * probs[r].max()] = -np.inf
+    return out
+
+
+def test_penalties_match_numpy():
+    rows, vocab = 5, 50
+    logits = RNG.normal(size=(rows, vocab)).astype(np.float32) * 3
+    counts = RNG.integers(0, 3, size=(rows, vocab)) * (RNG.random((rows, vocab)) < 0.2)
+    prompt_mask = RNG.random((rows, vocab)) < 0.1
+    rep = np.array([1.0, 1.3, 0.7, 1.0, 2.0], np.float32)
+    pres = np.array([0.0, 0.5, -0.3, 1.5, 0.0], np.float32)
+    freq = np.array([0.0, 0.2, 0.0, -1.0, 2.0], np.float32)
+    got = apply_penalties(*map(jnp.asarray, (logits, counts, prompt_mask, rep, pres, freq)))
+    want = numpy_penalties(logits, counts, prompt_mask, rep, pres, freq)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got)[0], logits[0])  # neutral row untouched
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])  # 1000 > 256 candidates: the exact fallback
+def test_top_k_top_p_match_numpy(vocab):
+    rows = 8
+    logits = (RNG.normal(size=(rows, vocab)) * np.linspace(0.05, 4, rows)[:, None]).astype(
+        np.float32
+    )
+    top_k = np.array([0, 1, 5, 40, 0, 700, 3, 0], np.int32) % vocab
+    top_p = np.array([1.0, 1.0, 1.0, 0.9, 0.5, 0.95, 0.3, 0.999], np.float32)
+    got = np.asarray(apply_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    want = numpy_top_k_top_p(logits, top_k, top_p)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_array_equal(got[~np.isinf(got)], want[~np.isinf(want)])
+    assert np.array_equal(got[0], logits[0])  # neutral row untouched
+    assert (~np.isinf(got[1])).sum() == 1  # top_k 1 keeps the argmax only
+
+
+def test_min_p_matches_numpy():
+    logits = RNG.normal(size=(4, 60)).astype(np.float32) * 2
+    min_p = np.array([0.0, 0.05, 0.3, 1.0], np.float32)
+    got = np.asarray(apply_min_p(jnp.asarray(logits), jnp.asarray(min_p)))
+    want = numpy_min_p(logits, min_p)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+
+
+def test_bitmask_unpack_and_clear_bits():
+    vocab = 70
+    row = np.full(bitmask_width(vocab), -1, np.int32)
+    clear_bits(row, [0, 5, 31, 32, 63, 69])
+    allowed = np.asarray(unpack_bitmask(jnp.asarray(row[None]), vocab))[0]
+    assert allowed.shape == (vocab,)
+    assert sorted(np.nonzero(~allowed)[0].tolist()) == [0, 5, 31, 32, 63, 69]
+
+
+def test_bias_row_logit_bias_allowed_and_banned():
+    params = SamplingParams(logit_bias={3: 5.0, 4: -2.0}, allowed_token_ids=[3, 4, 9])
+    row = bias_row(params, 12, banned_ids=[9])
+    expected = np.full(12, -np.inf, np.float32)
+    expected[3], expected[4] = 5.0, -2.0
+    np.testing.assert_array_equal(row, expected)
+    assert bias_row(SamplingParams(), 12, []) is None
+
+
+def test_bad_words_and_min_tokens_rows():
+    constraints = RequestConstraints(
+        matcher=None, bad_word_sequences=[[7], [4, 5, 6]], min_tokens=2, stop_ids=[0, 2]
+    )
+    vocab = 40
+
+    def allowed(outputs, position):
+        mask = np.full((1, bitmask_width(vocab)), -1, np.int32)
+        constraints.fill(mask, 0, outputs, position)
+        return np.asarray(unpack_bitmask(jnp.asarray(mask), vocab))[0]
+
+    early = allowed([1], 1)  # min_tokens not reached: EOS and stop tokens blocked
+    assert not early[0] and not early[2] and early[6] and early[7]  # [7] is in the bias row
+    after_prefix = allowed([1, 4, 5], 3)  # "4 5" seen: 6 would complete the bad word
+    assert not after_prefix[6] and after_prefix[0] and after_prefix[2]
+    assert allowed([4, 1], 2)[6]
+
+
+def metadata(rows: int, **values) -> SamplingMetadata:
+    base = dict(
+        temperature=np.zeros(rows, np.float32),
+        top_k=np.zeros(rows, np.int32),
+        top_p=np.ones(rows, np.float32),
+        min_p=np.zeros(rows, np.float32),
+        repetition_penalty=np.ones(rows, np.float32),
+        presence_penalty=np.zeros(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32),
+        has_bias=np.zeros(rows, np.int32),
+        constrained=np.zeros(rows, np.int32),
+        seeds=np.zeros((rows, 2), np.uint32),
+        output_positions=np.arange(rows, dtype=np.int32),
+        keeps=np.ones(rows, np.int32),
+    )
+    for name, value in values.items():
+        base[name] = np.broadcast_to(np.asarray(value, base[name].dtype), base[name].shape).copy()
+    return SamplingMetadata(**base)
+
+
+def empty_state(slots: int, vocab: int) -> SamplerState:
+    return SamplerState(
+        output_counts=jnp.zeros((slots, vocab), jnp.int32),
+        prompt_mask=jnp.zeros((slots, vocab), bool),
+        bias=jnp.zeros((slots, vocab), jnp.float32),
+        bitmask=jnp.full((slots, bitmask_width(vocab)), -1, jnp.int32),
+    )
+
+
+def draws(logits_row: np.ndarray, count: int, **values) -> np.ndarray:
+    """`count` samples of one distribution: one row per output position, one seed."""
+    vocab = logits_row.shape[0]
+    logits = jnp.asarray(np.tile(logits_row, (count, 1)))
+    md = metadata(count, **values)
+    out = sample(logits, md, empty_state(1, vocab), jnp.zeros(count, jnp.int32), num_logprobs=0)
+    return np.asarray(out.token_ids)
+
+
+def chi_square_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    support = probs > 0
+    assert np.all(support[samples]), "a token outside the support was drawn"
+    observed = np.bincount(samples, minlength=len(probs))[support]
+    expected = probs[support].astype(np.float64)
+    expected = expected / expected.sum() * len(samples)
+    return stats.chisquare(observed, expected).pvalue
+
+
+def test_temperature_draws_follow_softmax():
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    for temperature in (0.5, 1.0, 2.0):
+        samples = draws(logits, 20000, temperature=temperature, seeds=[[11, 0]])
+        probs = np.exp(logits / temperature)
+        probs /= probs.sum()
+        assert chi_square_pvalue(samples, probs) > 1e-3, temperature
+
+
+def test_top_p_draws_follow_the_renormalized_nucleus():
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
+    samples = draws(logits, 20000, temperature=1.0, top_p=0.75, seeds=[[5, 0]])
+    probs = np.array([0.4, 0.25, 0.15, 0, 0, 0])  # 0.4 + 0.25 < 0.75 <= 0.8
+    assert chi_square_pvalue(samples, probs / probs.sum()) > 1e-3
+    # A wrong distribution fails the same test: the statistic has power here.
+    assert chi_square_pvalue(samples, np.array([0.5, 0.3, 0.2, 0, 0, 0])) < 1e-6
+
+
+def test_greedy_takes_argmax_of_processed_logits_and_seeds_are_row_independent():
+    vocab = 30
+    logits = jnp.asarray(RNG.normal(size=(4, vocab)).astype(np.float32))
+    state = empty_state(5, vocab)
+    bias = np.zeros((5, vocab), np.float32)
+    bias[2, 7] = 100.0
+    state = SamplerState(state.output_counts, state.prompt_mask, jnp.asarray(bias), state.bitmask)
+    md = metadata(4, has_bias=[0, 0, 1, 0])
+    out = sample(logits, md, state, jnp.asarray([0, 1, 2, 3]), num_logprobs=0)
+    expected = np.argmax(np.asarray(logits), axis=-1)
+    expected[2] = 7
+    np.testing.assert_array_equal(np.asarray(out.token_ids), expected)
+
+    # A seeded random row draws the same token whatever the other rows are.
+    alone = sample(
+        logits[:1],
+        metadata(1, temperature=0.9, seeds=[[42, 0]], output_positions=[3]),
+        state,
+        jnp.asarray([0]),
+        num_logprobs=0,
+    )
+    mixed = sample(
+        logits[jnp.asarray([0, 0, 0, 0])],
+        metadata(
+            4,
+            temperature=[0.0, 0.9, 1.5, 0.9],
+            seeds=[[1, 0], [42, 0], [2, 0], [7, 0]],
+            output_positions=[0, 3, 9, 3],
+            top_k=[0, 0, 5, 0],
+        ),
+        state,
+        jnp.asarray([0, 1, 2, 3]),
+        num_logprobs=0,
+    )
+    assert int(alone.token_ids[0]) == int(mixed.token_ids[1])

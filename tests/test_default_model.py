@@ -141,3 +141,53 @@ def test_greedy_output_same_alone_and_in_batch_of_16(llm):
             alone.outputs[0].token_ids
         )
         assert alone.outputs[0].text == batched[i].outputs[0].text
+
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+            "sunny": {"type": "boolean"},
+        },
+        "required": ["city", "tags", "sunny"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 5},
+]
+
+
+def test_structured_outputs_parse_and_validate(llm):
+    import json
+
+    import jsonschema
+
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
+    questions = [
+        "Describe a person as JSON.",
+        "Describe the weather in a European city as JSON.",
+        "Give me a few small numbers as a JSON list.",
+        "Describe anything as a JSON object.",
+    ]
+    specs = [StructuredOutputsParams(json=s) for s in SCHEMAS] + [
+        StructuredOutputsParams(json_object=True)
+    ]
+    params = [
+        SamplingParams(temperature=t, seed=i, max_tokens=120, structured_outputs=spec)
+        for i, (spec, t) in enumerate(zip(specs, [0.0, 0.7, 0.0, 0.7], strict=True))
+    ]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    for output, spec in zip(outputs, specs, strict=True):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text  # ended within max_tokens
+        value = json.loads(completion.text)
+        jsonschema.validate(value, spec.json if spec.json is not None else {"type": "object"})

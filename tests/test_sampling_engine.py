@@ -196,7 +196,7 @@ def test_structured_choice_and_regex_with_a_bad_grammar_alongside(llm):
             prompt(9),
             SamplingParams(structured_outputs=StructuredOutputsParams(grammar="start: ( ")),
         )
-    with pytest.raises(ValueError, match="structured-output|regex"):
+    with pytest.raises(ValueError, match=r"structured-output|regex"):
         engine.add_request(
             prompt(9), SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a"))
         )

@@ -25,6 +25,7 @@ from jaxinfer.engine.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    first_argmax,
     unpack_bitmask,
 )
 
@@ -113,7 +114,7 @@ def draw(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:  # i32[R]
     )
     keys = request_keys(metadata.seeds, metadata.output_positions)
     exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
-    return jnp.argmax(scaled - jnp.log(exponential), axis=-1).astype(jnp.int32)
+    return first_argmax(scaled - jnp.log(exponential))
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))

@@ -3,7 +3,6 @@ loading the same GGUF file with its own converter."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -59,9 +58,11 @@ def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     try:
         assert engine.kv_cache_manager.allocate_slots(request, len(prompt))
-        output = SchedulerOutput((ScheduledRequest(request, 0, len(prompt)),), len(prompt), ())
-        batch, _, _ = engine.batch_builder.build(output)
-        logits = engine.runner.forward(jax.device_put(batch))
+        scheduled = ScheduledRequest(request, 0, len(prompt), True, 0, 0)
+        output = SchedulerOutput((scheduled,), len(prompt), ())
+        request.batch_slot = 0  # the engine is idle
+        batch, _, _ = engine.runner.prepare(engine.batch_builder.build(output))
+        logits = engine.runner.forward(batch)
         return np.asarray(logits)[0]
     finally:
         engine.abort_request(request.request_id)

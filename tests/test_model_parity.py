@@ -6,7 +6,6 @@ shuffled non-contiguous blocks, and inside a mixed batch with other requests at 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,6 +48,7 @@ class Harness:
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         self.rng = np.random.default_rng(0)
         self.free_blocks = list(self.rng.permutation(np.arange(1, NUM_BLOCKS)))
+        self.next_slot = 0
 
     def new_request(self, request_id: str, prompt: list[int]) -> Request:
         num_blocks = -(-len(prompt) // BLOCK_SIZE)
@@ -61,14 +61,17 @@ class Harness:
             metrics=RequestMetrics(arrival_time=0.0),
         )
         request.block_ids = [int(self.free_blocks.pop()) for _ in range(num_blocks)]
+        request.batch_slot = self.next_slot % self.config.scheduler.max_num_seqs  # <= 8 live
+        self.next_slot += 1
         return request
 
     def step(self, chunks: list[tuple[Request, int]]) -> np.ndarray:
         """Runs the next `count` tokens of each request; returns f32[num_requests, V]."""
-        scheduled = tuple(ScheduledRequest(r, r.num_computed_tokens, n) for r, n in chunks)
+        scheduled = tuple(
+            ScheduledRequest(r, r.num_computed_tokens, n, True, 0, 0) for r, n in chunks
+        )
         output = SchedulerOutput(scheduled, sum(n for _, n in chunks), ())
-        batch, _, _ = self.builder.build(output)
-        batch = jax.device_put(batch)
+        batch, _, _ = self.runner.prepare(self.builder.build(output))
         logits = self.runner.forward(batch)
         for request, count in chunks:
             request.num_computed_tokens += count

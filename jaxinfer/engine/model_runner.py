@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, StepInputs
 from jaxinfer.engine.batch_builder import BatchBuilder, HostStep, SamplingFlags, SlotUpdates
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.constraints import bitmask_width
@@ -131,9 +131,7 @@ class ModelRunner:
     def execute(self, step: HostStep) -> SamplerOutput:
         """Enqueues one step: the per-slot rows that changed, the step's inputs, the model and
         the sampler. Returns at once; the result stays on the device until fetched."""
-        self.apply_updates(step.updates)
-        inputs, sampling = jax.device_put((step.inputs, step.sampling))
-        batch = self._assemble(inputs, self.block_table, self.last_tokens)
+        batch, inputs, sampling = self.prepare(step)
         logits = self.forward(batch)
         sampled = sample(
             logits,
@@ -150,6 +148,12 @@ class ModelRunner:
             sampling.keeps,
         )
         return sampled
+
+    def prepare(self, step: HostStep) -> tuple[BatchInputs, StepInputs, SamplingMetadata]:
+        """Applies the step's slot updates and builds its device batch (nothing waits)."""
+        self.apply_updates(step.updates)
+        inputs, sampling = jax.device_put((step.inputs, step.sampling))
+        return self._assemble(inputs, self.block_table, self.last_tokens), inputs, sampling
 
     def apply_updates(self, updates: SlotUpdates) -> None:
         if updates.block_table is not None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -140,20 +142,10 @@ def test_bad_words_and_min_tokens_rows():
 
 
 def metadata(rows: int, **values) -> SamplingMetadata:
-    base = dict(
-        temperature=np.zeros(rows, np.float32),
-        top_k=np.zeros(rows, np.int32),
-        top_p=np.ones(rows, np.float32),
-        min_p=np.zeros(rows, np.float32),
-        repetition_penalty=np.ones(rows, np.float32),
-        presence_penalty=np.zeros(rows, np.float32),
-        frequency_penalty=np.zeros(rows, np.float32),
-        has_bias=np.zeros(rows, np.int32),
-        constrained=np.zeros(rows, np.int32),
-        seeds=np.zeros((rows, 2), np.uint32),
-        output_positions=np.arange(rows, dtype=np.int32),
-        keeps=np.ones(rows, np.int32),
-    )
+    """Neutral rows, each sampling a different output position, with `values` set."""
+    base = dataclasses.asdict(SamplingMetadata.neutral(rows))
+    base["output_positions"] = np.arange(rows, dtype=np.int32)
+    base["keeps"] = np.ones(rows, np.int32)
     for name, value in values.items():
         base[name] = np.broadcast_to(np.asarray(value, base[name].dtype), base[name].shape).copy()
     return SamplingMetadata(**base)

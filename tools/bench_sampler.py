@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -45,10 +46,12 @@ SCHEMA = {
 def metadata(rows: int, mixed: bool, greedy: bool) -> SamplingMetadata:
     rng = np.random.default_rng(0)
     index = np.arange(rows)
-    return SamplingMetadata(
-        temperature=np.zeros(rows, np.float32)
-        if greedy
-        else np.where(index % 4 == 0, 0.0, 0.8).astype(np.float32),
+    neutral = SamplingMetadata.neutral(rows)
+    if greedy:
+        return neutral
+    return dataclasses.replace(
+        neutral,
+        temperature=np.where(index % 4 == 0, 0.0, 0.8).astype(np.float32),
         top_k=np.where(mixed & (index % 3 == 0), 40, 0).astype(np.int32),
         top_p=np.where(mixed & (index % 3 == 1), 0.9, 1.0).astype(np.float32),
         min_p=np.where(mixed & (index % 5 == 0), 0.05, 0.0).astype(np.float32),
@@ -56,7 +59,6 @@ def metadata(rows: int, mixed: bool, greedy: bool) -> SamplingMetadata:
         presence_penalty=np.where(mixed & (index % 2 == 1), 0.5, 0.0).astype(np.float32),
         frequency_penalty=np.where(mixed & (index % 2 == 1), 0.3, 0.0).astype(np.float32),
         has_bias=np.where(mixed & (index % 7 == 0), 1, 0).astype(np.int32),
-        constrained=np.zeros(rows, np.int32),
         seeds=rng.integers(0, 2**32, size=(rows, 2), dtype=np.uint32),
         output_positions=index.astype(np.int32),
         keeps=np.ones(rows, np.int32),
@@ -139,7 +141,8 @@ def main(argv):
     del argv
     llm = LLM(max_num_seqs=FLAGS.rows)
     bench_sampler(llm.engine.config.model.arch.vocab_size)
-    bench_structured(llm)
+    if FLAGS.structured_requests:
+        bench_structured(llm)
 
 
 if __name__ == "__main__":

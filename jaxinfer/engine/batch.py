@@ -60,6 +60,24 @@ class SamplingMetadata:
     output_positions: np.ndarray  # i32[R], index of the token being sampled in its output
     keeps: np.ndarray  # i32[R], 1 where the sample is kept (the step ends the request's tokens)
 
+    @classmethod
+    def neutral(cls, num_reqs: int) -> SamplingMetadata:
+        """Greedy rows with every other parameter off (what padding rows hold)."""
+        return cls(
+            temperature=np.zeros(num_reqs, np.float32),
+            top_k=np.zeros(num_reqs, np.int32),
+            top_p=np.ones(num_reqs, np.float32),
+            min_p=np.zeros(num_reqs, np.float32),
+            repetition_penalty=np.ones(num_reqs, np.float32),
+            presence_penalty=np.zeros(num_reqs, np.float32),
+            frequency_penalty=np.zeros(num_reqs, np.float32),
+            has_bias=np.zeros(num_reqs, np.int32),
+            constrained=np.zeros(num_reqs, np.int32),
+            seeds=np.zeros((num_reqs, 2), np.uint32),
+            output_positions=np.zeros(num_reqs, np.int32),
+            keeps=np.zeros(num_reqs, np.int32),
+        )
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

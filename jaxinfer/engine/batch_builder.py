@@ -82,20 +82,7 @@ class BatchBuilder:
             logits_indices=np.zeros(num_reqs, np.int32),
             num_seqs=np.zeros(1, np.int32),
         )
-        sampling = SamplingMetadata(
-            temperature=np.zeros(num_reqs, np.float32),
-            top_k=np.zeros(num_reqs, np.int32),
-            top_p=np.ones(num_reqs, np.float32),
-            min_p=np.zeros(num_reqs, np.float32),
-            repetition_penalty=np.ones(num_reqs, np.float32),
-            presence_penalty=np.zeros(num_reqs, np.float32),
-            frequency_penalty=np.zeros(num_reqs, np.float32),
-            has_bias=np.zeros(num_reqs, np.int32),
-            constrained=np.zeros(num_reqs, np.int32),
-            seeds=np.zeros((num_reqs, 2), np.uint32),
-            output_positions=np.zeros(num_reqs, np.int32),
-            keeps=np.zeros(num_reqs, np.int32),
-        )
+        sampling = SamplingMetadata.neutral(num_reqs)
         return inputs, sampling
 
     def padding_updates(self, num_rows: int) -> SlotUpdates:

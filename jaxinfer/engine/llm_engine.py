@@ -52,6 +52,8 @@ class StepTiming:
 class _InFlight:
     scheduler_output: SchedulerOutput
     sampled: SamplerOutput  # on the device
+    built: float  # perf_counter() when its inputs were built
+    dispatched: float  # and when it was enqueued
 
 
 class LLMEngine:
@@ -82,7 +84,6 @@ class LLMEngine:
         self._next_id = 0
         self.last_step_timing: StepTiming | None = None
         self._in_flight: _InFlight | None = None  # a step enqueued and not yet processed
-        self._marks = (0.0, 0.0)  # (built, dispatched) of the last step enqueued
 
     # -- requests --------------------------------------------------------------------------
 
@@ -217,7 +218,6 @@ class LLMEngine:
         call runs one step to completion.
         """
         start = time.perf_counter()
-        self._marks = (start, start)
         current, self._in_flight = self._in_flight, None
         if current is not None and not self.scheduler.has_unfinished():
             current = None  # everything in it finished or was aborted: nothing to process
@@ -231,10 +231,11 @@ class LLMEngine:
         step_output = self._to_step_output(current.scheduler_output, current.sampled)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
+        newest = self._in_flight or current  # the last step this call enqueued, if any
         self.last_step_timing = StepTiming(
             start=start,
-            built=self._marks[0],
-            dispatched=self._marks[1],
+            built=max(newest.built, start),
+            dispatched=max(newest.dispatched, start),
             ready=ready,
             end=time.perf_counter(),
             num_tokens=current.scheduler_output.num_scheduled_tokens,
@@ -262,8 +263,7 @@ class LLMEngine:
         host_step = self.batch_builder.build(scheduler_output)
         built = time.perf_counter()
         sampled = self.runner.execute(host_step)
-        self._marks = (built, time.perf_counter())
-        return _InFlight(scheduler_output, sampled)
+        return _InFlight(scheduler_output, sampled, built, time.perf_counter())
 
     def _process(
         self, scheduler_output: SchedulerOutput, step_output: StepOutput

@@ -4,6 +4,7 @@ structured outputs with llguidance."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -213,3 +214,33 @@ def test_structured_choice_and_regex_with_a_bad_grammar_alongside(llm):
         or finals[requests[3].request_id].finish_reason == "length"
     )
     assert len(finals[requests[4].request_id].token_ids) == 8
+
+
+def test_n_samples_share_the_prompt_and_match_separate_requests(llm):
+    engine = llm.engine
+    long_prompt = prompt(7, 40)  # 5 full blocks of 8
+    params = SamplingParams(n=3, temperature=0.9, seed=77, max_tokens=10, ignore_eos=True)
+    engine.reset_prefix_cache()
+    before = engine.stats()
+    out = run(llm, [long_prompt], params)[0]
+    stats = engine.stats()
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    # The 2nd and 3rd samples were admitted with the 1st and found its 4 full prompt blocks
+    # (the block holding the last prompt token is always recomputed).
+    assert stats.prefix_cache_hits - before.prefix_cache_hits == 2 * 4 * 8
+    engine.reset_prefix_cache()
+    for completion in out.outputs:
+        alone = SamplingParams(
+            temperature=0.9, seed=77 + completion.index, max_tokens=10, ignore_eos=True
+        )
+        assert run(llm, [long_prompt], alone)[0].outputs[0].token_ids == completion.token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+    # Aborting the parent id aborts every sample and frees their blocks.
+    parent = engine.add_request(long_prompt, dataclasses.replace(params, max_tokens=40))
+    engine.step()
+    engine.abort_request(parent.request_id)
+    assert all(child.status.value == "abort" for child in parent.children)
+    assert not engine.has_unfinished_requests()
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1

@@ -87,13 +87,17 @@ class KVCacheManager:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Makes the request's newly computed full blocks findable by later requests. Only
-        blocks whose tokens are all known count (not those holding an output placeholder), and
-        the engine calls this once the steps that write them are enqueued on the device."""
+    def cache_full_blocks(self, request: Request, num_computed: int | None = None) -> None:
+        """Makes the request's full blocks up to num_computed tokens (default: its computed
+        tokens) findable by other requests. Only blocks whose tokens are all known count (not
+        those holding an output placeholder). A block may be registered as soon as the step
+        that writes it is scheduled: a request that hits it in the same step reads it after
+        the write (each layer writes the step's K/V before attending), later ones after that
+        step."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(computed, request.num_tokens) // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         hashes = self.block_hashes(request)

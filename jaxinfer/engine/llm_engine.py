@@ -19,6 +19,7 @@ from jaxinfer.engine.constraints import GrammarCompiler, bias_row, build_constra
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
@@ -81,6 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by id
         self._next_id = 0
         self.last_step_timing: StepTiming | None = None
         self._in_flight: _InFlight | None = None  # a step enqueued and not yet processed
@@ -95,12 +97,14 @@ class LLMEngine:
         add_special_tokens: bool = True,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> Request:
+    ) -> Request | ParentRequest:
         """Tokenizes and admits a request; raises ValueError if it could never be served.
 
         Args:
             prompt: text, or token ids used as they are.
-            params: how to sample.
+            params: how to sample; with n > 1, n samples run as child requests (their seeds
+                seed + i when seeded) and share the prompt's KV blocks through the prefix
+                cache; their outputs come together under request_id.
             request_id: unique id; one is made up when None.
             add_special_tokens: for text prompts; False for rendered chat templates.
             priority: lower is scheduled first and preempted last; FCFS among equals.
@@ -110,7 +114,7 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id is None:
             request_id = self._new_request_id()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.config.model.arch.vocab_size
         if isinstance(prompt, str):
@@ -119,6 +123,36 @@ class LLMEngine:
             text, token_ids = None, [int(t) for t in prompt]
             if any(not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.n == 1:
+            return self._add_one(request_id, text, token_ids, params, priority, cache_salt)
+        parent = ParentRequest(request_id, text, token_ids, [], [None] * params.n)
+        try:
+            for index in range(params.n):
+                child_id = f"{request_id}#{index}"
+                if child_id in self.requests:
+                    raise ValueError(f"request id {child_id!r} is already in use")
+                seed = None if params.seed is None else (params.seed + index) % 2**64
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+                child = self._add_one(child_id, text, token_ids, child_params, priority, cache_salt)
+                child.parent, child.index = parent, index
+                parent.children.append(child)
+        except Exception:
+            for child in parent.children:
+                self.abort_request(child.request_id)
+            raise
+        self._parents[request_id] = parent
+        return parent
+
+    def _add_one(
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+    ) -> Request:
+        vocab = self.config.model.arch.vocab_size
         self._check_supported(params)
         for name, ids in [
             ("stop_token_ids", params.stop_token_ids),
@@ -156,8 +190,6 @@ class LLMEngine:
 
     @staticmethod
     def _check_supported(params: SamplingParams) -> None:
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported yet; send n separate requests")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet")
 
@@ -181,12 +213,19 @@ class LLMEngine:
         )
 
     def _new_request_id(self) -> str:
-        while str(self._next_id) in self.requests:  # skip ids a caller chose
+        while str(self._next_id) in self.requests or str(self._next_id) in self._parents:
             self._next_id += 1
         self._next_id += 1
         return str(self._next_id - 1)
 
     def abort_request(self, request_id: str) -> None:
+        """Aborts a request (all samples of an n > 1 one) at any stage; unknown ids are
+        ignored (the request may have just finished)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            for child in parent.children:
+                self.abort_request(child.request_id)
+            return
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
@@ -294,11 +333,21 @@ class LLMEngine:
             if not isinstance(request.stop_reason, str):
                 self._detokenizers[request.request_id].finish()
         outputs = []
+        parents: dict[str, ParentRequest] = {}
         for request in updated:
-            outputs.append(self._request_output(request))
+            output = self._request_output(request)
+            if request.parent is None:
+                outputs.append(output)
+            else:  # one output per parent and step, holding every sample so far
+                request.parent.completions[request.index] = output.outputs[0]
+                parents[request.parent.request_id] = request.parent
             if request.status.finished:
                 del self.requests[request.request_id]
                 del self._detokenizers[request.request_id]
+        for parent in parents.values():
+            outputs.append(parent.output())
+            if parent.finished:
+                self._parents.pop(parent.request_id, None)
         return outputs
 
     def _to_step_output(
@@ -326,7 +375,7 @@ class LLMEngine:
     def _request_output(self, request: Request) -> RequestOutput:
         finished = request.status.finished
         completion = CompletionOutput(
-            index=0,
+            index=request.index,
             text=self._detokenizers[request.request_id].text,
             token_ids=list(request.output_token_ids),
             logprobs=list(request.logprobs)

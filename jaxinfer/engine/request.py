@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -70,6 +74,8 @@ class Request:
     bias: np.ndarray | None = None  # f32[V], fixed logit bias (see constraints.bias_row)
     constraints: RequestConstraints | None = None  # per-step token bitmask rows
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    parent: ParentRequest | None = None  # set for the samples of an n > 1 request
+    index: int = 0  # which of the parent's samples
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

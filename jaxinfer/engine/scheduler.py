@@ -150,6 +150,9 @@ class Scheduler:
                 break
             if self.kv.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+                # Admitted now, never preempted in this step: its prompt blocks can be shared
+                # at once (the n samples of one prompt, prompts arriving together).
+                self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             request.batch_slot = self._free_slots.pop()

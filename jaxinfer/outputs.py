@@ -51,3 +51,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token the
+    # top-N ids and the token itself, as for output logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -244,3 +244,34 @@ def test_n_samples_share_the_prompt_and_match_separate_requests(llm):
     assert not engine.has_unfinished_requests()
     pool = engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_prompt_logprobs_match_hf_across_chunks(llm, tiny_model_dir):
+    import torch
+    import transformers
+
+    long_prompt = prompt(11, 100)  # the 64-token budget chunks it
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5)
+    first = run(llm, [long_prompt], params)[0]
+    again = run(llm, [long_prompt], params)[0]  # no prefix-cache shortcut for these
+    assert again.prompt_logprobs == first.prompt_logprobs
+    result = first.prompt_logprobs
+    assert len(result) == len(long_prompt) and result[0] is None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([long_prompt])).logits[0]
+    reference = torch.log_softmax(logits.double(), dim=-1).numpy()
+    for position in range(1, len(long_prompt)):
+        got = result[position]
+        expected = reference[position - 1]
+        token = long_prompt[position]
+        assert token in got
+        assert abs(got[token] - expected[token]) < 1e-4
+        top = sorted(got.items(), key=lambda kv: -kv[1])
+        for token_id, value in top:
+            assert abs(value - expected[token_id]) < 1e-4
+        assert len(got) in (5, 6)  # the top 5, and the token itself when outside them
+        assert min(v for t, v in got.items() if t != token or len(got) == 5) >= (
+            np.sort(expected)[-5] - 1e-4
+        )
+    assert run(llm, [long_prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None

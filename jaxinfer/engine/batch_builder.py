@@ -36,6 +36,15 @@ class SlotUpdates:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptLogprobRows:
+    """Tokens of the step whose hidden state scores the next prompt token (prompt_logprobs)."""
+
+    rows: np.ndarray  # i32[P], flat token index in the step
+    targets: np.ndarray  # i32[P], the prompt token that follows
+    spans: tuple[tuple[int, int, int], ...]  # (batch row, first target position, count)
+
+
+@dataclasses.dataclass(frozen=True)
 class HostStep:
     """Everything the host sends for one step."""
 
@@ -43,6 +52,7 @@ class HostStep:
     sampling: SamplingMetadata
     flags: SamplingFlags
     updates: SlotUpdates
+    prompt_logprobs: PromptLogprobRows | None = None
 
 
 class BatchBuilder:
@@ -113,6 +123,7 @@ class BatchBuilder:
         changed_blocks: list[Request] = []
         fresh: list[Request] = []
         constrained: list[ScheduledRequest] = []
+        prompt_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, position, count)
         start = 0
         for row, item in enumerate(items):
             request, first, count = item.request, item.num_computed_tokens, item.num_new_tokens
@@ -137,6 +148,11 @@ class BatchBuilder:
             inputs.seq_lens[row] = first + count
             inputs.query_start_loc[row + 1] = end
             self._sampling_row(sampling, row, item)
+            if request.sampling_params.prompt_logprobs is not None:
+                # Token p's hidden state scores prompt token p + 1.
+                last = min(first + count, request.num_prompt_tokens - 1)
+                if last > first:
+                    prompt_spans.append((row, start, first + 1, last - first))
             constraints = request.constraints
             if item.samples and constraints and constraints.active(item.output_position):
                 constrained.append(item)
@@ -158,7 +174,22 @@ class BatchBuilder:
         )
         for request in fresh:
             request.needs_slot_init = False
-        return HostStep(inputs, sampling, flags, updates)
+        return HostStep(inputs, sampling, flags, updates, self._prompt_rows(items, prompt_spans))
+
+    @staticmethod
+    def _prompt_rows(
+        items: tuple[ScheduledRequest, ...], spans: list[tuple[int, int, int, int]]
+    ) -> PromptLogprobRows | None:
+        if not spans:
+            return None
+        rows = np.concatenate([np.arange(s, s + n, dtype=np.int32) for _, s, _, n in spans])
+        targets = np.concatenate(
+            [
+                np.asarray(items[row].request.prompt_token_ids[p : p + n], np.int32)
+                for row, _, p, n in spans
+            ]
+        )
+        return PromptLogprobRows(rows, targets, tuple((r, p, n) for r, _, p, n in spans))
 
     @staticmethod
     def _sampling_row(sampling: SamplingMetadata, row: int, item: ScheduledRequest) -> None:

@@ -51,7 +51,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of a request that has computed nothing yet. The last
         token is always left to compute, since its logits are needed."""
-        if not self.enable_prefix_caching or request.num_computed_tokens:
+        if (
+            not self.enable_prefix_caching
+            or request.num_computed_tokens
+            or request.sampling_params.prompt_logprobs is not None  # needs every position
+        ):
             return []
         limit = (request.num_tokens - 1) // self.block_size
         hits = []

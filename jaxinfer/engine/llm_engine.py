@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions, build_engine_config
-from jaxinfer.engine.batch_builder import BatchBuilder
+from jaxinfer.engine.batch_builder import BatchBuilder, PromptLogprobRows
 from jaxinfer.engine.constraints import GrammarCompiler, bias_row, build_constraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
@@ -53,6 +53,8 @@ class StepTiming:
 class _InFlight:
     scheduler_output: SchedulerOutput
     sampled: SamplerOutput  # on the device
+    prompt_rows: PromptLogprobRows | None
+    prompt_logprobs: list  # device chunks of (target logprobs, top ids, top logprobs)
     built: float  # perf_counter() when its inputs were built
     dispatched: float  # and when it was enqueued
 
@@ -153,7 +155,6 @@ class LLMEngine:
         cache_salt: str | None,
     ) -> Request:
         vocab = self.config.model.arch.vocab_size
-        self._check_supported(params)
         for name, ids in [
             ("stop_token_ids", params.stop_token_ids),
             ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -180,6 +181,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             bias=bias_row(params, vocab, [w[0] for w in bad_words if len(w) == 1]),
             constraints=constraints,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -187,11 +189,6 @@ class LLMEngine:
             self.tokenizer.tokenizer, params.skip_special_tokens
         )
         return request
-
-    @staticmethod
-    def _check_supported(params: SamplingParams) -> None:
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
 
     def _bad_word_sequences(self, bad_words: tuple[str, ...]) -> list[list[int]]:
         """Token sequences of each bad word, as written and after a space (vLLM's rule)."""
@@ -268,6 +265,7 @@ class LLMEngine:
             self._in_flight = self._schedule_and_dispatch()
         overlapped = self._in_flight is not None and not current.sampled.token_ids.is_ready()
         step_output = self._to_step_output(current.scheduler_output, current.sampled)
+        self._record_prompt_logprobs(current)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
         newest = self._in_flight or current  # the last step this call enqueued, if any
@@ -301,8 +299,15 @@ class LLMEngine:
                 item.request.metrics.first_scheduled_time = now
         host_step = self.batch_builder.build(scheduler_output)
         built = time.perf_counter()
-        sampled = self.runner.execute(host_step)
-        return _InFlight(scheduler_output, sampled, built, time.perf_counter())
+        sampled, prompt_logprobs = self.runner.execute(host_step)
+        return _InFlight(
+            scheduler_output,
+            sampled,
+            host_step.prompt_logprobs,
+            prompt_logprobs,
+            built,
+            time.perf_counter(),
+        )
 
     def _process(
         self, scheduler_output: SchedulerOutput, step_output: StepOutput
@@ -350,6 +355,34 @@ class LLMEngine:
                 self._parents.pop(parent.request_id, None)
         return outputs
 
+    def _record_prompt_logprobs(self, step: _InFlight) -> None:
+        """Appends each prompt position's logprobs to its request (once: a chunk recomputed
+        after a preemption adds nothing)."""
+        if step.prompt_rows is None:
+            return
+        chosen, top_ids, top_logprobs = (
+            np.concatenate(part)[: len(step.prompt_rows.rows)]
+            for part in zip(*jax.device_get(step.prompt_logprobs), strict=True)
+        )
+        offset = 0
+        for row, position, count in step.prompt_rows.spans:
+            item = step.scheduler_output.scheduled[row]
+            request = item.request
+            wanted = request.sampling_params.prompt_logprobs
+            valid = request.status is RequestStatus.RUNNING and request.epoch == item.epoch
+            for j in range(count):
+                if valid and position + j == len(request.prompt_logprobs):
+                    top = dict(
+                        zip(
+                            top_ids[offset + j, :wanted].tolist(),
+                            top_logprobs[offset + j, :wanted].tolist(),
+                            strict=True,
+                        )
+                    )
+                    top[request.prompt_token_ids[position + j]] = float(chosen[offset + j])
+                    request.prompt_logprobs.append(top)
+            offset += count
+
     def _to_step_output(
         self, scheduler_output: SchedulerOutput, sampled: SamplerOutput
     ) -> StepOutput:
@@ -391,6 +424,7 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             metrics=request.metrics,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
 

@@ -12,11 +12,18 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, StepInputs
-from jaxinfer.engine.batch_builder import BatchBuilder, HostStep, SamplingFlags, SlotUpdates
+from jaxinfer.engine.batch_builder import (
+    BatchBuilder,
+    HostStep,
+    PromptLogprobRows,
+    SamplingFlags,
+    SlotUpdates,
+)
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.constraints import bitmask_width
 from jaxinfer.engine.device_inputs import (
@@ -27,19 +34,28 @@ from jaxinfer.engine.device_inputs import (
     set_penalty_rows,
     set_rows,
 )
-from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample
-from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens
+from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
+from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger(__name__)
 
 
-def _scan_step(
+PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
+
+
+def _scan_hidden(
     graphdef: nnx.GraphDef, state: nnx.State, kv_cache: jax.Array, batch: BatchInputs
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E])
     model = nnx.merge(graphdef, state)
-    return model(kv_cache, batch)
+    return model.hidden_states(kv_cache, batch)
+
+
+def _prompt_logprobs(
+    config, params: dict, hidden: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[P], i32[P, K], f32[P, K]
+    return token_logprobs(lm_head(config, params, hidden), targets, MAX_LOGPROBS)
 
 
 class ModelRunner:
@@ -72,15 +88,18 @@ class ModelRunner:
             ),
             config.model.dtype,
         )  # [L, 2, NB, BS, K, D]
+        params = nnx.to_pure_dict(state)
+        stacked = params.pop("layers")
+        self.top_params = params  # embed, norm, lm_head, rope_cache
+        self._logits = jax.jit(functools.partial(compute_logits, arch))
+        self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch))
         if self.layer_execution == "scan":
             self.state = state
-            self._scan_step = jax.jit(
-                functools.partial(_scan_step, graphdef), donate_argnames=("kv_cache",)
+            self._scan_hidden = jax.jit(
+                functools.partial(_scan_hidden, graphdef), donate_argnames=("kv_cache",)
             )
         else:
-            params = nnx.to_pure_dict(state)
-            stacked = params.pop("layers")
-            self.top_params = params  # embed, norm, lm_head, rope_cache
             self.layer_params = [
                 jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(arch.num_hidden_layers)
             ]
@@ -93,7 +112,6 @@ class ModelRunner:
                 ),
                 donate_argnames=("kv_cache",),
             )
-            self._logits = jax.jit(functools.partial(compute_logits, arch))
         # Kept on the device between steps, by request slot (the last slot is the padding
         # requests'): block-table rows, each slot's last sampled token, the sampler's state.
         num_slots = config.scheduler.max_num_seqs + 1
@@ -118,21 +136,44 @@ class ModelRunner:
 
     def forward(self, batch: BatchInputs) -> jax.Array:
         """Runs the model on a device batch, updating the KV cache; returns logits f32[R, V]."""
+        return self._logits(self.top_params, self.hidden_states(batch), batch)
+
+    def hidden_states(self, batch: BatchInputs) -> jax.Array:
+        """Runs the layers, updating the KV cache; returns hidden [T, E] (before the norm)."""
         if self.layer_execution == "scan":
-            self.kv_cache, logits = self._scan_step(self.state, self.kv_cache, batch)
-            return logits
+            self.kv_cache, hidden = self._scan_hidden(self.state, self.kv_cache, batch)
+            return hidden
         hidden, cos_sin = self._embed(self.top_params, batch)
         kv_cache = self.kv_cache
         for params, layer in zip(self.layer_params, self.layer_ids, strict=True):
             hidden, kv_cache = self._layer(params, hidden, kv_cache, layer, batch, cos_sin)
         self.kv_cache = kv_cache
-        return self._logits(self.top_params, hidden, batch)
+        return hidden
 
-    def execute(self, step: HostStep) -> SamplerOutput:
+    def prompt_logprobs(
+        self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray
+    ) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+        """Log-probabilities of prompt tokens `targets` given hidden[rows] (the token before
+        each), and the top MAX_LOGPROBS, in chunks of PROMPT_LOGPROB_ROWS (left on device)."""
+        chunks = []
+        for start in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            chunk_rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            chunk_targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            count = min(PROMPT_LOGPROB_ROWS, len(rows) - start)
+            chunk_rows[:count] = rows[start : start + count]
+            chunk_targets[:count] = targets[start : start + count]
+            selected = self._select_rows(hidden, chunk_rows)
+            chunks.append(self._prompt_logprobs(self.top_params, selected, chunk_targets))
+        return chunks
+
+    def execute(
+        self, step: HostStep
+    ) -> tuple[SamplerOutput, list[tuple[jax.Array, jax.Array, jax.Array]]]:
         """Enqueues one step: the per-slot rows that changed, the step's inputs, the model and
         the sampler. Returns at once; the result stays on the device until fetched."""
         batch, inputs, sampling = self.prepare(step)
-        logits = self.forward(batch)
+        hidden = self.hidden_states(batch)
+        logits = self._logits(self.top_params, hidden, batch)
         sampled = sample(
             logits,
             sampling,
@@ -147,7 +188,10 @@ class ModelRunner:
             sampled.token_ids,
             sampling.keeps,
         )
-        return sampled
+        prompt = step.prompt_logprobs
+        if prompt is None:
+            return sampled, []
+        return sampled, self.prompt_logprobs(hidden, prompt.rows, prompt.targets)
 
     def prepare(self, step: HostStep) -> tuple[BatchInputs, StepInputs, SamplingMetadata]:
         """Applies the step's slot updates and builds its device batch (nothing waits)."""
@@ -183,9 +227,13 @@ class ModelRunner:
             num_reqs = inputs.num_reqs
             variants = [0] if num_reqs in sampled_buckets else [0, MAX_LOGPROBS]
             sampled_buckets.add(num_reqs)
+            prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
             for num_logprobs in variants:
-                step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), SlotUpdates())
+                step = HostStep(
+                    inputs, sampling, SamplingFlags(num_logprobs), SlotUpdates(), prompt
+                )
                 jax.block_until_ready(self.execute(step))
+                prompt = None  # compiled for this token bucket
         for num_rows in builder.update_buckets:
             self.apply_updates(builder.padding_updates(num_rows))
         jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))

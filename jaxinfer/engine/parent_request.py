@@ -29,4 +29,5 @@ class ParentRequest:
             outputs=[c for c in self.completions if c is not None],
             finished=self.finished,
             metrics=self.children[0].metrics,
+            prompt_logprobs=self.children[0].prompt_logprobs,
         )

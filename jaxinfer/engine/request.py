@@ -74,6 +74,7 @@ class Request:
     bias: np.ndarray | None = None  # f32[V], fixed logit bias (see constraints.bias_row)
     constraints: RequestConstraints | None = None  # per-step token bitmask rows
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position
     parent: ParentRequest | None = None  # set for the samples of an n > 1 request
     index: int = 0  # which of the parent's samples
 

@@ -137,7 +137,16 @@ def sample(
     )
     if not num_logprobs:
         return SamplerOutput(token_ids, None, None, None)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # of the model's own distribution
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    sampled = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    return SamplerOutput(token_ids, sampled, top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(token_ids, *token_logprobs(logits, token_ids, num_logprobs))
+
+
+def token_logprobs(
+    logits: jax.Array,  # f32[N, V], the model's own (before any processing)
+    token_ids: jax.Array,  # i32[N]
+    num_top: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[N], i32[N, K], f32[N, K]
+    """Log-probabilities of the given tokens, and the num_top most likely tokens with theirs."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    return chosen, top_ids.astype(jnp.int32), top_logprobs

@@ -82,6 +82,17 @@ class LlamaForCausalLM(nnx.Module):
         attention_fn: AttentionFn = ragged_paged_attention_reference,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, logits f32[R, V])
         """The whole step in one program: the layers run under `lax.scan`."""
+        kv_cache, hidden = self.hidden_states(kv_cache, batch, attention_fn=attention_fn)
+        params = nnx.to_pure_dict(nnx.state(self))
+        return kv_cache, compute_logits(self.config, params, hidden, batch)
+
+    def hidden_states(
+        self,
+        kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
+        batch: BatchInputs,
+        *,
+        attention_fn: AttentionFn = ragged_paged_attention_reference,
+    ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E] before the final norm)
         params = nnx.to_pure_dict(nnx.state(self))
         hidden, cos_sin = embed_tokens(params, batch)
 
@@ -102,7 +113,7 @@ class LlamaForCausalLM(nnx.Module):
         (hidden, kv_cache, _), _ = jax.lax.scan(
             layer_step, (hidden, kv_cache, jnp.int32(0)), params["layers"]
         )
-        return kv_cache, compute_logits(self.config, params, hidden, batch)
+        return kv_cache, hidden
 
 
 def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array]:
@@ -155,11 +166,16 @@ def compute_logits(
     config: LlamaConfig, params: dict, hidden: jax.Array, batch: BatchInputs
 ) -> jax.Array:  # f32[R, V]
     """Final norm and LM head on the rows that sample only (one per request)."""
+    return lm_head(config, params, hidden[batch.logits_indices])
+
+
+def lm_head(config: LlamaConfig, params: dict, hidden: jax.Array) -> jax.Array:  # f32[N, V]
+    """Final norm and LM head of some hidden rows [N, E]."""
     with jax.named_scope("lm_head"):
-        last = rms_norm(hidden[batch.logits_indices], params["norm"], config.rms_norm_eps)
+        x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
         if config.tie_word_embeddings:
-            return (last @ params["embed"].T).astype(jnp.float32)
-        return (last @ params["lm_head"]).astype(jnp.float32)
+            return (x @ params["embed"].T).astype(jnp.float32)
+        return (x @ params["lm_head"]).astype(jnp.float32)
 
 
 def build_llama(config: LlamaConfig, params: dict, dtype) -> tuple[nnx.GraphDef, nnx.State]:

@@ -167,6 +167,7 @@ SCHEMAS = [
 
 def test_structured_outputs_parse_and_validate(llm):
     import json
+    import re
 
     import jsonschema
 
@@ -192,3 +193,26 @@ def test_structured_outputs_parse_and_validate(llm):
         assert completion.finish_reason == "stop", completion.text  # ended within max_tokens
         value = json.loads(completion.text)
         jsonschema.validate(value, spec.json if spec.json is not None else {"type": "object"})
+
+    choices = ["Paris", "London", "Berlin"]
+    regex = r"[A-Z][a-z]+, [0-9]{4}"
+    outputs = llm.chat(
+        [
+            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Name a city and a year."}],
+        ],
+        [
+            SamplingParams(
+                temperature=0, structured_outputs=StructuredOutputsParams(choice=choices)
+            ),
+            SamplingParams(
+                temperature=0.8,
+                seed=1,
+                max_tokens=20,
+                structured_outputs=StructuredOutputsParams(regex=regex),
+            ),
+        ],
+        use_tqdm=False,
+    )
+    assert outputs[0].outputs[0].text in choices
+    assert re.fullmatch(regex, outputs[1].outputs[0].text), outputs[1].outputs[0].text

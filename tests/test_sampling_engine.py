@@ -275,3 +275,59 @@ def test_prompt_logprobs_match_hf_across_chunks(llm, tiny_model_dir):
             np.sort(expected)[-5] - 1e-4
         )
     assert run(llm, [long_prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
+def test_hostile_spec_is_refused_and_a_failing_grammar_ends_its_request(llm):
+    engine = llm.engine
+    # A regex whose lexer explodes: llguidance's limits end it (at admission or on a later
+    # mask) and the request beside it is served as usual.
+    hostile_params = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        structured_outputs=StructuredOutputsParams(regex="(a{1000}){1000}"),
+    )
+    beside = engine.add_request(
+        prompt(4), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    )
+    try:
+        hostile = engine.add_request(prompt(1), hostile_params)
+    except ValueError as error:
+        assert "structured-output" in str(error)
+        hostile = None
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert len(done[beside.request_id].token_ids) == 5
+    if hostile is not None:
+        text = done[hostile.request_id].text
+        assert set(text) <= {"a"}, text  # whatever it produced obeyed the grammar
+
+    request = engine.add_request(
+        prompt(2),
+        SamplingParams(
+            temperature=0,
+            max_tokens=10,
+            structured_outputs=StructuredOutputsParams(regex="[a-z ]+"),
+        ),
+    )
+    other = engine.add_request(prompt(3), SamplingParams(temperature=0, max_tokens=6))
+
+    class Failing:  # the grammar hits a limit on a later mask
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        error = "structured output failed: limit reached"
+
+    engine.step()
+    tokens_before = list(request.output_token_ids)
+    request.constraints = Failing(request.constraints)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    failed = finals[request.request_id].outputs[0]
+    assert failed.finish_reason == "abort" and failed.stop_reason.startswith("structured output")
+    assert failed.token_ids == tokens_before  # the unconstrained token was dropped
+    assert finals[other.request_id].outputs[0].finish_reason in ("stop", "length")

@@ -55,7 +55,9 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids
         )
-        self.limits = llguidance.LLParserLimits()
+        # Default limits, but a fifth of the initial lexer fuel: measured here, 1M (the
+        # default) let one hostile regex hold the engine for about a second.
+        self.limits = llguidance.LLParserLimits(initial_lexer_fuel=200_000)
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         texts = [spec.json if isinstance(spec.json, str) else None, spec.regex, spec.grammar]
@@ -87,6 +89,10 @@ class GrammarCompiler:
         if error and not error.startswith("WARNING"):
             raise ValueError(f"invalid structured-output spec: {error}")
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=self.limits, log_level=0)
+        if not matcher.is_error():
+            # The first mask builds the lexer; a spec past the limits fails here, at admission.
+            scratch = np.zeros((1, bitmask_width(self.tokenizer.vocab_size)), np.int32)
+            llguidance.numpy.fill_next_token_bitmask(matcher, scratch, 0)
         if matcher.is_error():
             raise ValueError(f"invalid structured-output spec: {matcher.get_error()}")
         return matcher
@@ -133,6 +139,13 @@ class RequestConstraints:
     def accept(self, token_id: int) -> None:
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed mid-generation (a limit reached on a later mask), if it did."""
+        if self.matcher is not None and self.matcher.is_error():
+            return f"structured output failed: {self.matcher.get_error()}"
+        return None
 
     @property
     def finished(self) -> bool:

@@ -315,6 +315,8 @@ class LLMEngine:
         updated, finished = self.scheduler.update_from_output(scheduler_output, step_output)
         now = time.time()
         for request in updated:
+            if request.status is RequestStatus.FINISHED_ABORTED:
+                continue  # ended by a failed grammar, with no new token
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now

@@ -224,6 +224,13 @@ class Scheduler:
             if not item.samples:
                 self.kv.cache_full_blocks(request)
                 continue  # a prefill chunk that has not reached the end of the prompt
+            if request.constraints is not None and request.constraints.error:
+                # Its mask was not computed: drop the token and end the request.
+                request.stop_reason = request.constraints.error
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                updated.append(request)
+                finished.append(request)
+                continue
             request.append_output_token(step_output.token_ids[row])
             if request.constraints is not None:
                 request.constraints.accept(step_output.token_ids[row])

@@ -1,0 +1,47 @@
+"""absl flags for every engine option, shared by the command-line entry points.
+
+A flag left unset keeps the value of the --config TOML file, or else the option's default.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from jaxinfer.config import EngineOptions
+from jaxinfer.config_file import load_engine_options
+
+
+def define_engine_flags() -> None:
+    define = flags
+    define.DEFINE_string("model", None, "Hugging Face folder or .gguf file; default: SmolLM2-135M.")
+    define.DEFINE_string("config", None, "TOML file of engine options (see configs/); flags win.")
+    define.DEFINE_string("dtype", None, "auto, float32, bfloat16 or float16.")
+    define.DEFINE_integer("max_model_len", None, "Longest prompt + output.")
+    define.DEFINE_integer("max_num_seqs", None, "Requests per step.")
+    define.DEFINE_integer("max_num_batched_tokens", None, "Token budget per step.")
+    define.DEFINE_integer("block_size", None, "Tokens per KV-cache block.")
+    define.DEFINE_integer("num_kv_blocks", None, "KV-cache blocks (else from the memory budget).")
+    define.DEFINE_float("kv_cache_memory_gb", None, "KV-cache budget in GiB.")
+    define.DEFINE_string("cache_dir", None, "Where converted models are kept.")
+    define.DEFINE_bool("enable_prefix_caching", None, "Share KV blocks of common prefixes.")
+    define.DEFINE_string("layer_execution", None, "auto, scan or per_layer.")
+    define.DEFINE_bool("async_scheduling", None, "Schedule step N+1 while step N runs.")
+
+
+def engine_options_from_flags() -> EngineOptions:
+    names = [
+        "model",
+        "dtype",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "num_kv_blocks",
+        "kv_cache_memory_gb",
+        "cache_dir",
+        "enable_prefix_caching",
+        "layer_execution",
+        "async_scheduling",
+    ]
+    values = flags.FLAGS
+    return load_engine_options(values.config, **{name: values[name].value for name in names})

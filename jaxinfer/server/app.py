@@ -1,0 +1,392 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
+
+Every request runs as engine requests on the shared step loop; a malformed or unservable
+request gets an OpenAI-style error (400, 404) and touches nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import fastapi
+import pydantic
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+VERSION = importlib.metadata.version("jaxinfer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> fastapi.FastAPI:
+    app = fastapi.FastAPI(title="jaxinfer", version=VERSION)
+    api = _Api(engine, config)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, error: APIError):
+        return error_response(error.status, error.message, error.kind)
+
+    @app.exception_handler(fastapi.exceptions.RequestValidationError)
+    async def _validation_error(request, error):
+        return error_response(400, _describe(error.errors()), "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error_response(503, "the engine loop has stopped", "engine_dead")
+        return fastapi.Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "jaxinfer",
+                    "max_model_len": engine.engine.config.model.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await api.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await api.chat(body)
+
+    return app
+
+
+def _describe(errors: list[dict]) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+        for e in errors
+    )
+
+
+class _Api:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"model {model!r} not found", "not_found_error")
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        try:
+            params = body.sampling_params()
+            prompts = body.prompts()
+        except (ValueError, TypeError, pydantic.ValidationError) as error:
+            raise APIError(400, str(error)) from None
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._start(request_id, [(p, True) for p in prompts], params)
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self._completion_chunks(
+                request_id, created, streams, params, include_usage, len(prompts)
+            )
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        finals = await _collect(streams)
+        choices = [
+            self._completion_choice(p * params.n + c.index, c, params.logprobs is not None)
+            for p, final in enumerate(finals)
+            for c in final.outputs
+        ]
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.config.served_model_name,
+            "choices": choices,
+            "usage": _usage(finals),
+        }
+
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        if body.chat_template is not None:
+            raise APIError(400, "chat_template in a request is not allowed on this server")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                body.conversation(), add_generation_prompt=body.add_generation_prompt
+            )
+            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+            max_model_len = self.engine.engine.config.model.max_model_len
+            params = body.sampling_params(max_model_len, len(prompt))
+        except (ValueError, TypeError, pydantic.ValidationError) as error:
+            raise APIError(400, str(error)) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._start(request_id, [(prompt, False)], params)
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = self._chat_chunks(request_id, created, streams[0], params, include_usage)
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        (final,) = await _collect(streams)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": self._chat_logprobs(c.token_ids, c.logprobs)}
+                if params.logprobs is not None
+                else None,
+                "finish_reason": _finish_reason(c),
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.config.served_model_name,
+            "choices": choices,
+            "usage": _usage([final]),
+        }
+
+    # -- engine ----------------------------------------------------------------------------
+
+    async def _start(self, request_id, prompts, params) -> list[RequestStream]:
+        """Admits every prompt (all or none) and returns their output streams."""
+        streams = []
+        try:
+            for index, (prompt, add_special_tokens) in enumerate(prompts):
+                streams.append(
+                    await self.engine.add_request(
+                        f"{request_id}-{index}", prompt, params, add_special_tokens
+                    )
+                )
+        except ValueError as error:
+            for stream in streams:
+                await stream.aclose()
+            raise APIError(400, str(error)) from None
+        except EngineDeadError as error:
+            raise APIError(503, str(error), "engine_dead") from None
+        return streams
+
+    # -- formatting ------------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, token_ids, logprobs) -> dict:
+        return {
+            "tokens": [self._token_text(t) for t in token_ids],
+            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
+            "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} for lp in logprobs],
+        }
+
+    def _chat_logprobs(self, token_ids, logprobs) -> list[dict]:
+        def entry(token_id, value):
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return [
+            {
+                **entry(t, lp[t]),
+                "top_logprobs": [entry(k, v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])],
+            }
+            for t, lp in zip(token_ids, logprobs, strict=True)
+        ]
+
+    def _completion_choice(self, index: int, c: CompletionOutput, with_logprobs: bool) -> dict:
+        return {
+            "index": index,
+            "text": c.text,
+            "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
+            if with_logprobs
+            else None,
+            "finish_reason": _finish_reason(c),
+            "stop_reason": c.stop_reason,
+        }
+
+    async def _completion_chunks(self, request_id, created, streams, params, usage, num):
+        deltas = _Deltas(params)
+        finals: list[RequestOutput | None] = [None] * num
+        async for prompt_index, output in _merge(streams):
+            finals[prompt_index] = output
+            for c in output.outputs:
+                text, token_ids, logprobs = deltas.take((prompt_index, c.index), c, output.finished)
+                if not text and c.finish_reason is None:
+                    continue
+                yield {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.config.served_model_name,
+                    "choices": [
+                        {
+                            "index": prompt_index * params.n + c.index,
+                            "text": text,
+                            "logprobs": self._completion_logprobs(token_ids, logprobs)
+                            if params.logprobs is not None
+                            else None,
+                            "finish_reason": _finish_reason(c),
+                            "stop_reason": c.stop_reason,
+                        }
+                    ],
+                }
+        if usage:
+            yield {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.config.served_model_name,
+                "choices": [],
+                "usage": _usage(finals),
+            }
+
+    async def _chat_chunks(self, request_id, created, stream, params, usage):
+        def chunk(choices, **extra):
+            return {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.config.served_model_name,
+                "choices": choices,
+                **extra,
+            }
+
+        yield chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(params.n)
+            ]
+        )
+        deltas = _Deltas(params)
+        final = None
+        async for output in stream:
+            final = output
+            for c in output.outputs:
+                text, token_ids, logprobs = deltas.take(c.index, c, output.finished)
+                if not text and c.finish_reason is None:
+                    continue
+                yield chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"content": text} if text else {},
+                            "logprobs": {"content": self._chat_logprobs(token_ids, logprobs)}
+                            if params.logprobs is not None
+                            else None,
+                            "finish_reason": _finish_reason(c),
+                            "stop_reason": c.stop_reason,
+                        }
+                    ]
+                )
+        if usage:
+            yield chunk([], usage=_usage([final]))
+
+
+class _Deltas:
+    """What each choice has not yet streamed. While a choice runs, the last characters that
+    could still begin a stop string are held back, so streamed text never includes text the
+    final answer trims."""
+
+    def __init__(self, params):
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.sent: dict = {}  # key -> (characters, tokens)
+
+    def take(self, key, c: CompletionOutput, finished_request: bool):
+        chars, tokens = self.sent.get(key, (0, 0))
+        end = len(c.text) if c.finish_reason is not None else max(len(c.text) - self.hold, chars)
+        new_tokens = len(c.token_ids)
+        self.sent[key] = (end, new_tokens)
+        logprobs = c.logprobs[tokens:new_tokens] if c.logprobs is not None else None
+        return c.text[chars:end], c.token_ids[tokens:new_tokens], logprobs
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason
+
+
+def _usage(finals) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
+    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _collect(streams) -> list[RequestOutput]:
+    async def last(stream):
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    return list(await asyncio.gather(*(last(s) for s in streams)))
+
+
+async def _merge(streams):
+    """(stream index, output) from every stream as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index, stream):
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(chunks) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except EngineDeadError as error:
+        yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'engine_dead'}})}\n\n"
+    yield "data: [DONE]\n\n"

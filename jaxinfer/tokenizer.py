@@ -28,13 +28,11 @@ class TokenizerWrapper:
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos_token = bool(config.get("add_bos_token")) and self.bos_token_id is not None
         self.chat_template = config.get("chat_template")
-        self._template = None
-        if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = _tojson
-            self._template = env.from_string(self.chat_template)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.globals["raise_exception"] = _raise_exception
+        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._env.filters["tojson"] = _tojson
+        self._template = self._env.from_string(self.chat_template) if self.chat_template else None
 
     @property
     def vocab_size(self) -> int:
@@ -53,16 +51,25 @@ class TokenizerWrapper:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> str:
-        if self._template is None:
-            raise ValueError("this model has no chat template")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        """Renders the model's chat template (or `chat_template`) in the sandbox; a template
+        that fails or breaks the sandbox is a ValueError."""
+        try:
+            template = self._env.from_string(chat_template) if chat_template else self._template
+            if template is None:
+                raise ValueError("this model has no chat template")
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as error:
+            raise ValueError(f"chat template: {error}") from None
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):

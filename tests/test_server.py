@@ -18,6 +18,7 @@ from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.metrics import ServerMetrics
 
 OPTIONS = dict(
     max_num_batched_tokens=64, max_num_seqs=8, block_size=8, num_kv_blocks=128, max_model_len=128
@@ -30,21 +31,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
-    app = build_app(AsyncEngine(engine), ServerConfig(served_model_name="tiny"))
+def serve(app):
+    """Runs an app on a free port in a thread; returns (base url, uvicorn server)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    threading.Thread(target=server.run, daemon=True).start()
     for _ in range(200):
         if server.started:
             break
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", server
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
+    metrics = ServerMetrics(engine)
+    return AsyncEngine(engine, metrics.observe_finished), metrics
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    async_engine, metrics = engine
+    url, server = serve(build_app(async_engine, ServerConfig(served_model_name="tiny"), metrics))
+    yield url
     server.should_exit = True
-    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def guarded(engine):
+    """The same engine behind an API key, a 2-request queue and a 2 kB body limit."""
+    config = ServerConfig(
+        served_model_name="tiny", api_key="s3cret", max_queued_requests=2, max_body_bytes=2000
+    )
+    url, server = serve(build_app(engine[0], config))
+    yield url
+    server.should_exit = True
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +211,91 @@ def test_concurrent_streams_share_the_engine(server):
 
     texts = asyncio.run(run_all())
     assert len(texts) == 12 and all(texts)
+
+
+def metric(server: str, name: str) -> float:
+    for line in httpx.get(f"{server}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_metrics_tokenize_detokenize(server, client):
+    # (The compile counter is process-wide; other engines of this test process compile too.)
+    compiles = metric(server, "jaxinfer:compilations_after_warmup_total")
+    client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0.5, logprobs=2, top_p=0.9
+    )
+    assert metric(server, "jaxinfer:compilations_after_warmup_total") == compiles
+    assert metric(server, "jaxinfer:generation_tokens_total") >= 4
+    assert metric(server, "jaxinfer:time_to_first_token_seconds_count") >= 1
+    assert metric(server, "jaxinfer:num_requests_running") == 0
+    tokens = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == PROMPT
+    bad = httpx.post(f"{server}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+
+
+def test_error_shapes(server, guarded):
+    def post(url, body, **kwargs):
+        return httpx.post(f"{url}/v1/completions", timeout=30, **kwargs, **body)
+
+    cases = [
+        (post(server, {"content": b"[1, 2"}, headers={"content-type": "application/json"}), 400),
+        (post(server, {"json": [1, 2]}), 400),
+        (post(server, {"json": {"prompt": PROMPT, "max_tokens": "many"}}), 400),
+        (post(server, {"json": {"prompt": ""}}), 400),
+        (post(server, {"json": {"prompt": [10**9]}}), 400),
+        (post(server, {"json": {"prompt": PROMPT, "max_tokens": 500}}), 400),
+        (post(server, {"json": {"prompt": PROMPT, "model": "nope"}}), 404),
+        (post(guarded, {"json": {"prompt": PROMPT}}), 401),
+        (post(guarded, {"json": {"prompt": PROMPT}}, headers={"authorization": "Bearer x"}), 401),
+        (
+            post(
+                guarded,
+                {"json": {"prompt": PROMPT * 200}},
+                headers={"authorization": "Bearer s3cret"},
+            ),
+            413,
+        ),
+        (
+            post(
+                guarded,
+                {"json": {"prompt": [PROMPT] * 3}},
+                headers={"authorization": "Bearer s3cret"},
+            ),
+            503,
+        ),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert httpx.get(f"{guarded}/health").status_code == 200  # stays open
+    ok = post(
+        guarded,
+        {"json": {"prompt": PROMPT, "max_tokens": 2}},
+        headers={"authorization": "Bearer s3cret"},
+    )
+    assert ok.status_code == 200
+
+
+def test_disconnect_mid_stream_frees_the_request(server, engine):
+    idle = metric(server, "jaxinfer:kv_cache_usage_perc")
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 100, "stream": True, "ignore_eos": True},
+        timeout=30,
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    for _ in range(100):
+        if engine[0].num_unfinished == 0 and metric(server, "jaxinfer:kv_cache_usage_perc") == idle:
+            break
+        time.sleep(0.1)
+    assert engine[0].num_unfinished == 0
+    assert metric(server, "jaxinfer:kv_cache_usage_perc") == idle

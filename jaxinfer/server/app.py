@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import importlib.metadata
 import json
 import time
@@ -17,17 +18,85 @@ from collections.abc import AsyncIterator
 import fastapi
 import pydantic
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from jaxinfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 VERSION = importlib.metadata.version("jaxinfer")
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
+    """Args:
+    served_model_name: the model id clients name (and /v1/models lists).
+    api_key: when set, /v1, /tokenize and /detokenize need `Authorization: Bearer <key>`.
+    max_queued_requests: unfinished requests beyond which new ones get 503.
+    max_body_bytes: larger request bodies get 413.
+    allow_request_chat_template: accept a `chat_template` in chat requests (rendered in the
+        sandboxed jinja2 environment); refused otherwise.
+    """
+
     served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    max_body_bytes: int = 4 << 20
+    allow_request_chat_template: bool = False
+
+
+class _Guard:
+    """ASGI middleware: the body-size limit (413) and the API key (401), before any parsing."""
+
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app, config: ServerConfig):
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.config.api_key is not None and scope["path"].startswith(self.PROTECTED):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            expected = f"Bearer {self.config.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return await error_response(401, "invalid or missing API key", "auth_error")(
+                    scope, receive, send
+                )
+        limit = self.config.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await error_response(413, f"body over {limit} bytes", "request_too_large")(
+                scope, receive, send
+            )
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await error_response(413, f"body over {limit} bytes", "request_too_large")(
+                scope, receive, send
+            )
+
+
+class _BodyTooLarge(Exception):
+    pass
 
 
 class APIError(Exception):
@@ -41,8 +110,11 @@ def error_response(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> fastapi.FastAPI:
+def build_app(
+    engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None
+) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="jaxinfer", version=VERSION)
+    app.add_middleware(_Guard, config=config)
     api = _Api(engine, config)
 
     @app.exception_handler(APIError)
@@ -78,13 +150,40 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> fastapi.FastAPI:
             ],
         }
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            raise APIError(404, "metrics are off", "not_found_error")
+        return fastapi.Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        api.check_model(body.model)
+        try:
+            tokens = body.token_ids(api.tokenizer)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error)) from None
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": engine.engine.config.model.max_model_len,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        api.check_model(body.model)
+        vocab = engine.engine.config.model.arch.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": api.tokenizer.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await api.completions(body)
+    async def completions(body: CompletionRequest, request: fastapi.Request):
+        return await api.until_disconnect(request, api.completions(body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await api.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
+        return await api.until_disconnect(request, api.chat(body))
 
     return app
 
@@ -102,14 +201,29 @@ class _Api:
         self.config = config
         self.tokenizer = engine.engine.tokenizer
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
             raise APIError(404, f"model {model!r} not found", "not_found_error")
+
+    async def until_disconnect(self, request: fastapi.Request, work):
+        """Runs an endpoint; if the client goes away first, cancels it (which aborts its
+        engine requests). Streams are cancelled by the response itself."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+            gone.cancel()
+        if task.cancelled():
+            return fastapi.Response(status_code=499)
+        return task.result()
 
     # -- endpoints -------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest):
-        self._check_model(body.model)
+        self.check_model(body.model)
         try:
             params = body.sampling_params()
             prompts = body.prompts()
@@ -124,7 +238,7 @@ class _Api:
                 request_id, created, streams, params, include_usage, len(prompts)
             )
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        finals = await _collect(streams)
+        finals = await _collect_or_500(streams)
         choices = [
             self._completion_choice(p * params.n + c.index, c, params.logprobs is not None)
             for p, final in enumerate(finals)
@@ -140,12 +254,14 @@ class _Api:
         }
 
     async def chat(self, body: ChatCompletionRequest):
-        self._check_model(body.model)
-        if body.chat_template is not None:
+        self.check_model(body.model)
+        if body.chat_template is not None and not self.config.allow_request_chat_template:
             raise APIError(400, "chat_template in a request is not allowed on this server")
         try:
             text = self.tokenizer.apply_chat_template(
-                body.conversation(), add_generation_prompt=body.add_generation_prompt
+                body.conversation(),
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template=body.chat_template,
             )
             prompt = self.tokenizer.encode(text, add_special_tokens=False)
             max_model_len = self.engine.engine.config.model.max_model_len
@@ -159,7 +275,7 @@ class _Api:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._chat_chunks(request_id, created, streams[0], params, include_usage)
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        (final,) = await _collect(streams)
+        (final,) = await _collect_or_500(streams)
         choices = [
             {
                 "index": c.index,
@@ -185,13 +301,26 @@ class _Api:
 
     async def _start(self, request_id, prompts, params) -> list[RequestStream]:
         """Admits every prompt (all or none) and returns their output streams."""
+        limit = self.config.max_queued_requests
+        if limit is not None and self.engine.num_unfinished + len(prompts) > limit:
+            raise APIError(503, f"the server holds {limit} requests; retry later", "overloaded")
+        token_lists = [
+            self.tokenizer.encode(p, add_special_tokens) if isinstance(p, str) else p
+            for p, add_special_tokens in prompts
+        ]
+        max_model_len = self.engine.engine.config.model.max_model_len
+        for tokens in token_lists:
+            if params.max_tokens is not None and len(tokens) + params.max_tokens > max_model_len:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(tokens)} tokens and max_tokens is {params.max_tokens}: "
+                    f"more than max_model_len ({max_model_len})",
+                )
         streams = []
         try:
-            for index, (prompt, add_special_tokens) in enumerate(prompts):
+            for index, tokens in enumerate(token_lists):
                 streams.append(
-                    await self.engine.add_request(
-                        f"{request_id}-{index}", prompt, params, add_special_tokens
-                    )
+                    await self.engine.add_request(f"{request_id}-{index}", tokens, params)
                 )
         except ValueError as error:
             for stream in streams:
@@ -345,6 +474,19 @@ def _usage(finals) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+async def _disconnected(request: fastapi.Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_or_500(streams) -> list[RequestOutput]:
+    try:
+        return await _collect(streams)
+    except EngineDeadError as error:
+        raise APIError(500, str(error), "engine_error") from None
 
 
 async def _collect(streams) -> list[RequestOutput]:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import RequestOutput
@@ -43,8 +44,11 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(
+        self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None
+    ):
         self.engine = engine
+        self._on_finished = on_finished
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self.error: BaseException | None = None
@@ -103,6 +107,8 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(outputs.put_nowait, output)
                     if output.finished:
                         del self._streams[output.request_id]
+                        if self._on_finished is not None:
+                            self._on_finished(output)
         except BaseException as error:  # every stream must hear of it
             logger.exception("the engine loop failed")
             self.error = error

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the server, vLLM-style names under the `jaxinfer:` prefix.
+
+Request histograms and token counters are fed by finished requests (on the engine thread);
+gauges and the engine's cumulative counters are read from engine.stats() at each scrape.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import prometheus_client as prom
+
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.outputs import RequestOutput
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.registry = prom.CollectorRegistry()
+        self._lock = threading.Lock()
+
+        def histogram(name, doc):
+            return prom.Histogram(
+                f"jaxinfer:{name}", doc, registry=self.registry, buckets=_LATENCY_BUCKETS
+            )
+
+        def counter(name, doc):
+            return prom.Counter(f"jaxinfer:{name}", doc, registry=self.registry)
+
+        def gauge(name, doc):
+            return prom.Gauge(f"jaxinfer:{name}", doc, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.")
+        self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.running = gauge("num_requests_running", "Requests being computed.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for room.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self.cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
+        self.cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.compilations = counter(
+            "compilations_after_warmup", "XLA compilations after warm-up (should stay 0)."
+        )
+        self._last = {"preemptions": 0, "queries": 0, "hits": 0}
+        jax.monitoring.register_event_duration_secs_listener(self._on_compile)
+
+    def _on_compile(self, event: str, duration: float, **kwargs) -> None:
+        if event == _COMPILE_EVENT:
+            self.compilations.inc()
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Called once per finished request (on the engine thread)."""
+        metrics = output.metrics
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.queue_time is not None:
+            self.queue.observe(metrics.queue_time)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        for latency in metrics.inter_token_latencies:
+            self.itl.observe(latency)
+
+    def render(self) -> bytes:
+        stats = self.engine.stats()
+        with self._lock:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_usage.set(stats.kv_cache_usage)
+            for key, value, metric in [
+                ("preemptions", stats.num_preemptions, self.preemptions),
+                ("queries", stats.prefix_cache_queries, self.cache_queries),
+                ("hits", stats.prefix_cache_hits, self.cache_hits),
+            ]:
+                metric.inc(value - self._last[key])
+                self._last[key] = value
+        return prom.generate_latest(self.registry)

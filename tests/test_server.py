@@ -299,3 +299,31 @@ def test_disconnect_mid_stream_frees_the_request(server, engine):
         time.sleep(0.1)
     assert engine[0].num_unfinished == 0
     assert metric(server, "jaxinfer:kv_cache_usage_perc") == idle
+
+
+def test_engine_failure_ends_streams_with_an_error_and_health_turns_503(tiny_model_dir):
+    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
+    async_engine = AsyncEngine(engine)
+    url, server = serve(build_app(async_engine, ServerConfig(served_model_name="tiny")))
+    try:
+        steps = 0
+        real_step = engine.step
+
+        def failing_step():
+            nonlocal steps
+            steps += 1
+            if steps > 3:
+                raise RuntimeError("device lost")
+            return real_step()
+
+        engine.step = failing_step
+        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: ") :])["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 503
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT}, timeout=30)
+        assert after.status_code == 503 and after.json()["error"]["message"]
+    finally:
+        server.should_exit = True

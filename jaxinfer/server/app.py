@@ -508,6 +508,8 @@ async def _merge(streams):
         try:
             async for output in stream:
                 await queue.put((index, output))
+        except EngineDeadError as error:
+            await queue.put((index, error))
         finally:
             await queue.put((index, done))
 
@@ -519,6 +521,8 @@ async def _merge(streams):
             if item is done:
                 remaining -= 1
                 continue
+            if isinstance(item, EngineDeadError):
+                raise item
             yield index, item
     finally:
         for task in tasks:

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineOptions
@@ -19,28 +16,11 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.metrics import ServerMetrics
+from tests.server_utils import serve
 
 OPTIONS = dict(
     max_num_batched_tokens=64, max_num_seqs=8, block_size=8, num_kv_blocks=128, max_model_len=128
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(app):
-    """Runs an app on a free port in a thread; returns (base url, uvicorn server)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    for _ in range(200):
-        if server.started:
-            break
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,19 @@
-# Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+# Two entry points do all set-up on a fresh machine: `make serve` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench
+.PHONY: serve demo test lint bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m jaxinfer.serve
 
 demo: $(STAMP)
 	$(PY) -m jaxinfer.demo

@@ -15,8 +15,8 @@ from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.background import serve
 from jaxinfer.server.metrics import ServerMetrics
-from tests.server_utils import serve
 
 OPTIONS = dict(
     max_num_batched_tokens=64, max_num_seqs=8, block_size=8, num_kv_blocks=128, max_model_len=128

@@ -13,7 +13,7 @@ from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
-from tests.server_utils import serve
+from jaxinfer.server.background import serve
 
 pytestmark = pytest.mark.default_model
 

@@ -1,4 +1,4 @@
-"""Running a server app in a thread for tests."""
+"""Serving an app from a background thread (tests, benchmarks, notebooks)."""
 
 from __future__ import annotations
 

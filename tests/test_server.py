@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -15,7 +18,7 @@ from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
-from jaxinfer.server.background import serve
+from jaxinfer.server.background import free_port, serve
 from jaxinfer.server.metrics import ServerMetrics
 
 OPTIONS = dict(
@@ -307,3 +310,48 @@ def test_engine_failure_ends_streams_with_an_error_and_health_turns_503(tiny_mod
         assert after.status_code == 503 and after.json()["error"]["message"]
     finally:
         server.should_exit = True
+
+
+def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir):
+    """The real entry point: on SIGTERM it stops accepting, finishes the stream in flight
+    and exits."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "jaxinfer.serve",
+        f"--model={tiny_model_dir}",
+        f"--port={port}",
+        "--max_model_len=128",
+        "--max_num_seqs=4",
+        "--block_size=8",
+        "--num_kv_blocks=64",
+        "--max_num_batched_tokens=32",
+        "--served_model_name=tiny",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        chunks = 0
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if chunks == 1:
+                        process.send_signal(signal.SIGTERM)
+                if line == "data: [DONE]":
+                    break
+        assert chunks >= 20  # the stream went on to its end after the signal
+        # uvicorn shuts down gracefully, then re-raises the signal it caught: exit by SIGTERM.
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert b"Traceback" not in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -57,19 +57,16 @@ class TokenizerWrapper:
         chat_template: str | None = None,
     ) -> str:
         """Renders the model's chat template (or `chat_template`) in the sandbox; a template
-        that fails or breaks the sandbox is a ValueError."""
-        try:
-            template = self._env.from_string(chat_template) if chat_template else self._template
-            if template is None:
-                raise ValueError("this model has no chat template")
-            return template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as error:
-            raise ValueError(f"chat template: {error}") from None
+        that fails raises jinja2's TemplateError (SecurityError when it breaks the sandbox)."""
+        template = self._env.from_string(chat_template) if chat_template else self._template
+        if template is None:
+            raise ValueError("this model has no chat template")
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):

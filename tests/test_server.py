@@ -252,6 +252,8 @@ def test_error_shapes(server, guarded):
             503,
         ),
     ]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}
+    cases.append((httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=30), 400))
     for response, status in cases:
         assert response.status_code == status, response.text
         error = response.json()["error"]

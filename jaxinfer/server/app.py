@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import fastapi
 import pydantic
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -161,7 +162,7 @@ def build_app(
         api.check_model(body.model)
         try:
             tokens = body.token_ids(api.tokenizer)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, TemplateError) as error:
             raise APIError(400, str(error)) from None
         return {
             "tokens": tokens,
@@ -227,7 +228,7 @@ class _Api:
         try:
             params = body.sampling_params()
             prompts = body.prompts()
-        except (ValueError, TypeError, pydantic.ValidationError) as error:
+        except (ValueError, TypeError, pydantic.ValidationError, TemplateError) as error:
             raise APIError(400, str(error)) from None
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, [(p, True) for p in prompts], params)
@@ -266,7 +267,7 @@ class _Api:
             prompt = self.tokenizer.encode(text, add_special_tokens=False)
             max_model_len = self.engine.engine.config.model.max_model_len
             params = body.sampling_params(max_model_len, len(prompt))
-        except (ValueError, TypeError, pydantic.ValidationError) as error:
+        except (ValueError, TypeError, pydantic.ValidationError, TemplateError) as error:
             raise APIError(400, str(error)) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(request_id, [(prompt, False)], params)
@@ -283,7 +284,7 @@ class _Api:
                 "logprobs": {"content": self._chat_logprobs(c.token_ids, c.logprobs)}
                 if params.logprobs is not None
                 else None,
-                "finish_reason": _finish_reason(c),
+                "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
             for c in final.outputs
@@ -362,7 +363,7 @@ class _Api:
             "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
             if with_logprobs
             else None,
-            "finish_reason": _finish_reason(c),
+            "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
 
@@ -372,7 +373,7 @@ class _Api:
         async for prompt_index, output in _merge(streams):
             finals[prompt_index] = output
             for c in output.outputs:
-                text, token_ids, logprobs = deltas.take((prompt_index, c.index), c, output.finished)
+                text, token_ids, logprobs = deltas.take((prompt_index, c.index), c)
                 if not text and c.finish_reason is None:
                     continue
                 yield {
@@ -387,7 +388,7 @@ class _Api:
                             "logprobs": self._completion_logprobs(token_ids, logprobs)
                             if params.logprobs is not None
                             else None,
-                            "finish_reason": _finish_reason(c),
+                            "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason,
                         }
                     ],
@@ -424,7 +425,7 @@ class _Api:
         async for output in stream:
             final = output
             for c in output.outputs:
-                text, token_ids, logprobs = deltas.take(c.index, c, output.finished)
+                text, token_ids, logprobs = deltas.take(c.index, c)
                 if not text and c.finish_reason is None:
                     continue
                 yield chunk(
@@ -435,7 +436,7 @@ class _Api:
                             "logprobs": {"content": self._chat_logprobs(token_ids, logprobs)}
                             if params.logprobs is not None
                             else None,
-                            "finish_reason": _finish_reason(c),
+                            "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason,
                         }
                     ]
@@ -453,17 +454,13 @@ class _Deltas:
         self.hold = max((len(s) for s in params.stop), default=1) - 1
         self.sent: dict = {}  # key -> (characters, tokens)
 
-    def take(self, key, c: CompletionOutput, finished_request: bool):
+    def take(self, key, c: CompletionOutput):
         chars, tokens = self.sent.get(key, (0, 0))
         end = len(c.text) if c.finish_reason is not None else max(len(c.text) - self.hold, chars)
         new_tokens = len(c.token_ids)
         self.sent[key] = (end, new_tokens)
         logprobs = c.logprobs[tokens:new_tokens] if c.logprobs is not None else None
         return c.text[chars:end], c.token_ids[tokens:new_tokens], logprobs
-
-
-def _finish_reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason
 
 
 def _usage(finals) -> dict:

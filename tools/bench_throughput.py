@@ -42,6 +42,12 @@ flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared b
 flags.DEFINE_bool("compare_prefix_caching", False, "Also run jaxinfer without prefix caching.")
 flags.DEFINE_float("kv_cache_memory_gb", 1.0, "jaxinfer KV-cache budget.")
 flags.DEFINE_bool(
+    "compare_run_batch",
+    False,
+    "Also send the same requests through run_batch's path (the server's request handling, "
+    "all lines at once) on the same engine.",
+)
+flags.DEFINE_bool(
     "compare_async",
     False,
     "Also run jaxinfer with one step at a time (no async scheduling) on the same engine.",
@@ -134,6 +140,34 @@ def run_hf(model_path, prompts, output_lens) -> float:
     return time.perf_counter() - start
 
 
+def run_batch_job(llm: LLM, prompts, output_lens) -> float:
+    """The workload as an OpenAI Batch file through jaxinfer.batch (token-id prompts)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from jaxinfer.batch.job import BatchJobConfig, run_job
+    from jaxinfer.server.async_engine import AsyncEngine
+
+    assert llm.engine.reset_prefix_cache()
+    with tempfile.TemporaryDirectory() as folder:
+        source, output = Path(folder) / "in.jsonl", Path(folder) / "out.jsonl"
+        lines = [
+            {
+                "custom_id": str(i),
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+            }
+            for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True))
+        ]
+        source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        config = BatchJobConfig(output=output, input=source, show_progress=False)
+        summary = run_job(config, AsyncEngine(llm.engine), "bench")
+    assert summary.succeeded == len(prompts) and summary.completion_tokens == sum(output_lens)
+    return summary.wall_seconds
+
+
 def make_llm(enable_prefix_caching: bool = True) -> LLM:
     return LLM(
         max_num_seqs=FLAGS.max_num_seqs,
@@ -181,6 +215,12 @@ def main(argv):
         print(
             f"jaxinfer one step at a time: {sync:.2f} s, {total / sync:.1f} output tokens/s; "
             f"async again: {again:.2f} s; ratio async / sync: {2 * sync / (ours + again):.2f}x"
+        )
+    if FLAGS.compare_run_batch:
+        batch = run_batch_job(llm, prompts, output_lens)
+        print(
+            f"jaxinfer through run_batch: {batch:.2f} s, {total / batch:.1f} output tokens/s; "
+            f"ratio run_batch / LLM.generate: {ours / batch:.2f}x"
         )
     if FLAGS.compare_prefix_caching:
         del llm

@@ -1,0 +1,106 @@
+"""Batch runs: `python -m jaxinfer.run_batch --input=requests.jsonl --output=results.jsonl`.
+
+The input is an OpenAI Batch file (one {"custom_id", "method", "url", "body"} per line, url
+/v1/chat/completions or /v1/completions); each line's result is what the server would answer
+for its body, in the Batch output format. Every line enters the engine at once. A bad line
+gets an error record and the others still run; --resume continues an interrupted run; the
+summary (`<output>.summary.json`) is written last. For quick runs, --prompts_file takes plain
+prompts with sampling flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+from jaxinfer.batch.job import BatchIncompleteError, BatchJobConfig, check_paths, run_job
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine_flags import define_engine_flags, engine_options_from_flags
+from jaxinfer.server.async_engine import AsyncEngine
+
+FLAGS = flags.FLAGS
+define_engine_flags()
+flags.DEFINE_string("input", None, "OpenAI Batch input file (JSONL).")
+flags.DEFINE_string("prompts_file", None, "Plain prompts, one per line, or .jsonl with `prompt`.")
+flags.DEFINE_enum("prompt_format", "chat", ["chat", "completion"], "How --prompts_file is sent.")
+flags.DEFINE_string("output", None, "Results file (OpenAI Batch output format).", required=True)
+flags.DEFINE_string("summary_output", None, "Summary file; default: <output>.summary.json.")
+flags.DEFINE_bool("resume", False, "Keep the results already in --output; answer the rest.")
+flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
+flags.DEFINE_string("served_model_name", None, "Model name bodies may give; default: folder's.")
+flags.DEFINE_bool("progress", True, "Show a progress bar.")
+# Sampling flags for --prompts_file (an --input line sets its own in its body).
+flags.DEFINE_integer("max_tokens", None, "Most generated tokens per prompt.")
+flags.DEFINE_float("temperature", None, "0 is greedy.")
+flags.DEFINE_float("top_p", None, "Nucleus sampling mass.")
+flags.DEFINE_integer("top_k", None, "Sample among the k likeliest tokens.")
+flags.DEFINE_float("min_p", None, "Drop tokens below min_p times the top probability.")
+flags.DEFINE_float("presence_penalty", None, "OpenAI presence penalty.")
+flags.DEFINE_float("frequency_penalty", None, "OpenAI frequency penalty.")
+flags.DEFINE_float("repetition_penalty", None, "Repetition penalty (prompt and output).")
+flags.DEFINE_integer("seed", None, "Seed for sampled completions.")
+flags.DEFINE_integer("n", None, "Completions per prompt.")
+flags.DEFINE_multi_string("stop", None, "Stop string (repeatable).")
+flags.DEFINE_bool("ignore_eos", None, "Keep generating past the end-of-sequence token.")
+
+SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "n",
+    "stop",
+    "ignore_eos",
+)
+
+
+def job_config_from_flags() -> BatchJobConfig:
+    def path(value):
+        return Path(value) if value is not None else None
+
+    sampling = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].present}
+    return BatchJobConfig(
+        output=Path(FLAGS.output),
+        input=path(FLAGS.input),
+        prompts_file=path(FLAGS.prompts_file),
+        prompt_format=FLAGS.prompt_format,
+        sampling=sampling,
+        summary=path(FLAGS.summary_output),
+        resume=FLAGS.resume,
+        overwrite=FLAGS.overwrite,
+        show_progress=FLAGS.progress,
+    )
+
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per in-process request
+    try:
+        config = job_config_from_flags()
+        check_paths(config)
+    except (ValueError, OSError) as error:
+        raise app.UsageError(str(error)) from None
+    engine = LLMEngine(engine_options_from_flags())
+    name = FLAGS.served_model_name or engine.config.model.path.name
+    try:
+        summary = run_job(config, AsyncEngine(engine), name)
+    except ValueError as error:  # a results file that is not one
+        raise app.UsageError(str(error)) from None
+    except BatchIncompleteError as error:
+        logging.error("%s", error)
+        sys.exit(1)
+    print(summary.describe())
+    print(f"results: {config.output}  summary: {config.summary_path}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -36,6 +36,10 @@ class EngineOptions:
             inputs are read on the device), so host work does not leave the device idle.
             None: on for accelerators, off on CPU, where the "device" is the host's own cores
             and the overlap made the plain benchmark about 15% slower (docs/benchmarks.md).
+        attention_impl, ffn_impl, norm_impl: the kernel each kind runs, by its name in the
+            engine's KernelRegistry: "reference" (pure JAX), "pallas" (the GPU kernels),
+            "pallas_interpret" (the kernels interpreted on CPU, for tests), a name registered
+            by the user, or "auto" (pallas on GPU, reference elsewhere).
     """
 
     model: str | None = None
@@ -50,6 +54,9 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     layer_execution: str = "auto"
     async_scheduling: bool | None = None
+    attention_impl: str = "auto"
+    ffn_impl: str = "auto"
+    norm_impl: str = "auto"
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -75,6 +82,9 @@ class EngineOptions:
             raise ValueError(
                 f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}"
             )
+        for name in ("attention_impl", "ffn_impl", "norm_impl"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

@@ -26,6 +26,9 @@ def define_engine_flags() -> None:
     define.DEFINE_bool("enable_prefix_caching", None, "Share KV blocks of common prefixes.")
     define.DEFINE_string("layer_execution", None, "auto, scan or per_layer.")
     define.DEFINE_bool("async_scheduling", None, "Schedule step N+1 while step N runs.")
+    define.DEFINE_string("attention_impl", None, "Attention kernel: auto, reference, pallas, ...")
+    define.DEFINE_string("ffn_impl", None, "FFN kernel: auto, reference, pallas, ...")
+    define.DEFINE_string("norm_impl", None, "Residual-add + RMSNorm kernel: auto, reference, ...")
 
 
 def engine_options_from_flags() -> EngineOptions:
@@ -42,6 +45,9 @@ def engine_options_from_flags() -> EngineOptions:
         "enable_prefix_caching",
         "layer_execution",
         "async_scheduling",
+        "attention_impl",
+        "ffn_impl",
+        "norm_impl",
     ]
     values = flags.FLAGS
     return load_engine_options(values.config, **{name: values[name].value for name in names})

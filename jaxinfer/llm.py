@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -21,12 +22,16 @@ class LLM:
     Args:
         model: None for the default model (SmolLM2-135M-Instruct), a Hugging Face folder or a
             .gguf file.
+        kernels: a KernelRegistry holding implementations registered by name, for
+            attention_impl, ffn_impl and norm_impl to select (default: the built-in ones).
         **engine_options: see EngineOptions (max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory_gb, dtype, ...).
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
-        self.engine = LLMEngine(EngineOptions(model=model, **engine_options))
+    def __init__(
+        self, model: str | None = None, kernels: KernelRegistry | None = None, **engine_options
+    ):
+        self.engine = LLMEngine(EngineOptions(model=model, **engine_options), kernels)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

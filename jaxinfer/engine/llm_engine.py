@@ -23,6 +23,7 @@ from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
+from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
@@ -60,7 +61,16 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, options: EngineOptions):
+    def __init__(self, options: EngineOptions, kernels: KernelRegistry | None = None):
+        """`kernels`: where options.attention_impl, ffn_impl and norm_impl are looked up
+        (default: the built-in implementations)."""
+        registry = kernels if kernels is not None else default_registry()
+        model_kernels = registry.resolve(
+            options.attention_impl,
+            options.ffn_impl,
+            options.norm_impl,
+            platform=jax.default_backend(),
+        )
         folder = resolve_model(options.model, Path(options.cache_dir))
         self.config: EngineConfig = build_engine_config(options, folder)
         arch = self.config.model.arch
@@ -74,7 +84,7 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - start
 
         self.batch_builder = BatchBuilder(self.config)
-        self.runner = ModelRunner(self.config, graphdef, state)
+        self.runner = ModelRunner(self.config, graphdef, state, model_kernels)
         self.warmup_seconds = self.runner.warmup(self.batch_builder)
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,

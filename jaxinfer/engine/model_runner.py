@@ -35,9 +35,9 @@ from jaxinfer.engine.device_inputs import (
     set_rows,
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
+from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.sampling_params import MAX_LOGPROBS
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,14 @@ PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled s
 
 
 def _scan_hidden(
-    graphdef: nnx.GraphDef, state: nnx.State, kv_cache: jax.Array, batch: BatchInputs
+    graphdef: nnx.GraphDef,
+    kernels: ModelKernels,
+    state: nnx.State,
+    kv_cache: jax.Array,
+    batch: BatchInputs,
 ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E])
     model = nnx.merge(graphdef, state)
-    return model.hidden_states(kv_cache, batch)
+    return model.hidden_states(kv_cache, batch, kernels=kernels)
 
 
 def _prompt_logprobs(
@@ -73,8 +77,15 @@ class ModelRunner:
     [L, 2, NB, BS, K, D] is donated and updated in place.
     """
 
-    def __init__(self, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State):
+    def __init__(
+        self,
+        config: EngineConfig,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
+        kernels: ModelKernels = ModelKernels(),  # noqa: B008 (frozen)
+    ):
         self.config = config
+        self.kernels = kernels
         arch = config.model.arch
         self.layer_execution = config.layer_execution
         self.kv_cache = jnp.zeros(
@@ -97,7 +108,7 @@ class ModelRunner:
         if self.layer_execution == "scan":
             self.state = state
             self._scan_hidden = jax.jit(
-                functools.partial(_scan_hidden, graphdef), donate_argnames=("kv_cache",)
+                functools.partial(_scan_hidden, graphdef, kernels), donate_argnames=("kv_cache",)
             )
         else:
             self.layer_params = [
@@ -107,11 +118,10 @@ class ModelRunner:
             self.layer_ids = [jnp.int32(i) for i in range(arch.num_hidden_layers)]
             self._embed = jax.jit(embed_tokens)
             self._layer = jax.jit(
-                functools.partial(
-                    decoder_layer, arch, attention_fn=ragged_paged_attention_reference
-                ),
+                functools.partial(decoder_layer, arch, kernels=kernels),
                 donate_argnames=("kv_cache",),
             )
+            self._add = jax.jit(jnp.add)
         # Kept on the device between steps, by request slot (the last slot is the padding
         # requests'): block-table rows, each slot's last sampled token, the sampler's state.
         num_slots = config.scheduler.max_num_seqs + 1
@@ -143,12 +153,14 @@ class ModelRunner:
         if self.layer_execution == "scan":
             self.kv_cache, hidden = self._scan_hidden(self.state, self.kv_cache, batch)
             return hidden
-        hidden, cos_sin = self._embed(self.top_params, batch)
+        hidden, residual, cos_sin = self._embed(self.top_params, batch)
         kv_cache = self.kv_cache
         for params, layer in zip(self.layer_params, self.layer_ids, strict=True):
-            hidden, kv_cache = self._layer(params, hidden, kv_cache, layer, batch, cos_sin)
+            hidden, residual, kv_cache = self._layer(
+                params, hidden, residual, kv_cache, layer, batch, cos_sin
+            )
         self.kv_cache = kv_cache
-        return hidden
+        return self._add(hidden, residual)
 
     def prompt_logprobs(
         self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray

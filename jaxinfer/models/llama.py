@@ -10,31 +10,22 @@ The decoder layers' parameters are stacked along a leading [L] axis and run unde
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.models.llama_config import LlamaConfig
-from pallas_kernels.ragged_paged_attention.reference import (
-    ragged_paged_attention_reference,
-    write_kv_reference,
-)
+from pallas_kernels.add_rms_norm.reference import rms_norm
+from pallas_kernels.ragged_paged_attention.reference import write_kv_reference
 
-AttentionFn = Callable[..., jax.Array]
+REFERENCE_KERNELS = ModelKernels()
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
     return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 class DecoderLayers(nnx.Module):
@@ -79,10 +70,10 @@ class LlamaForCausalLM(nnx.Module):
         kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
         batch: BatchInputs,
         *,
-        attention_fn: AttentionFn = ragged_paged_attention_reference,
+        kernels: ModelKernels = REFERENCE_KERNELS,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, logits f32[R, V])
         """The whole step in one program: the layers run under `lax.scan`."""
-        kv_cache, hidden = self.hidden_states(kv_cache, batch, attention_fn=attention_fn)
+        kv_cache, hidden = self.hidden_states(kv_cache, batch, kernels=kernels)
         params = nnx.to_pure_dict(nnx.state(self))
         return kv_cache, compute_logits(self.config, params, hidden, batch)
 
@@ -91,51 +82,56 @@ class LlamaForCausalLM(nnx.Module):
         kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
         batch: BatchInputs,
         *,
-        attention_fn: AttentionFn = ragged_paged_attention_reference,
+        kernels: ModelKernels = REFERENCE_KERNELS,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E] before the final norm)
         params = nnx.to_pure_dict(nnx.state(self))
-        hidden, cos_sin = embed_tokens(params, batch)
+        hidden, residual, cos_sin = embed_tokens(params, batch)
 
         def layer_step(carry, layer_params):
-            hidden, kv_cache, layer = carry
-            hidden, kv_cache = decoder_layer(
+            hidden, residual, kv_cache, layer = carry
+            hidden, residual, kv_cache = decoder_layer(
                 self.config,
                 layer_params,
                 hidden,
+                residual,
                 kv_cache,
                 layer,
                 batch,
                 cos_sin,
-                attention_fn=attention_fn,
+                kernels=kernels,
             )
-            return (hidden, kv_cache, layer + 1), None
+            return (hidden, residual, kv_cache, layer + 1), None
 
-        (hidden, kv_cache, _), _ = jax.lax.scan(
-            layer_step, (hidden, kv_cache, jnp.int32(0)), params["layers"]
+        (hidden, residual, kv_cache, _), _ = jax.lax.scan(
+            layer_step, (hidden, residual, kv_cache, jnp.int32(0)), params["layers"]
         )
-        return kv_cache, hidden
+        return kv_cache, hidden + residual
 
 
-def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array]:
-    """(hidden [T, E], cos_sin f32[T, 2, D / 2]) of the step's tokens."""
-    return params["embed"][batch.token_ids], params["rope_cache"][batch.positions]
+def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(hidden [T, E], residual [T, E] zeros, cos_sin f32[T, 2, D / 2]) of the step's tokens:
+    the residual stream before the first layer is hidden + residual."""
+    hidden = params["embed"][batch.token_ids]
+    return hidden, jnp.zeros_like(hidden), params["rope_cache"][batch.positions]
 
 
 def decoder_layer(
     config: LlamaConfig,
     p: dict,  # one layer's parameters (no [L] axis)
-    hidden: jax.Array,  # [T, E]
+    hidden: jax.Array,  # [T, E], the previous sublayer's output
+    residual: jax.Array,  # [T, E], the residual stream before it
     kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
     layer: jax.Array,  # i32[], this layer's index in the cache
     batch: BatchInputs,
     cos_sin: jax.Array,  # f32[T, 2, D / 2]
     *,
-    attention_fn: AttentionFn,
-) -> tuple[jax.Array, jax.Array]:  # (hidden [T, E], kv_cache)
+    kernels: ModelKernels,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (hidden [T, E], residual [T, E], kv_cache)
+    """One layer. Each residual add is fused with the norm that follows it."""
     cfg = config
     num_tokens = hidden.shape[0]
     with jax.named_scope("attention"):
-        x = rms_norm(hidden, p["input_norm"], cfg.rms_norm_eps)
+        x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
         qkv = x @ p["qkv_proj"]  # [T, (H+2K)*D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
@@ -144,7 +140,7 @@ def decoder_layer(
         k = apply_rotary(k.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, K, D]
         v = v.reshape(num_tokens, -1, cfg.head_dim)  # [T, K, D]
         kv_cache = write_kv_reference(kv_cache, layer, k, v, batch.slot_mapping)
-        attn = attention_fn(
+        attn = kernels.attention(
             q,
             kv_cache,
             batch.block_tables,
@@ -154,12 +150,13 @@ def decoder_layer(
             sm_scale=cfg.head_dim**-0.5,
             layer=layer,
         )  # [T, H, D]
-        hidden = hidden + attn.reshape(num_tokens, -1) @ p["o_proj"]
+        hidden = attn.reshape(num_tokens, -1) @ p["o_proj"]
     with jax.named_scope("mlp"):
-        x = rms_norm(hidden, p["post_attention_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(x @ p["gate_up_proj"], 2, axis=-1)  # [T, I] each
-        hidden = hidden + (jax.nn.silu(gate) * up) @ p["down_proj"]
-    return hidden, kv_cache
+        x, residual = kernels.add_rms_norm(
+            hidden, residual, p["post_attention_norm"], eps=cfg.rms_norm_eps
+        )
+        hidden = kernels.ffn(x, p["gate_up_proj"], p["down_proj"])
+    return hidden, residual, kv_cache
 
 
 def compute_logits(

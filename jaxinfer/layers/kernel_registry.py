@@ -1,0 +1,95 @@
+"""Named kernel implementations the model can run, chosen by the engine config.
+
+Three kinds, each with the signature of its pure-JAX reference:
+
+- "attention": ragged_paged_attention_reference(q, kv_cache, block_tables, seq_lens,
+  query_start_loc, num_seqs, *, sm_scale, sliding_window=None, layer=None) -> [T, H, D]
+- "ffn": fused_ffn_reference(x, gate_up, down) -> [T, E]
+- "norm": add_rms_norm_reference(x, residual, weight, *, eps) -> (normed, x + residual)
+
+Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU) and
+"pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU).
+"auto" picks "pallas" on GPU and "reference" elsewhere. Research code registers its own
+function under a new name on a registry it passes to the engine (`LLM(kernels=registry,
+attention_impl="mine")`); the model calls whatever is selected inside the same jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+from pallas_kernels.add_rms_norm.kernel import add_rms_norm
+from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
+from pallas_kernels.fused_ffn.kernel import fused_ffn
+from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+KINDS = ("attention", "ffn", "norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKernels:
+    """The implementations one model instance runs (static under jit)."""
+
+    attention: Callable = ragged_paged_attention_reference
+    ffn: Callable = fused_ffn_reference
+    add_rms_norm: Callable = add_rms_norm_reference
+
+
+class KernelRegistry:
+    """Implementations by kind and name."""
+
+    def __init__(self):
+        self._impls: dict[str, dict[str, Callable]] = {kind: {} for kind in KINDS}
+
+    def register(self, kind: str, name: str, fn: Callable) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kernel kind must be one of {KINDS}, got {kind!r}")
+        if name == "auto" or not name:
+            raise ValueError(f"{name!r} cannot name a kernel: 'auto' chooses one")
+        if not callable(fn):
+            raise TypeError(f"a {kind} kernel must be callable, got {type(fn).__name__}")
+        self._impls[kind][name] = fn
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._impls[kind])
+
+    def get(self, kind: str, name: str) -> Callable:
+        impls = self._impls[kind]
+        if name not in impls:
+            raise ValueError(
+                f"no {kind} kernel named {name!r}; registered: {['auto', *sorted(impls)]}"
+            )
+        return impls[name]
+
+    def resolve(self, attention: str, ffn: str, norm: str, *, platform: str) -> ModelKernels:
+        """The implementations the names select ("auto": "pallas" on GPU, else "reference")."""
+
+        def pick(kind: str, name: str) -> Callable:
+            if name == "auto":
+                name = "pallas" if platform == "gpu" else "reference"
+            return self.get(kind, name)
+
+        return ModelKernels(
+            attention=pick("attention", attention),
+            ffn=pick("ffn", ffn),
+            add_rms_norm=pick("norm", norm),
+        )
+
+
+def default_registry() -> KernelRegistry:
+    """A fresh registry holding the built-in implementations."""
+    registry = KernelRegistry()
+    builtins = {
+        "attention": (ragged_paged_attention_reference, ragged_paged_attention),
+        "ffn": (fused_ffn_reference, fused_ffn),
+        "norm": (add_rms_norm_reference, add_rms_norm),
+    }
+    for kind, (reference, kernel) in builtins.items():
+        registry.register(kind, "reference", reference)
+        registry.register(kind, "pallas", kernel)
+        registry.register(kind, "pallas_interpret", functools.partial(kernel, interpret=True))
+    return registry

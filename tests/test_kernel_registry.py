@@ -1,0 +1,88 @@
+"""Kernels chosen by name from the engine config, swapped inside the full engine under jit."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.layers.kernel_registry import ModelKernels, default_registry
+from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
+from pallas_kernels.fused_ffn.kernel import fused_ffn
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+# A small token budget: every prompt below is chunked, and warm-up has few buckets to compile.
+OPTIONS = dict(
+    max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):",
+    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), **OPTIONS)
+    assert llm.engine.runner.kernels == ModelKernels()  # "auto" is the reference on CPU
+    return tokens(llm)
+
+
+def test_pallas_kernels_in_the_engine_give_the_same_greedy_tokens(tiny_model_dir, reference_tokens):
+    llm = LLM(
+        model=str(tiny_model_dir),
+        attention_impl="pallas_interpret",
+        ffn_impl="pallas_interpret",
+        norm_impl="pallas_interpret",
+        **OPTIONS,
+    )
+    assert llm.engine.runner.kernels.ffn.func is fused_ffn
+    assert tokens(llm) == reference_tokens
+
+
+def test_a_registered_function_runs_inside_the_jitted_step(tiny_model_dir, reference_tokens):
+    traced = []
+
+    def my_attention(*args, **kwargs):  # research code: same signature as the reference
+        traced.append(kwargs["sm_scale"])
+        return ragged_paged_attention_reference(*args, **kwargs)
+
+    def my_norm(x, residual, weight, *, eps):
+        traced.append(eps)
+        return add_rms_norm_reference(x, residual, weight, eps=eps)
+
+    registry = default_registry()
+    registry.register("attention", "mine", my_attention)
+    registry.register("norm", "mine", my_norm)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        kernels=registry,
+        attention_impl="mine",
+        norm_impl="mine",
+        layer_execution="scan",
+        **OPTIONS,
+    )
+    assert traced  # traced while warm-up compiled the steps
+    count = len(traced)
+    assert tokens(llm) == reference_tokens
+    assert len(traced) == count  # and never again: the steps run compiled
+
+
+def test_unknown_names_and_bad_registrations_are_clear_errors(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"no attention kernel named 'flash9'.*'reference'"):
+        LLM(model=str(tiny_model_dir), attention_impl="flash9", **OPTIONS)
+    registry = default_registry()
+    with pytest.raises(ValueError, match="kind"):
+        registry.register("softmax", "mine", len)
+    with pytest.raises(ValueError, match="auto"):
+        registry.register("ffn", "auto", len)
+    with pytest.raises(TypeError, match="callable"):
+        registry.register("ffn", "mine", 3)
+    assert registry.names("ffn") == ["pallas", "pallas_interpret", "reference"]
+    gpu = registry.resolve("auto", "auto", "auto", platform="gpu")
+    assert gpu.ffn is fused_ffn and gpu.attention is not ragged_paged_attention_reference

@@ -1,0 +1,201 @@
+"""Every Pallas kernel, run through Pallas' interpreter on CPU, against its pure-JAX reference;
+and every kernel lowered for CUDA (no GPU needed), so one that would not lower fails here."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu_lowering
+from pallas_kernels.add_rms_norm.kernel import add_rms_norm
+from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
+from pallas_kernels.fused_ffn.kernel import fused_ffn
+from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # max abs error; outputs are O(1)
+
+
+def attention_batch(
+    q_lens, context_lens, *, group, head_dim, block_size, dtype, num_kv_heads=2, seed=0
+):
+    """A flattened batch of the requests (q_lens[i] new tokens of a context_lens[i] context)
+    plus 2 padding requests and 3 padding tokens, over a shuffled block pool."""
+    rng = np.random.default_rng(seed)
+    num_real = len(q_lens)
+    num_reqs, num_tokens = num_real + 2, sum(q_lens) + 3
+    max_blocks = max(-(-c // block_size) for c in context_lens) + 1
+    num_blocks = 1 + sum(-(-c // block_size) for c in context_lens) + 3
+    query_start_loc = np.full(num_reqs + 1, sum(q_lens), np.int32)
+    query_start_loc[: num_real + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    seq_lens = np.zeros(num_reqs, np.int32)
+    seq_lens[:num_real] = context_lens
+    block_tables = np.zeros((num_reqs, max_blocks), np.int32)
+    free = rng.permutation(np.arange(1, num_blocks))
+    used = 0
+    for r, context in enumerate(context_lens):
+        count = -(-context // block_size)
+        block_tables[r, :count] = free[used : used + count]
+        used += count
+    num_heads = group * num_kv_heads
+    q = rng.standard_normal((num_tokens, num_heads, head_dim))
+    kv = rng.standard_normal((2, num_blocks, block_size, num_kv_heads, head_dim))
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(kv, dtype),
+        jnp.asarray(block_tables),
+        jnp.asarray(seq_lens),
+        jnp.asarray(query_start_loc),
+        jnp.asarray([num_real], np.int32),
+    )
+
+
+def assert_close(actual, expected, dtype):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert np.abs(actual - expected).max() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(
+    "block_size,group,head_dim,dtype",
+    list(itertools.product([16, 32, 64], [1, 3, 4, 8], [64, 128], [jnp.float32, jnp.bfloat16])),
+)
+def test_attention_matches_reference(block_size, group, head_dim, dtype):
+    # Decodes (1 token), a prefill chunk ending on a block boundary, a ragged chunk of a
+    # longer context, a whole prompt of exactly two blocks, then padding requests and tokens.
+    q_lens = [1, block_size, 7, 2 * block_size, 1]
+    context_lens = [1, 2 * block_size, 3 * block_size + 5, 2 * block_size, 4 * block_size + 3]
+    args = attention_batch(
+        q_lens, context_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype
+    )
+    scale = head_dim**-0.5
+    out = ragged_paged_attention(*args, sm_scale=scale, interpret=True)
+    expected = ragged_paged_attention_reference(*args, sm_scale=scale)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert_close(out, expected, dtype)
+    assert not np.asarray(out[sum(q_lens) :], np.float32).any()  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 5])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_attention_kv_splits_and_sliding_window(num_kv_splits, sliding_window):
+    """Flash-Decoding (kv splits merged by log-sum-exp) and a sliding window, on long
+    contexts where some splits are empty for some requests."""
+    args = attention_batch(
+        [1, 1, 3, 9],
+        [150, 17, 96, 200],
+        group=3,
+        head_dim=64,
+        block_size=16,
+        dtype=jnp.float32,
+    )
+    kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
+    out = ragged_paged_attention(*args, interpret=True, num_kv_splits=num_kv_splits, **kwargs)
+    assert_close(out, ragged_paged_attention_reference(*args, **kwargs), jnp.float32)
+
+
+def test_attention_reads_one_layer_of_the_whole_cache():
+    q, kv, *rest = attention_batch(
+        [4, 1], [20, 33], group=4, head_dim=64, block_size=16, dtype=jnp.float32
+    )
+    stacked = jnp.stack([kv * 0.5, kv, kv * 2.0])  # [L, 2, NB, BS, K, D]
+    out = ragged_paged_attention(
+        q, stacked, *rest, sm_scale=0.1, layer=jnp.int32(2), interpret=True
+    )
+    expected = ragged_paged_attention_reference(q, kv * 2.0, *rest, sm_scale=0.1)
+    assert_close(out, expected, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_tokens,hidden,intermediate", [(1, 576, 1536), (37, 64, 112)])
+def test_fused_ffn_matches_reference(num_tokens, hidden, intermediate, dtype):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
+    gate_up = jnp.asarray(rng.standard_normal((hidden, 2 * intermediate)) / hidden**0.5, dtype)
+    down = jnp.asarray(rng.standard_normal((intermediate, hidden)) / intermediate**0.5, dtype)
+    out = fused_ffn(x, gate_up, down, interpret=True)
+    expected = fused_ffn_reference(x, gate_up, down)
+    scale = float(jnp.abs(expected.astype(jnp.float32)).max())
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert_close(
+        np.asarray(out, np.float32) / scale, np.asarray(expected, np.float32) / scale, dtype
+    )
+
+
+def test_fused_ffn_refuses_shapes_it_cannot_tile():
+    x = jnp.zeros((4, 60))
+    with pytest.raises(ValueError, match="E=60"):
+        fused_ffn(x, jnp.zeros((60, 224)), jnp.zeros((112, 60)), interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (19, 64), (5, 4096)])
+def test_add_rms_norm_matches_reference(num_tokens, hidden, dtype):
+    rng = np.random.default_rng(2)
+    x, residual = (jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype) for _ in "ab")
+    weight = jnp.asarray(rng.standard_normal(hidden), dtype)
+    normed, summed = add_rms_norm(x, residual, weight, eps=1e-5, interpret=True)
+    expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, eps=1e-5)
+    assert_close(summed, expected_summed, dtype)
+    assert_close(normed, expected_normed, dtype)
+
+
+# -- lowering for the GPU (CPU only: lowering, not running) ----------------------------------
+
+
+def _attention_lowering(num_tokens, num_heads, num_kv_heads, head_dim, dtype, **kwargs):
+    num_reqs, block_size, max_blocks = min(num_tokens, 64), 16, 64
+    args = (
+        jnp.zeros((num_tokens, num_heads, head_dim), dtype),
+        jnp.zeros((4, 2, 128, block_size, num_kv_heads, head_dim), dtype),
+        jnp.zeros((num_reqs, max_blocks), jnp.int32),
+        jnp.zeros((num_reqs,), jnp.int32),
+        jnp.zeros((num_reqs + 1,), jnp.int32),
+        jnp.zeros((1,), jnp.int32),
+        jnp.int32(1),
+    )
+
+    def attention(q, kv, tables, lens, starts, num_seqs, layer):
+        return ragged_paged_attention(
+            q, kv, tables, lens, starts, num_seqs, sm_scale=0.1, layer=layer, **kwargs
+        )
+
+    return gpu_lowering.lower_for_gpu(attention, *args)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(num_tokens=32, num_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2-135M, decode
+        dict(num_tokens=512, num_heads=9, num_kv_heads=3, head_dim=64),  # SmolLM2, prefill
+        dict(num_tokens=8, num_heads=32, num_kv_heads=8, head_dim=128),  # Llama-3-8B, splits
+        dict(num_tokens=256, num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=64),
+    ],
+)
+def test_attention_lowers_for_the_gpu(shape):
+    text = _attention_lowering(dtype=jnp.bfloat16, **shape)
+    assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1
+
+
+def test_ffn_and_norm_lower_for_the_gpu():
+    for hidden, intermediate in [(576, 1536), (4096, 14336)]:
+        x = jnp.zeros((32, hidden), jnp.bfloat16)
+        gate_up = jnp.zeros((hidden, 2 * intermediate), jnp.bfloat16)
+        down = jnp.zeros((intermediate, hidden), jnp.bfloat16)
+        text = gpu_lowering.lower_for_gpu(fused_ffn, x, gate_up, down)
+        assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1
+        weight = jnp.zeros((hidden,), jnp.bfloat16)
+        text = gpu_lowering.lower_for_gpu(
+            lambda x, r, w: add_rms_norm(x, r, w, eps=1e-5), x, x, weight
+        )
+        assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1
+
+
+def test_the_gpu_backend_is_triton_here():
+    # The JAX here and the GPU machine's (0.11) both ship Pallas' Triton backend.
+    assert gpu_lowering.gpu_backend() == "triton"
+    assert jax.default_backend() == "cpu"

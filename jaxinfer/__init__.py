@@ -1,7 +1,30 @@
-"""jaxinfer: an LLM inference engine on JAX and Pallas."""
+"""jaxinfer: an LLM inference engine on JAX and Pallas.
 
-from jaxinfer.llm import LLM
-from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+The public names are imported on first use, so `import jaxinfer.models.llama` (the GPU check,
+kernel research) does not pull in the tokenizer, grammar and server dependencies.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "jaxinfer.llm",
+    "CompletionOutput": "jaxinfer.outputs",
+    "RequestOutput": "jaxinfer.outputs",
+    "SamplingParams": "jaxinfer.sampling_params",
+}
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]  # _EXPORTS' keys
+
+if TYPE_CHECKING:
+    from jaxinfer.llm import LLM
+    from jaxinfer.outputs import CompletionOutput, RequestOutput
+    from jaxinfer.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

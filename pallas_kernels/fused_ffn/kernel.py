@@ -38,17 +38,23 @@ def _gate_up_kernel(x_ref, w_ref, h_ref, *, block_t, block_i, block_k, intermedi
     ds = pl.ds
     rows = ds(t * block_t, block_t)
     hidden = x_ref.shape[1]
+    # float32 inputs get full-precision dots (a GPU's default for them is TF32)
+    precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
     def body(k, carry):
         gate, up = carry
         reduce = ds(k * block_k, block_k)
         x = x_ref[rows, reduce]  # [BT, BK]
         gate += jnp.dot(
-            x, w_ref[reduce, ds(i * block_i, block_i)], preferred_element_type=jnp.float32
+            x,
+            w_ref[reduce, ds(i * block_i, block_i)],
+            precision=precision,
+            preferred_element_type=jnp.float32,
         )
         up += jnp.dot(
             x,
             w_ref[reduce, ds(intermediate + i * block_i, block_i)],
+            precision=precision,
             preferred_element_type=jnp.float32,
         )
         return gate, up

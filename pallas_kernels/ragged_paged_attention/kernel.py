@@ -113,6 +113,8 @@ def _attention_kernel(
     span = blocks_per_iter * block_size
     req, first, end, context = (sched_ref[j, c] for c in range(4))
     layer = layer_ref[0]
+    # float32 inputs get full-precision dots (a GPU's default for them is TF32)
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     q = q_ref[kvh, pl.ds(first * group_p, rows), :]  # [BM, D]
     row_token = first + jnp.arange(rows) // group_p  # [BM]
@@ -139,7 +141,8 @@ def _attention_kernel(
         blocks = block_tables_ref[req, pl.ds(block0, blocks_per_iter)]  # i32[P]
         k = kv_ref[layer, 0, blocks, :, kvh, :].reshape(span, head_dim)  # [N, D]
         v = kv_ref[layer, 1, blocks, :, kvh, :].reshape(span, head_dim)
-        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [BM, N]
+        scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
+        scores = scores * sm_scale  # [BM, N]
         kv_pos = block0 * block_size + jnp.arange(span)  # [N]
         visible = (kv_pos[None, :] <= row_pos[:, None]) & row_ok[:, None]
         if sliding_window is not None:
@@ -150,7 +153,7 @@ def _attention_kernel(
         probs = jnp.where(visible, jnp.exp2((scores - new_max[:, None]) * LOG2E), 0.0)
         denom = denom * correction + probs.sum(axis=1)
         acc = acc * correction[:, None] + jnp.dot(
-            probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+            probs.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
         )
         return acc, new_max, denom
 

@@ -1,0 +1,60 @@
+"""The GPU-check tools run on CPU too (small shapes), so they do not rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_kernel_bench_compares_every_implementation(tmp_path):
+    output = tmp_path / "kernels.json"
+    run(
+        "tools/kernel_bench.py",
+        "--shapes=smollm2",
+        "--batch=2",
+        "--context=40",
+        "--prefill_len=32",
+        "--repeats=1",
+        f"--output_json={output}",
+    )
+    rows = json.loads(output.read_text())["rows"]
+    cases = {row["case"] for row in rows}
+    assert cases == {
+        "decode attn b2 c40",
+        "prefill attn 32",
+        "ffn t2",
+        "ffn t32",
+        "add+rmsnorm t2",
+    }
+    for case in cases:
+        impls = {row["impl"]: row for row in rows if row["case"] == case}
+        assert set(impls) == {"reference", "pallas_interpret"}
+        assert impls["pallas_interpret"]["max_abs_error"] < 1e-4, case
+        assert all(row["ms"] > 0 for row in impls.values())
+
+
+def test_decode_roofline_reports_each_batch(tmp_path):
+    output = tmp_path / "decode.json"
+    run(
+        "tools/decode_roofline.py",
+        "--shape=smollm2",
+        "--batch_sizes=1,4",
+        "--context=48",
+        "--steps=1",
+        f"--output_json={output}",
+    )
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 4]
+    assert all(row["step_ms"] > 0 and row["roofline_ms"] > 0 for row in rows)

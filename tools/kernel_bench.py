@@ -1,0 +1,189 @@
+"""Every registered kernel implementation on the same inputs: time and error against the
+reference, and on a GPU the share of the device's measured ceilings.
+
+    python tools/kernel_bench.py --shapes=smollm2,llama3_8b --output_json=kernels.json
+
+Cases per model shape (random inputs): decode attention (--batch requests of one new token at
+--context), prefill attention (one request of --prefill_len tokens), the FFN at --batch and
+--prefill_len tokens, and the residual add + RMSNorm at --batch tokens. Decode attention is
+reported as bandwidth (K/V bytes read per second) against a measured device-to-device copy;
+prefill attention and the FFN as FLOP/s against a measured matmul of the same dtype. On CPU
+the Pallas kernels run through the interpreter (slow; the numbers check correctness only), so
+the default sizes there are small.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_rates import matmul_rate, memory_bandwidth, timed
+
+from jaxinfer.layers.kernel_registry import default_registry
+from jaxinfer.models.shapes import shape
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("shapes", ["smollm2", "llama3_8b"], "Model shapes (jaxinfer.models.shapes).")
+flags.DEFINE_integer("batch", None, "Decode requests (default: 32 on GPU, 4 on CPU).")
+flags.DEFINE_integer("context", None, "Decode context length (default: 1024 GPU, 128 CPU).")
+flags.DEFINE_integer("prefill_len", None, "Prefill tokens (default: 4096 GPU, 64 CPU).")
+flags.DEFINE_integer("block_size", 16, "KV-cache block size.")
+flags.DEFINE_list("impls", None, "Implementations to run (default: every one that runs here).")
+flags.DEFINE_integer("repeats", 10, "Timed calls per case (the median is reported).")
+flags.DEFINE_string("output_json", None, "Also write the rows here.")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def runnable(names: list[str]) -> list[str]:
+    if FLAGS.impls:
+        return [n for n in names if n in FLAGS.impls]
+    skip = "pallas_interpret" if on_gpu() else "pallas"
+    return [n for n in names if n != skip]
+
+
+def attention_inputs(cfg, q_lens, context_lens, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    block_size = FLAGS.block_size
+    blocks_per = [-(-c // block_size) for c in context_lens]
+    num_blocks = 1 + sum(blocks_per)
+    tables = np.zeros((len(q_lens), max(blocks_per)), np.int32)
+    free = rng.permutation(np.arange(1, num_blocks))
+    used = 0
+    for r, count in enumerate(blocks_per):
+        tables[r, :count] = free[used : used + count]
+        used += count
+    key_q, key_kv = jax.random.split(jax.random.key(seed))
+    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = jax.random.normal(key_q, (sum(q_lens), heads, head_dim), dtype)
+    kv = jax.random.normal(key_kv, (2, num_blocks, block_size, kv_heads, head_dim), dtype)
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return (
+        q,
+        kv,
+        jnp.asarray(tables),
+        jnp.asarray(context_lens, jnp.int32),
+        jnp.asarray(starts),
+        jnp.asarray([len(q_lens)], jnp.int32),
+    )
+
+
+def run_case(kind, impls, registry, make_call, args, reference_name="reference"):
+    """{impl: (seconds, max abs error vs the reference)}. Inputs are arguments of the jitted
+    call (not constants it closes over, which XLA would fold away at compile time)."""
+    results = {}
+    expected = None
+    for name in [reference_name] + [n for n in impls if n != reference_name]:
+        fn = jax.jit(make_call(registry.get(kind, name)))
+        out = fn(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        if expected is None:
+            expected = np.asarray(out, np.float32)
+        error = float(np.abs(np.asarray(out, np.float32) - expected).max())
+        results[name] = (timed(fn, *args, repeats=FLAGS.repeats), error)
+    return results
+
+
+def main(argv):
+    del argv
+    gpu = on_gpu()
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    batch = FLAGS.batch or (32 if gpu else 4)
+    context = FLAGS.context or (1024 if gpu else 128)
+    prefill = FLAGS.prefill_len or (4096 if gpu else 64)
+    registry = default_registry()
+    bandwidth = memory_bandwidth()
+    flops = matmul_rate(8192 if gpu else 1024, dtype)
+    print(
+        f"device: {jax.devices()[0].device_kind}; memory {bandwidth / 1e9:.0f} GB/s, "
+        f"{jnp.dtype(dtype).name} matmul {flops / 1e12:.1f} TFLOP/s"
+    )
+    rows = []
+
+    def report(shape_name, case, results, work, unit):
+        for impl, (seconds, error) in results.items():
+            rate = work / seconds
+            ceiling = bandwidth if unit == "GB/s" else flops
+            scale = 1e9 if unit == "GB/s" else 1e12
+            row = dict(
+                shape=shape_name,
+                case=case,
+                impl=impl,
+                ms=seconds * 1e3,
+                max_abs_error=error,
+                rate=rate / scale,
+                unit=unit if unit == "GB/s" else "TFLOP/s",
+                percent_of_ceiling=100 * rate / ceiling,
+            )
+            rows.append(row)
+            print(
+                f"{shape_name:10s} {case:28s} {impl:17s} {row['ms']:9.3f} ms  "
+                f"err {error:.1e}  {row['rate']:9.2f} {row['unit']:7s} "
+                f"({row['percent_of_ceiling']:.0f}% of measured)"
+            )
+
+    for shape_name in FLAGS.shapes:
+        cfg = shape(shape_name)
+        heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        itemsize = jnp.dtype(dtype).itemsize
+        scale = head_dim**-0.5
+        impls = runnable(registry.names("attention"))
+
+        args = attention_inputs(cfg, [1] * batch, [context] * batch, dtype)
+        results = run_case(
+            "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
+        )
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * itemsize
+        report(shape_name, f"decode attn b{batch} c{context}", results, kv_bytes, "GB/s")
+
+        args = attention_inputs(cfg, [prefill], [prefill], dtype)
+        results = run_case(
+            "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
+        )
+        causal_flops = 4 * heads * head_dim * prefill * (prefill + 1) / 2
+        report(shape_name, f"prefill attn {prefill}", results, causal_flops, "TFLOP/s")
+
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        keys = jax.random.split(jax.random.key(1), 3)
+        gate_up = jax.random.normal(keys[0], (hidden, 2 * inter), dtype) * hidden**-0.5
+        down = jax.random.normal(keys[1], (inter, hidden), dtype) * inter**-0.5
+        for tokens in (batch, prefill):
+            x = jax.random.normal(keys[2], (tokens, hidden), dtype)
+            results = run_case(
+                "ffn", runnable(registry.names("ffn")), registry, lambda f: f, (x, gate_up, down)
+            )
+            report(shape_name, f"ffn t{tokens}", results, 6 * tokens * hidden * inter, "TFLOP/s")
+
+        x = jax.random.normal(keys[2], (batch, hidden), dtype)
+        weight = jnp.ones((hidden,), dtype)
+        results = run_case(
+            "norm",
+            runnable(registry.names("norm")),
+            registry,
+            lambda f: lambda a, r, w: f(a, r, w, eps=1e-5),
+            (x, x * 0.5, weight),
+        )
+        report(shape_name, f"add+rmsnorm t{batch}", results, 4 * batch * hidden * itemsize, "GB/s")
+
+    if FLAGS.output_json:
+        meta = dict(
+            device=jax.devices()[0].device_kind,
+            jax=jax.__version__,
+            memory_gb_s=bandwidth / 1e9,
+            matmul_tflop_s=flops / 1e12,
+            dtype=jnp.dtype(dtype).name,
+        )
+        Path(FLAGS.output_json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

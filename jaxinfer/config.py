@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -36,6 +37,8 @@ class EngineOptions:
             inputs are read on the device), so host work does not leave the device idle.
             None: on for accelerators, off on CPU, where the "device" is the host's own cores
             and the overlap made the plain benchmark about 15% slower (docs/benchmarks.md).
+        tensor_parallel_size: devices the model is split over (a mesh axis "tp"; under
+            jax.distributed the devices of every process count).
         attention_impl, ffn_impl, norm_impl: the kernel each kind runs, by its name in the
             engine's KernelRegistry: "reference" (pure JAX), "pallas" (the GPU kernels),
             "pallas_interpret" (the kernels interpreted on CPU, for tests), a name registered
@@ -54,6 +57,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     layer_execution: str = "auto"
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1
     attention_impl: str = "auto"
     ffn_impl: str = "auto"
     norm_impl: str = "auto"
@@ -65,6 +69,7 @@ class EngineOptions:
             )
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if not isinstance(self.block_size, int) or self.block_size not in (8, 16, 32, 64, 128):
@@ -126,12 +131,19 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    kv_replicas: int = 1  # copies of each checkpoint KV head (tp > KV heads)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     layer_execution: str  # "scan" or "per_layer" (see ModelRunner)
     async_scheduling: bool  # schedule step N+1 while step N runs (see EngineOptions)
+    parallel: ParallelConfig = ParallelConfig()
 
     @property
     def max_blocks_per_request(self) -> int:
@@ -158,6 +170,11 @@ def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfig:
     arch = LlamaConfig.from_file(model_path / "config.json")
+    tp = options.tensor_parallel_size
+    check_tp_size(arch, tp)
+    replicas = kv_replicas(arch, tp)
+    # The model's view: each KV head copied `replicas` times (so every device holds one).
+    arch = dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
     dtype = resolve_dtype(options.dtype)
     max_model_len = options.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
@@ -165,11 +182,11 @@ def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfi
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"({arch.max_position_embeddings})"
         )
-    bytes_per_block = (
+    bytes_per_block = (  # on each device: the KV cache is split by KV heads
         arch.num_hidden_layers
         * 2
         * options.block_size
-        * arch.num_key_value_heads
+        * (arch.num_key_value_heads // tp)
         * arch.head_dim
         * jnp.dtype(dtype).itemsize
     )
@@ -195,6 +212,7 @@ def build_engine_config(options: EngineOptions, model_path: Path) -> EngineConfi
             if options.async_scheduling is None
             else options.async_scheduling
         ),
+        parallel=ParallelConfig(tensor_parallel_size=tp, kv_replicas=replicas),
     )
 
 

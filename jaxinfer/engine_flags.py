@@ -9,6 +9,7 @@ from absl import flags
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.config_file import load_engine_options
+from jaxinfer.parallel.distributed import DistributedConfig
 
 
 def define_engine_flags() -> None:
@@ -26,9 +27,22 @@ def define_engine_flags() -> None:
     define.DEFINE_bool("enable_prefix_caching", None, "Share KV blocks of common prefixes.")
     define.DEFINE_string("layer_execution", None, "auto, scan or per_layer.")
     define.DEFINE_bool("async_scheduling", None, "Schedule step N+1 while step N runs.")
+    define.DEFINE_integer("tensor_parallel_size", None, "Devices the model is split over.")
+    define.DEFINE_string("coordinator_address", None, "jax.distributed: process 0's host:port.")
+    define.DEFINE_integer("num_processes", None, "jax.distributed: processes in the job.")
+    define.DEFINE_integer("process_id", None, "jax.distributed: this process's index.")
     define.DEFINE_string("attention_impl", None, "Attention kernel: auto, reference, pallas, ...")
     define.DEFINE_string("ffn_impl", None, "FFN kernel: auto, reference, pallas, ...")
     define.DEFINE_string("norm_impl", None, "Residual-add + RMSNorm kernel: auto, reference, ...")
+
+
+def distributed_config_from_flags() -> DistributedConfig:
+    values = flags.FLAGS
+    return DistributedConfig(
+        coordinator_address=values.coordinator_address,
+        num_processes=values.num_processes,
+        process_id=values.process_id,
+    )
 
 
 def engine_options_from_flags() -> EngineOptions:
@@ -45,6 +59,7 @@ def engine_options_from_flags() -> EngineOptions:
         "enable_prefix_caching",
         "layer_execution",
         "async_scheduling",
+        "tensor_parallel_size",
         "attention_impl",
         "ffn_impl",
         "norm_impl",

@@ -10,15 +10,22 @@ prompts with sampling flags.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 
+import jax
 from absl import app, flags
 
 from jaxinfer.batch.job import BatchIncompleteError, BatchJobConfig, check_paths, run_job
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine_flags import define_engine_flags, engine_options_from_flags
+from jaxinfer.engine_flags import (
+    define_engine_flags,
+    distributed_config_from_flags,
+    engine_options_from_flags,
+)
+from jaxinfer.parallel.distributed import initialize
 from jaxinfer.server.async_engine import AsyncEngine
 
 FLAGS = flags.FLAGS
@@ -85,10 +92,19 @@ def main(argv):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per in-process request
     try:
+        distributed = distributed_config_from_flags()
         config = job_config_from_flags()
         check_paths(config)
     except (ValueError, OSError) as error:
         raise app.UsageError(str(error)) from None
+    initialize(distributed)
+    if jax.process_index() > 0:  # every process runs the same schedule; process 0 reports
+        config = dataclasses.replace(
+            config,
+            output=config.output.with_name(f"{config.output.name}.process{jax.process_index()}"),
+            summary=None,
+            show_progress=False,
+        )
     engine = LLMEngine(engine_options_from_flags())
     name = FLAGS.served_model_name or engine.config.model.path.name
     try:

@@ -12,7 +12,12 @@ import uvicorn
 from absl import app, flags
 
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine_flags import define_engine_flags, engine_options_from_flags
+from jaxinfer.engine_flags import (
+    define_engine_flags,
+    distributed_config_from_flags,
+    engine_options_from_flags,
+)
+from jaxinfer.parallel.distributed import initialize
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.metrics import ServerMetrics
@@ -32,6 +37,14 @@ flags.DEFINE_integer("shutdown_timeout", 30, "Seconds in-flight requests get on 
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    distributed = distributed_config_from_flags()
+    if distributed.enabled and distributed.num_processes > 1:
+        raise app.UsageError(
+            "the server runs on one host: every process of a multi-host engine must see every "
+            "request, which the server does not broadcast yet; use jaxinfer.run_batch, whose "
+            "processes all read the same input"
+        )
+    initialize(distributed)
     engine = LLMEngine(engine_options_from_flags())
     name = FLAGS.served_model_name or engine.config.model.path.name
     config = ServerConfig(

@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import pytest
+
+# Tensor-parallel tests split models over 8 virtual CPU devices (set before any device use;
+# everything else runs on the first device as before).
+jax.config.update("jax_num_cpu_devices", 8)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

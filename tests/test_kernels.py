@@ -117,7 +117,7 @@ def test_attention_reads_one_layer_of_the_whole_cache():
 def test_fused_ffn_matches_reference(num_tokens, hidden, intermediate, dtype):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
-    gate_up = jnp.asarray(rng.standard_normal((hidden, 2 * intermediate)) / hidden**0.5, dtype)
+    gate_up = jnp.asarray(rng.standard_normal((hidden, 2, intermediate)) / hidden**0.5, dtype)
     down = jnp.asarray(rng.standard_normal((intermediate, hidden)) / intermediate**0.5, dtype)
     out = fused_ffn(x, gate_up, down, interpret=INTERPRET)
     expected = fused_ffn_reference(x, gate_up, down)
@@ -131,7 +131,7 @@ def test_fused_ffn_matches_reference(num_tokens, hidden, intermediate, dtype):
 def test_fused_ffn_refuses_shapes_it_cannot_tile():
     x = jnp.zeros((4, 60))
     with pytest.raises(ValueError, match="E=60"):
-        fused_ffn(x, jnp.zeros((60, 224)), jnp.zeros((112, 60)), interpret=INTERPRET)
+        fused_ffn(x, jnp.zeros((60, 2, 112)), jnp.zeros((112, 60)), interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -187,7 +187,7 @@ def test_attention_lowers_for_the_gpu(shape):
 def test_ffn_and_norm_lower_for_the_gpu():
     for hidden, intermediate in [(576, 1536), (4096, 14336)]:
         x = jnp.zeros((32, hidden), jnp.bfloat16)
-        gate_up = jnp.zeros((hidden, 2 * intermediate), jnp.bfloat16)
+        gate_up = jnp.zeros((hidden, 2, intermediate), jnp.bfloat16)
         down = jnp.zeros((intermediate, hidden), jnp.bfloat16)
         text = gpu_lowering.lower_for_gpu(fused_ffn, x, gate_up, down)
         assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1

@@ -20,6 +20,8 @@ from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
 from jaxinfer.outputs import RequestMetrics
+from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import SamplingParams
 from tests.conftest import make_tiny_model
 
@@ -30,7 +32,7 @@ NUM_BLOCKS = 64
 class Harness:
     """Runs the model runner's jitted step on hand-made scheduler outputs."""
 
-    def __init__(self, folder, layer_execution: str):
+    def __init__(self, folder, layer_execution: str, tensor_parallel_size: int = 1):
         options = EngineOptions(
             model=str(folder),
             layer_execution=layer_execution,
@@ -38,12 +40,14 @@ class Harness:
             num_kv_blocks=NUM_BLOCKS,
             max_num_batched_tokens=128,
             max_num_seqs=8,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.config = build_engine_config(options, folder)
         arch = self.config.model.arch
-        params = load_llama_params(folder, arch, np.float32)
-        graphdef, state = build_llama(arch, params, jnp.float32)
-        self.runner = ModelRunner(self.config, graphdef, state)
+        partitioner = Partitioner(make_mesh(tensor_parallel_size))
+        params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)
+        graphdef, state = build_llama(arch, params, jnp.float32, partitioner)
+        self.runner = ModelRunner(self.config, graphdef, state, partitioner=partitioner)
         self.builder = BatchBuilder(self.config)
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         self.rng = np.random.default_rng(0)

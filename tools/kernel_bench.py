@@ -154,7 +154,7 @@ def main(argv):
 
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         keys = jax.random.split(jax.random.key(1), 3)
-        gate_up = jax.random.normal(keys[0], (hidden, 2 * inter), dtype) * hidden**-0.5
+        gate_up = jax.random.normal(keys[0], (hidden, 2, inter), dtype) * hidden**-0.5
         down = jax.random.normal(keys[1], (inter, hidden), dtype) * inter**-0.5
         for tokens in (batch, prefill):
             x = jax.random.normal(keys[2], (tokens, hidden), dtype)

@@ -24,10 +24,12 @@ from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
 from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
+from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model
-from jaxinfer.model_loader.safetensors_loader import load_llama_params
-from jaxinfer.models.llama import build_llama
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.parallel.host import fetch
+from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import TokenizerWrapper
 
@@ -70,6 +72,7 @@ class LLMEngine:
             options.ffn_impl,
             options.norm_impl,
             platform=jax.default_backend(),
+            tensor_parallel_size=options.tensor_parallel_size,
         )
         folder = resolve_model(options.model, Path(options.cache_dir))
         self.config: EngineConfig = build_engine_config(options, folder)
@@ -78,13 +81,12 @@ class LLMEngine:
         self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
 
         start = time.perf_counter()
-        params = load_llama_params(folder, arch, np.dtype(self.config.model.dtype))
-        graphdef, state = build_llama(arch, params, self.config.model.dtype)
-        del params
+        self.partitioner = Partitioner(make_mesh(self.config.parallel.tensor_parallel_size))
+        graphdef, state = load_model(folder, self.config, self.partitioner)
         self.load_seconds = time.perf_counter() - start
 
         self.batch_builder = BatchBuilder(self.config)
-        self.runner = ModelRunner(self.config, graphdef, state, model_kernels)
+        self.runner = ModelRunner(self.config, graphdef, state, model_kernels, self.partitioner)
         self.warmup_seconds = self.runner.warmup(self.batch_builder)
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,
@@ -374,7 +376,7 @@ class LLMEngine:
             return
         chosen, top_ids, top_logprobs = (
             np.concatenate(part)[: len(step.prompt_rows.rows)]
-            for part in zip(*jax.device_get(step.prompt_logprobs), strict=True)
+            for part in zip(*fetch(step.prompt_logprobs), strict=True)
         )
         offset = 0
         for row, position, count in step.prompt_rows.spans:
@@ -399,7 +401,7 @@ class LLMEngine:
         self, scheduler_output: SchedulerOutput, sampled: SamplerOutput
     ) -> StepOutput:
         num_reqs = len(scheduler_output.scheduled)
-        host = jax.device_get(sampled)  # the one device-to-host transfer of the step
+        host = fetch(sampled)  # the one device-to-host transfer of the step
         token_ids = host.token_ids[:num_reqs].tolist()
         logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduler_output.scheduled):

@@ -36,30 +36,42 @@ from jaxinfer.engine.device_inputs import (
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
+from jaxinfer.models.llama import (
+    PARAM_AXES,
+    compute_logits,
+    decoder_layer,
+    embed_tokens,
+    lm_head,
+    param_axes,
+)
+from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 
+KV_CACHE_AXES = ("layers", None, "blocks", None, "kv_heads", "head_dim")
 PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
 
 
 def _scan_hidden(
     graphdef: nnx.GraphDef,
     kernels: ModelKernels,
+    partitioner: Partitioner,
     state: nnx.State,
     kv_cache: jax.Array,
     batch: BatchInputs,
 ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E])
     model = nnx.merge(graphdef, state)
-    return model.hidden_states(kv_cache, batch, kernels=kernels)
+    return model.hidden_states(kv_cache, batch, kernels=kernels, partitioner=partitioner)
 
 
 def _prompt_logprobs(
-    config, params: dict, hidden: jax.Array, targets: jax.Array
+    config, partitioner: Partitioner, params: dict, hidden: jax.Array, targets: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[P], i32[P, K], f32[P, K]
-    return token_logprobs(lm_head(config, params, hidden), targets, MAX_LOGPROBS)
+    logits = lm_head(config, params, hidden, partitioner)
+    return token_logprobs(logits, targets, MAX_LOGPROBS)
 
 
 class ModelRunner:
@@ -83,12 +95,18 @@ class ModelRunner:
         graphdef: nnx.GraphDef,
         state: nnx.State,
         kernels: ModelKernels = ModelKernels(),  # noqa: B008 (frozen)
+        partitioner: Partitioner | None = None,
     ):
+        """`state`: the model's parameters, already placed by `partitioner` (build_llama);
+        everything else the runner keeps on the device is placed on the same mesh."""
         self.config = config
         self.kernels = kernels
+        if partitioner is None:
+            partitioner = Partitioner(make_mesh(1))
+        self.partitioner = part = partitioner
         arch = config.model.arch
         self.layer_execution = config.layer_execution
-        self.kv_cache = jnp.zeros(
+        self.kv_cache = part.zeros(
             (
                 arch.num_hidden_layers,
                 2,
@@ -98,27 +116,35 @@ class ModelRunner:
                 arch.head_dim,
             ),
             config.model.dtype,
-        )  # [L, 2, NB, BS, K, D]
+            KV_CACHE_AXES,
+        )  # [L, 2, NB, BS, K, D], split by KV heads
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache
-        self._logits = jax.jit(functools.partial(compute_logits, arch))
+        self._logits = jax.jit(functools.partial(compute_logits, arch, partitioner=part))
         self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
-        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch))
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part))
         if self.layer_execution == "scan":
             self.state = state
             self._scan_hidden = jax.jit(
-                functools.partial(_scan_hidden, graphdef, kernels), donate_argnames=("kv_cache",)
+                functools.partial(_scan_hidden, graphdef, kernels, part),
+                donate_argnames=("kv_cache",),
             )
         else:
+            axes = param_axes(stacked, PARAM_AXES["layers"])
             self.layer_params = [
-                jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(arch.num_hidden_layers)
+                jax.tree.map(
+                    lambda a, ax, i=i: part.place(a[i], ax[1:]),  # without the [L] axis
+                    stacked,
+                    axes,
+                )
+                for i in range(arch.num_hidden_layers)
             ]
             del stacked
-            self.layer_ids = [jnp.int32(i) for i in range(arch.num_hidden_layers)]
+            self.layer_ids = [part.place(np.int32(i), ()) for i in range(arch.num_hidden_layers)]
             self._embed = jax.jit(embed_tokens)
             self._layer = jax.jit(
-                functools.partial(decoder_layer, arch, kernels=kernels),
+                functools.partial(decoder_layer, arch, kernels=kernels, partitioner=part),
                 donate_argnames=("kv_cache",),
             )
             self._add = jax.jit(jnp.add)
@@ -126,15 +152,15 @@ class ModelRunner:
         # requests'): block-table rows, each slot's last sampled token, the sampler's state.
         num_slots = config.scheduler.max_num_seqs + 1
         vocab = arch.vocab_size
-        self.block_table = jnp.full(
+        self.block_table = part.full(
             (num_slots, config.max_blocks_per_request), NULL_BLOCK, jnp.int32
         )  # [S, MB]
-        self.last_tokens = jnp.zeros(num_slots, jnp.int32)  # [S]
+        self.last_tokens = part.zeros((num_slots,), jnp.int32)  # [S]
         self.sampler_state = SamplerState(
-            output_counts=jnp.zeros((num_slots, vocab), jnp.int32),
-            prompt_mask=jnp.zeros((num_slots, vocab), bool),
-            bias=jnp.zeros((num_slots, vocab), jnp.float32),
-            bitmask=jnp.full((num_slots, bitmask_width(vocab)), -1, jnp.int32),
+            output_counts=part.zeros((num_slots, vocab), jnp.int32),
+            prompt_mask=part.zeros((num_slots, vocab), bool),
+            bias=part.zeros((num_slots, vocab), jnp.float32),
+            bitmask=part.full((num_slots, bitmask_width(vocab)), -1, jnp.int32),
         )
         self._set_rows = jax.jit(set_rows, donate_argnums=0)
         self._set_penalty_rows = jax.jit(set_penalty_rows, donate_argnums=0)
@@ -208,23 +234,25 @@ class ModelRunner:
     def prepare(self, step: HostStep) -> tuple[BatchInputs, StepInputs, SamplingMetadata]:
         """Applies the step's slot updates and builds its device batch (nothing waits)."""
         self.apply_updates(step.updates)
-        inputs, sampling = jax.device_put((step.inputs, step.sampling))
+        inputs, sampling = jax.device_put((step.inputs, step.sampling), self.partitioner.replicated)
         return self._assemble(inputs, self.block_table, self.last_tokens), inputs, sampling
 
     def apply_updates(self, updates: SlotUpdates) -> None:
         if updates.block_table is not None:
-            self.block_table = self._set_rows(self.block_table, jax.device_put(updates.block_table))
+            self.block_table = self._set_rows(
+                self.block_table, jax.device_put(updates.block_table, self.partitioner.replicated)
+            )
         if updates.penalties is not None:
             self.sampler_state = self._set_penalty_rows(
-                self.sampler_state, jax.device_put(updates.penalties)
+                self.sampler_state, jax.device_put(updates.penalties, self.partitioner.replicated)
             )
         if updates.bias is not None:
             self.sampler_state = self._set_bias_rows(
-                self.sampler_state, jax.device_put(updates.bias)
+                self.sampler_state, jax.device_put(updates.bias, self.partitioner.replicated)
             )
         if updates.bitmask is not None:
             self.sampler_state = self._set_bitmask_rows(
-                self.sampler_state, jax.device_put(updates.bitmask)
+                self.sampler_state, jax.device_put(updates.bitmask, self.partitioner.replicated)
             )
 
     def warmup(self, builder: BatchBuilder) -> float:

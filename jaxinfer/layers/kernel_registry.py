@@ -4,12 +4,12 @@ Three kinds, each with the signature of its pure-JAX reference:
 
 - "attention": ragged_paged_attention_reference(q, kv_cache, block_tables, seq_lens,
   query_start_loc, num_seqs, *, sm_scale, sliding_window=None, layer=None) -> [T, H, D]
-- "ffn": fused_ffn_reference(x, gate_up, down) -> [T, E]
+- "ffn": fused_ffn_reference(x, gate_up [E, 2, I], down [I, E]) -> [T, E]
 - "norm": add_rms_norm_reference(x, residual, weight, *, eps) -> (normed, x + residual)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU) and
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU).
-"auto" picks "pallas" on GPU and "reference" elsewhere. Research code registers its own
+"auto" picks "pallas" on one GPU and "reference" elsewhere (also under tensor parallelism). Research code registers its own
 function under a new name on a registry it passes to the engine (`LLM(kernels=registry,
 attention_impl="mine")`); the model calls whatever is selected inside the same jitted step.
 """
@@ -65,12 +65,22 @@ class KernelRegistry:
             )
         return impls[name]
 
-    def resolve(self, attention: str, ffn: str, norm: str, *, platform: str) -> ModelKernels:
-        """The implementations the names select ("auto": "pallas" on GPU, else "reference")."""
+    def resolve(
+        self, attention: str, ffn: str, norm: str, *, platform: str, tensor_parallel_size: int = 1
+    ) -> ModelKernels:
+        """The implementations the names select ("auto": "pallas" on one GPU, else
+        "reference"). XLA cannot split a compiled Pallas call over a mesh, so "pallas" with
+        tensor parallelism is refused until the kernels run under shard_map."""
 
         def pick(kind: str, name: str) -> Callable:
             if name == "auto":
-                name = "pallas" if platform == "gpu" else "reference"
+                single_gpu = platform == "gpu" and tensor_parallel_size == 1
+                name = "pallas" if single_gpu else "reference"
+            if name == "pallas" and tensor_parallel_size > 1:
+                raise ValueError(
+                    f"{kind} kernel 'pallas' does not run under tensor parallelism yet "
+                    f"(tensor_parallel_size={tensor_parallel_size}): use 'reference' or 'auto'"
+                )
             return self.get(kind, name)
 
         return ModelKernels(

@@ -63,15 +63,42 @@ class _TensorReader:
         return array.astype(dtype, copy=False)
 
 
-def load_llama_params(folder: Path, config: LlamaConfig, dtype) -> dict:
+def fuse_qkv(q, k, v, num_kv_heads: int, head_dim: int):
+    """[.., H*D], [.., K*D], [.., K*D] (input features first) -> [.., K, H/K + 2, D]: each KV
+    head's query heads, then its key, then its value, so splitting the K axis keeps every
+    head's Q, K and V together (tensor parallelism)."""
+    lead = q.shape[:-1]
+    q = q.reshape(*lead, num_kv_heads, -1, head_dim)
+    k = k.reshape(*lead, num_kv_heads, 1, head_dim)
+    v = v.reshape(*lead, num_kv_heads, 1, head_dim)
+    return np.concatenate([q, k, v], axis=-2)
+
+
+def replicate_kv(qkv, replicas: int, xp=np):
+    """[.., K, G + 2, D] -> [.., K * r, G / r + 2, D]: each KV head copied r times, each copy
+    serving G / r of its query heads (for more tensor-parallel devices than KV heads)."""
+    if replicas == 1:
+        return qkv
+    *lead, kv_heads, width, head_dim = qkv.shape
+    group = width - 2
+    q = qkv[..., :group, :].reshape(*lead, kv_heads * replicas, group // replicas, head_dim)
+    kv = xp.repeat(qkv[..., group:, :], replicas, axis=-3)  # [.., K * r, 2, D]
+    return xp.concatenate([q, kv], axis=-2)
+
+
+def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int = 1) -> dict:
     """Returns the nested dict of numpy arrays that LlamaForCausalLM's parameters take.
 
-    Projections are stored as [in, out] (x @ W); Q, K, V and gate, up are fused by columns.
+    Projections are stored as [in, out] (x @ W). Q, K and V are fused grouped by KV head,
+    [E, K, H/K + 2, D], and gate and up stacked, [E, 2, I]: splitting K (or I) over devices
+    gives each device whole heads (whole columns). `config` is the model's: with
+    kv_replicas = r > 1 it has r times the checkpoint's KV heads (see replicate_kv).
     """
     files = checkpoint_files(folder)
     cfg = config
-    E, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size  # noqa: E741
-    q, kv = cfg.q_size, cfg.kv_size
+    E, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim  # noqa: E741
+    K = cfg.num_key_value_heads // kv_replicas  # the checkpoint's
+    q, kv = cfg.q_size, K * D
     with contextlib.ExitStack() as stack:
         reader = _TensorReader(files, stack)
 
@@ -81,45 +108,33 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype) -> dict:
         def stacked(fn):
             return np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)])
 
+        def qkv(p, part, shapes):
+            names = [p + f"self_attn.{x}_proj.{part}" for x in "qkv"]
+            q_, k_, v_ = (get(n, s) for n, s in zip(names, shapes, strict=True))
+            if part == "weight":
+                q_, k_, v_ = q_.T, k_.T, v_.T
+            return replicate_kv(fuse_qkv(q_, k_, v_, K, D), kv_replicas)
+
         layers = {
             "input_norm": stacked(lambda p: get(p + "input_layernorm.weight", (E,))),
             "post_attention_norm": stacked(
                 lambda p: get(p + "post_attention_layernorm.weight", (E,))
             ),
-            "qkv_proj": stacked(
-                lambda p: (
-                    np.concatenate(
-                        [
-                            get(p + "self_attn.q_proj.weight", (q, E)),
-                            get(p + "self_attn.k_proj.weight", (kv, E)),
-                            get(p + "self_attn.v_proj.weight", (kv, E)),
-                        ]
-                    ).T
-                )
-            ),
+            "qkv_proj": stacked(lambda p: qkv(p, "weight", [(q, E), (kv, E), (kv, E)])),
             "o_proj": stacked(lambda p: get(p + "self_attn.o_proj.weight", (E, q)).T),
             "gate_up_proj": stacked(
-                lambda p: (
-                    np.concatenate(
-                        [
-                            get(p + "mlp.gate_proj.weight", (I, E)),
-                            get(p + "mlp.up_proj.weight", (I, E)),
-                        ]
-                    ).T
+                lambda p: np.stack(
+                    [
+                        get(p + "mlp.gate_proj.weight", (I, E)).T,
+                        get(p + "mlp.up_proj.weight", (I, E)).T,
+                    ],
+                    axis=1,
                 )
             ),
             "down_proj": stacked(lambda p: get(p + "mlp.down_proj.weight", (E, I)).T),
         }
         if cfg.attention_bias:
-            layers["qkv_bias"] = stacked(
-                lambda p: np.concatenate(
-                    [
-                        get(p + "self_attn.q_proj.bias", (q,)),
-                        get(p + "self_attn.k_proj.bias", (kv,)),
-                        get(p + "self_attn.v_proj.bias", (kv,)),
-                    ]
-                )
-            )
+            layers["qkv_bias"] = stacked(lambda p: qkv(p, "bias", [(q,), (kv,), (kv,)]))
         params = {
             "embed": get("model.embed_tokens.weight", (V, E)),
             "layers": layers,

@@ -18,10 +18,30 @@ from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.ragged_paged_attention.reference import write_kv_reference
 
 REFERENCE_KERNELS = ModelKernels()
+
+# Each parameter's logical axes (jaxinfer.parallel.sharding maps them onto the mesh).
+# QKV is fused grouped by KV head, [.., K, G + 2, D] with G = H / K query heads then the key
+# and the value, so splitting K keeps each head's Q, K and V on one device.
+PARAM_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "norm": ("embed",),
+    "rope_cache": (None, None, None),
+    "layers": {
+        "input_norm": ("layers", "embed"),
+        "post_attention_norm": ("layers", "embed"),
+        "qkv_proj": ("layers", "embed", "kv_heads", "qkv", "head_dim"),
+        "qkv_bias": ("layers", "kv_heads", "qkv", "head_dim"),
+        "o_proj": ("layers", "q_heads_x_dim", "embed"),
+        "gate_up_proj": ("layers", "embed", "gate_up", "mlp"),
+        "down_proj": ("layers", "mlp", "embed"),
+    },
+}
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
@@ -33,15 +53,16 @@ class DecoderLayers(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         num_layers, hidden = config.num_hidden_layers, config.hidden_size
-        qkv_size = config.q_size + 2 * config.kv_size
+        kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+        qkv_shape = (kv_heads, config.num_attention_heads // kv_heads + 2, head_dim)
         self.input_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
-        self.qkv_proj = _param(rngs, (num_layers, hidden, qkv_size), dtype)  # [L, E, (H+2K)*D]
+        self.qkv_proj = _param(rngs, (num_layers, hidden, *qkv_shape), dtype)  # [L, E, K, G+2, D]
         if config.attention_bias:
-            self.qkv_bias = _param(rngs, (num_layers, qkv_size), dtype)
+            self.qkv_bias = _param(rngs, (num_layers, *qkv_shape), dtype)  # [L, K, G+2, D]
         self.o_proj = _param(rngs, (num_layers, config.q_size, hidden), dtype)  # [L, H*D, E]
         self.post_attention_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
         inter = config.intermediate_size
-        self.gate_up_proj = _param(rngs, (num_layers, hidden, 2 * inter), dtype)  # [L, E, 2I]
+        self.gate_up_proj = _param(rngs, (num_layers, hidden, 2, inter), dtype)  # [L, E, 2, I]
         self.down_proj = _param(rngs, (num_layers, inter, hidden), dtype)  # [L, I, E]
 
 
@@ -71,11 +92,14 @@ class LlamaForCausalLM(nnx.Module):
         batch: BatchInputs,
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
+        partitioner: Partitioner | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, logits f32[R, V])
         """The whole step in one program: the layers run under `lax.scan`."""
-        kv_cache, hidden = self.hidden_states(kv_cache, batch, kernels=kernels)
+        kv_cache, hidden = self.hidden_states(
+            kv_cache, batch, kernels=kernels, partitioner=partitioner
+        )
         params = nnx.to_pure_dict(nnx.state(self))
-        return kv_cache, compute_logits(self.config, params, hidden, batch)
+        return kv_cache, compute_logits(self.config, params, hidden, batch, partitioner)
 
     def hidden_states(
         self,
@@ -83,6 +107,7 @@ class LlamaForCausalLM(nnx.Module):
         batch: BatchInputs,
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
+        partitioner: Partitioner | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E] before the final norm)
         params = nnx.to_pure_dict(nnx.state(self))
         hidden, residual, cos_sin = embed_tokens(params, batch)
@@ -99,6 +124,7 @@ class LlamaForCausalLM(nnx.Module):
                 batch,
                 cos_sin,
                 kernels=kernels,
+                partitioner=partitioner,
             )
             return (hidden, residual, kv_cache, layer + 1), None
 
@@ -126,19 +152,26 @@ def decoder_layer(
     cos_sin: jax.Array,  # f32[T, 2, D / 2]
     *,
     kernels: ModelKernels,
+    partitioner: Partitioner | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (hidden [T, E], residual [T, E], kv_cache)
     """One layer. Each residual add is fused with the norm that follows it."""
     cfg = config
     num_tokens = hidden.shape[0]
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    def constrain(x, axes):
+        return x if partitioner is None else partitioner.constrain(x, axes)
+
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
-        qkv = x @ p["qkv_proj"]  # [T, (H+2K)*D]
+        qkv = jnp.einsum("te,ekgd->tkgd", x, p["qkv_proj"])  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        q = apply_rotary(q.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, H, D]
-        k = apply_rotary(k.reshape(num_tokens, -1, cfg.head_dim), cos_sin)  # [T, K, D]
-        v = v.reshape(num_tokens, -1, cfg.head_dim)  # [T, K, D]
+        qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
+        q = qkv[:, :, :group].reshape(num_tokens, -1, cfg.head_dim)  # [T, H, D]
+        q = constrain(apply_rotary(q, cos_sin), ("tokens", "q_heads", "head_dim"))
+        k = apply_rotary(qkv[:, :, group], cos_sin)  # [T, K, D]
+        v = qkv[:, :, group + 1]  # [T, K, D]
         kv_cache = write_kv_reference(kv_cache, layer, k, v, batch.slot_mapping)
         attn = kernels.attention(
             q,
@@ -150,38 +183,66 @@ def decoder_layer(
             sm_scale=cfg.head_dim**-0.5,
             layer=layer,
         )  # [T, H, D]
-        hidden = attn.reshape(num_tokens, -1) @ p["o_proj"]
+        attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
+        hidden = constrain(attn.reshape(num_tokens, -1) @ p["o_proj"], ("tokens", "embed"))
     with jax.named_scope("mlp"):
         x, residual = kernels.add_rms_norm(
             hidden, residual, p["post_attention_norm"], eps=cfg.rms_norm_eps
         )
         hidden = kernels.ffn(x, p["gate_up_proj"], p["down_proj"])
+        hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
 
 
 def compute_logits(
-    config: LlamaConfig, params: dict, hidden: jax.Array, batch: BatchInputs
+    config: LlamaConfig,
+    params: dict,
+    hidden: jax.Array,
+    batch: BatchInputs,
+    partitioner: Partitioner | None = None,
 ) -> jax.Array:  # f32[R, V]
     """Final norm and LM head on the rows that sample only (one per request)."""
-    return lm_head(config, params, hidden[batch.logits_indices])
+    return lm_head(config, params, hidden[batch.logits_indices], partitioner)
 
 
-def lm_head(config: LlamaConfig, params: dict, hidden: jax.Array) -> jax.Array:  # f32[N, V]
+def lm_head(
+    config: LlamaConfig, params: dict, hidden: jax.Array, partitioner: Partitioner | None = None
+) -> jax.Array:  # f32[N, V], whole on every device (the sampler needs every logit)
     """Final norm and LM head of some hidden rows [N, E]."""
     with jax.named_scope("lm_head"):
         x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
         if config.tie_word_embeddings:
-            return (x @ params["embed"].T).astype(jnp.float32)
-        return (x @ params["lm_head"]).astype(jnp.float32)
+            logits = (x @ params["embed"].T).astype(jnp.float32)
+        else:
+            logits = (x @ params["lm_head"]).astype(jnp.float32)
+        if partitioner is not None:
+            logits = partitioner.constrain(logits, (None, None))
+        return logits
 
 
-def build_llama(config: LlamaConfig, params: dict, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """Split graph and state of a model whose parameters are `params` (numpy, loader layout)."""
+def param_axes(params: dict, axes: dict = PARAM_AXES) -> dict:
+    """The logical axes of each array in a parameter tree (from PARAM_AXES)."""
+    return {
+        name: param_axes(value, axes[name]) if isinstance(value, dict) else axes[name]
+        for name, value in params.items()
+    }
+
+
+def build_llama(
+    config: LlamaConfig, params: dict, dtype, partitioner: Partitioner | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Split graph and state of a model whose parameters are `params` (host arrays in the
+    loader's layout, or arrays already placed), each placed on the partitioner's mesh by its
+    logical axes (every device receives only its shards), or on the default device."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     values = dict(params)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
+    if partitioner is None:
+        placed = jax.tree.map(jnp.asarray, values)
+    else:
+        placed = jax.tree.map(partitioner.place, values, param_axes(values))
+    nnx.replace_by_pure_dict(state, placed)
     return graphdef, state

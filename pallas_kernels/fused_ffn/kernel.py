@@ -4,9 +4,9 @@ T: tokens, E: hidden size, I: intermediate size, BT x BI: a program's output til
 reduction step over E.
 
 A program computes one [BT, BI] tile of h = silu(x @ W_gate) * (x @ W_up): it walks E in steps
-of BK, multiplying the same x tile by the matching columns of W_gate and W_up (both halves of
-the fused [E, 2I] weight), and applies the activation in registers, so only h [T, I] is written,
-never the [T, 2I] product. The down projection h @ W_down is one plain matmul (cuBLAS through
+of BK, multiplying the same x tile by the matching columns of W_gate and W_up (the two halves
+of the stacked [E, 2, I] weight, read as [E, 2I]), and applies the activation in registers,
+so only h [T, I] is written, never the [T, 2I] product. The down projection h @ W_down is one plain matmul (cuBLAS through
 XLA on GPU), which is already at the matmul roofline.
 """
 
@@ -67,7 +67,7 @@ def _gate_up_kernel(x_ref, w_ref, h_ref, *, block_t, block_i, block_k, intermedi
 
 def gate_up_activation(
     x: jax.Array,  # [T, E]
-    gate_up: jax.Array,  # [E, 2I]
+    gate_up: jax.Array,  # [E, 2, I]
     *,
     interpret: bool = False,
     block_t: int | None = None,
@@ -76,7 +76,8 @@ def gate_up_activation(
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> jax.Array:  # h [T, I]
     num_tokens, hidden = x.shape
-    intermediate = gate_up.shape[1] // 2
+    intermediate = gate_up.shape[2]
+    gate_up = gate_up.reshape(hidden, 2 * intermediate)  # a view: gate columns, then up
     block_t = block_t or default_block_t(num_tokens)
     block_i = block_i or largest_power_of_two_divisor(intermediate, 128)
     block_k = block_k or largest_power_of_two_divisor(hidden, 64)
@@ -107,7 +108,7 @@ def gate_up_activation(
 
 def fused_ffn(
     x: jax.Array,  # [T, E]
-    gate_up: jax.Array,  # [E, 2I]
+    gate_up: jax.Array,  # [E, 2, I]
     down: jax.Array,  # [I, E]
     *,
     interpret: bool = False,

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 
 def fused_ffn_reference(
     x: jax.Array,  # [T, E]
-    gate_up: jax.Array,  # [E, 2I]: W_gate then W_up, by columns
+    gate_up: jax.Array,  # [E, 2, I]: W_gate and W_up stacked (split over devices along I)
     down: jax.Array,  # [I, E]
 ) -> jax.Array:  # [T, E]
     """down(silu(x @ W_gate) * (x @ W_up))."""
-    gate, up = jnp.split(x @ gate_up, 2, axis=-1)  # [T, I] each
-    return (jax.nn.silu(gate) * up) @ down
+    h = jnp.einsum("te,eci->tci", x, gate_up)  # [T, 2, I]
+    return (jax.nn.silu(h[:, 0]) * h[:, 1]) @ down

@@ -3,6 +3,7 @@ and every kernel lowered for CUDA (no GPU needed), so one that would not lower f
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -57,6 +58,11 @@ def attention_batch(
     )
 
 
+def jit(fn, **static):
+    """fn jitted with its keyword arguments bound (one compile instead of op-by-op dispatch)."""
+    return jax.jit(functools.partial(fn, **static))
+
+
 def assert_close(actual, expected, dtype):
     actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
     assert np.abs(actual - expected).max() <= TOLERANCE[dtype]
@@ -75,8 +81,8 @@ def test_attention_matches_reference(block_size, group, head_dim, dtype):
         q_lens, context_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype
     )
     scale = head_dim**-0.5
-    out = ragged_paged_attention(*args, sm_scale=scale, interpret=INTERPRET)
-    expected = ragged_paged_attention_reference(*args, sm_scale=scale)
+    out = jit(ragged_paged_attention, sm_scale=scale, interpret=INTERPRET)(*args)
+    expected = jit(ragged_paged_attention_reference, sm_scale=scale)(*args)
     assert out.shape == expected.shape and out.dtype == dtype
     assert_close(out, expected, dtype)
     assert not np.asarray(out[sum(q_lens) :], np.float32).any()  # padding tokens: zeros
@@ -96,8 +102,8 @@ def test_attention_kv_splits_and_sliding_window(num_kv_splits, sliding_window):
         dtype=jnp.float32,
     )
     kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
-    out = ragged_paged_attention(*args, interpret=INTERPRET, num_kv_splits=num_kv_splits, **kwargs)
-    assert_close(out, ragged_paged_attention_reference(*args, **kwargs), jnp.float32)
+    out = jit(ragged_paged_attention, interpret=INTERPRET, num_kv_splits=num_kv_splits, **kwargs)
+    assert_close(out(*args), jit(ragged_paged_attention_reference, **kwargs)(*args), jnp.float32)
 
 
 def test_attention_reads_one_layer_of_the_whole_cache():

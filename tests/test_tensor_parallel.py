@@ -11,6 +11,7 @@ from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.orbax_checkpoint import convert
 from jaxinfer.parallel.distributed import DistributedConfig
 from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.tokenizer import TokenizerWrapper
 from tests.test_model_parity import Harness, assert_close
 
 OPTIONS = dict(
@@ -92,19 +93,31 @@ def test_split_logits_match_one_device_and_hf(tiny_model_dir, layer_execution):
 
 
 def test_default_model_split_three_ways(model_cache_dir):
-    """SmolLM2-135M: 9 query heads and 3 KV heads over 3 devices."""
-    options = dict(max_num_batched_tokens=16, max_num_seqs=2, max_model_len=128)
-    messages = [[{"role": "user", "content": q}] for q in ("What is 2+2?", "Name a color.")]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
-    results = {}
-    for tp in (1, 3):
-        llm = LLM(cache_dir=str(model_cache_dir), tensor_parallel_size=tp, **options)
-        results[tp] = tokens_and_logprobs(llm.chat(messages, params, use_tqdm=False))
-        if tp == 3:
-            qkv = llm.engine.runner.layer_params[0]["qkv_proj"]
-            assert qkv.shape == (576, 3, 5, 64) and shard_shape(qkv) == (576, 1, 5, 64)
-    assert results[3][0] == results[1][0]
-    np.testing.assert_allclose(results[3][1], results[1][1], rtol=1e-4, atol=1e-4)
+    """SmolLM2-135M (9 query heads, 3 KV heads) over 3 devices: a chat prompt, then HF's
+    greedy continuation fed one token at a time. Every step's logits match one device's and
+    pick the same greedy token."""
+    import torch
+
+    folder = resolve_model(None, model_cache_dir)
+    single = Harness(folder, "per_layer")
+    split = Harness(folder, "per_layer", tensor_parallel_size=3)
+    qkv = split.runner.layer_params[0]["qkv_proj"]
+    assert qkv.shape == (576, 3, 5, 64) and shard_shape(qkv) == (576, 1, 5, 64)
+    tokenizer = TokenizerWrapper(folder)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    with torch.no_grad():
+        sequence = single.hf.generate(
+            torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )[0].tolist()
+    logits = {}
+    for tp, harness in ((1, single), (3, split)):
+        request = harness.new_request("chat", sequence)
+        steps = [harness.step([(request, len(prompt))])[0]]
+        steps += [harness.step([(request, 1)])[0] for _ in range(len(sequence) - len(prompt) - 1)]
+        logits[tp] = np.stack(steps)
+        assert logits[tp].argmax(-1).tolist() == sequence[len(prompt) :]  # greedy, as HF
+    assert_close(logits[3], logits[1])
 
 
 @pytest.mark.parametrize("tp", [1, 4])

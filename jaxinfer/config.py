@@ -37,6 +37,9 @@ class EngineOptions:
             inputs are read on the device), so host work does not leave the device idle.
             None: on for accelerators, off on CPU, where the "device" is the host's own cores
             and the overlap made the plain benchmark about 15% slower (docs/benchmarks.md).
+        compilation_cache: keep compiled programs in JAX's persistent compilation cache, so
+            the next start of the same configuration loads them instead of compiling.
+        compilation_cache_dir: where; None: `<cache_dir>/xla`.
         tensor_parallel_size: devices the model is split over (a mesh axis "tp"; under
             jax.distributed the devices of every process count).
         attention_impl, ffn_impl, norm_impl: the kernel each kind runs, by its name in the
@@ -57,6 +60,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     layer_execution: str = "auto"
     async_scheduling: bool | None = None
+    compilation_cache: bool = True
+    compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
     attention_impl: str = "auto"
     ffn_impl: str = "auto"

@@ -27,6 +27,8 @@ def define_engine_flags() -> None:
     define.DEFINE_bool("enable_prefix_caching", None, "Share KV blocks of common prefixes.")
     define.DEFINE_string("layer_execution", None, "auto, scan or per_layer.")
     define.DEFINE_bool("async_scheduling", None, "Schedule step N+1 while step N runs.")
+    define.DEFINE_bool("compilation_cache", None, "Keep compiled programs for the next start.")
+    define.DEFINE_string("compilation_cache_dir", None, "Where; default: <cache_dir>/xla.")
     define.DEFINE_integer("tensor_parallel_size", None, "Devices the model is split over.")
     define.DEFINE_string("coordinator_address", None, "jax.distributed: process 0's host:port.")
     define.DEFINE_integer("num_processes", None, "jax.distributed: processes in the job.")
@@ -59,6 +61,8 @@ def engine_options_from_flags() -> EngineOptions:
         "enable_prefix_caching",
         "layer_execution",
         "async_scheduling",
+        "compilation_cache",
+        "compilation_cache_dir",
         "tensor_parallel_size",
         "attention_impl",
         "ffn_impl",

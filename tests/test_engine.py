@@ -323,3 +323,35 @@ def test_block_table_rows_move_only_when_they_change(llm):
     # The admission step sends the row with block 0; blocks 1 and 2 are sent when positions 8
     # and 16 are first computed (steps 4 and 12); the other 17 steps send nothing.
     assert [i for i, n in enumerate(sent) if n] == [0, 4, 12] and sum(sent) == 3
+
+
+def test_second_start_loads_every_program_from_the_compilation_cache(tiny_model_dir, tmp_path):
+    """Each start in its own process (JAX's cache directory is set once per process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from jaxinfer.config import EngineOptions\n"
+        "from jaxinfer.engine.llm_engine import LLMEngine\n"
+        "e = LLMEngine(EngineOptions(model=sys.argv[1], compilation_cache_dir=sys.argv[2],"
+        " max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64,"
+        " max_model_len=96))\n"
+        "print('COUNTS', e.warmup_programs, e.warmup_cache_hits)\n"
+    )
+
+    def start() -> tuple[int, int]:
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(tiny_model_dir), str(tmp_path / "xla")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        line = next(x for x in result.stdout.splitlines() if x.startswith("COUNTS"))
+        programs, hits = map(int, line.split()[1:])
+        return programs, hits
+
+    programs, hits = start()
+    assert programs > 10 and hits == 0
+    assert start() == (programs, programs)  # nothing compiled the second time

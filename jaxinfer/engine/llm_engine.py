@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions, build_engine_config
+from jaxinfer.engine import compilation_cache
 from jaxinfer.engine.batch_builder import BatchBuilder, PromptLogprobRows
 from jaxinfer.engine.constraints import GrammarCompiler, bias_row, build_constraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -74,6 +75,10 @@ class LLMEngine:
             platform=jax.default_backend(),
             tensor_parallel_size=options.tensor_parallel_size,
         )
+        if options.compilation_cache:
+            compilation_cache.enable(
+                Path(options.compilation_cache_dir or Path(options.cache_dir) / "xla")
+            )
         folder = resolve_model(options.model, Path(options.cache_dir))
         self.config: EngineConfig = build_engine_config(options, folder)
         arch = self.config.model.arch
@@ -87,7 +92,18 @@ class LLMEngine:
 
         self.batch_builder = BatchBuilder(self.config)
         self.runner = ModelRunner(self.config, graphdef, state, model_kernels, self.partitioner)
-        self.warmup_seconds = self.runner.warmup(self.batch_builder)
+        with compilation_cache.CompileCounter() as counter:
+            self.warmup_seconds = self.runner.warmup(self.batch_builder)
+        self.warmup_programs, self.warmup_cache_hits = counter.programs, counter.cache_hits
+        logger.info(
+            "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "
+            "cache) in %.1f s",
+            len(self.config.scheduler.token_buckets),
+            counter.programs,
+            counter.compiled,
+            counter.cache_hits,
+            self.warmup_seconds,
+        )
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,
             self.config.cache.num_blocks,

@@ -11,6 +11,10 @@ import pytest
 # Tensor-parallel tests split models over 8 virtual CPU devices (set before any device use;
 # everything else runs on the first device as before).
 jax.config.update("jax_num_cpu_devices", 8)
+# Engines would keep every compiled program in JAX's persistent cache; in a test session the
+# programs rarely repeat and writing them costs time (the cache has its own test, in fresh
+# processes).
+jax.config.update("jax_enable_compilation_cache", False)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -27,7 +27,7 @@ MAX_TOKENS = 32
 def llm(model_cache_dir):
     return LLM(
         cache_dir=str(model_cache_dir),
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=128,
         max_num_seqs=16,
         max_model_len=1024,
     )

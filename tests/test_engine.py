@@ -194,6 +194,7 @@ def test_request_larger_than_pool_is_refused(tiny_model_dir):
         num_kv_blocks=5,
         block_size=8,
         max_num_batched_tokens=16,
+        max_num_seqs=4,
         max_model_len=256,
     )
     with pytest.raises(ValueError, match="whole pool"):

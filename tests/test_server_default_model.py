@@ -25,7 +25,7 @@ def server(model_cache_dir):
             cache_dir=str(model_cache_dir),
             max_model_len=512,
             max_num_seqs=32,
-            max_num_batched_tokens=256,
+            max_num_batched_tokens=128,
         )
     )
     url, server = serve(build_app(AsyncEngine(engine), ServerConfig(served_model_name="smol")))

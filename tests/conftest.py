@@ -99,3 +99,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def model_cache_dir() -> Path:
     """Where the default model is converted once and reused across runs."""
     return Path.home() / ".cache" / "jaxinfer"
+
+
+# Small engine options for the tiny model: every prompt is chunked, and warm-up compiles few
+# buckets.
+TINY_OPTIONS = dict(
+    max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """One engine on the tiny model with TINY_OPTIONS, shared by the tests that compare others
+    against it."""
+    from jaxinfer import LLM
+
+    return LLM(model=str(tiny_model_dir), **TINY_OPTIONS)

@@ -9,11 +9,9 @@ from jaxinfer.layers.kernel_registry import ModelKernels, default_registry
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.conftest import TINY_OPTIONS
 
-# A small token budget: every prompt below is chunked, and warm-up has few buckets to compile.
-OPTIONS = dict(
-    max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
-)
+OPTIONS = TINY_OPTIONS
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
     "def f(x):",
@@ -27,10 +25,9 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), **OPTIONS)
-    assert llm.engine.runner.kernels == ModelKernels()  # "auto" is the reference on CPU
-    return tokens(llm)
+def reference_tokens(tiny_llm):
+    assert tiny_llm.engine.runner.kernels == ModelKernels()  # "auto" is the reference on CPU
+    return tokens(tiny_llm)
 
 
 def test_pallas_kernels_in_the_engine_give_the_same_greedy_tokens(tiny_model_dir, reference_tokens):

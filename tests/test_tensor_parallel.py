@@ -12,11 +12,10 @@ from jaxinfer.model_loader.orbax_checkpoint import convert
 from jaxinfer.parallel.distributed import DistributedConfig
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.tokenizer import TokenizerWrapper
+from tests.conftest import TINY_OPTIONS
 from tests.test_model_parity import Harness, assert_close
 
-OPTIONS = dict(
-    max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
-)
+OPTIONS = TINY_OPTIONS
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):", "Zwölf Boxkämpfer"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 
@@ -37,8 +36,8 @@ def completions(llm: LLM):
 
 
 @pytest.fixture(scope="module")
-def single(tiny_model_dir):
-    return completions(LLM(model=str(tiny_model_dir), **OPTIONS))
+def single(tiny_llm):
+    return completions(tiny_llm)
 
 
 def shard_shape(array) -> tuple[int, ...]:

@@ -12,12 +12,13 @@ from jaxinfer.batch.output_file import (
     BatchSummary,
     append_record,
     open_results,
+    refuse_existing,
     summarize,
     summary_path_for,
     write_summary,
 )
 from jaxinfer.batch.prompts import prompt_items
-from jaxinfer.batch.records import is_done, parse_lines, record_keys
+from jaxinfer.batch.records import is_done, parse_lines, record_keys, refuse_duplicates
 from jaxinfer.batch.runner import run_items
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
@@ -71,22 +72,21 @@ def check_paths(config: BatchJobConfig) -> None:
     source = config.input or config.prompts_file
     if not source.is_file():
         raise FileNotFoundError(f"{source} does not exist")
-    if config.output.exists() and not (config.resume or config.overwrite):
-        raise FileExistsError(
-            f"{config.output} exists: pass --resume to continue it or --overwrite to replace it"
-        )
+    refuse_existing(config.output, resume=config.resume, overwrite=config.overwrite)
 
 
 def read_items(config: BatchJobConfig):
     if config.input is not None:
-        return parse_lines(config.input.read_text(encoding="utf-8").splitlines())
-    path = config.prompts_file
-    return prompt_items(
-        path.read_text(encoding="utf-8").splitlines(),
-        jsonl=path.suffix == ".jsonl",
-        prompt_format=config.prompt_format,
-        sampling=config.sampling,
-    )
+        items = parse_lines(config.input.read_text(encoding="utf-8").splitlines())
+    else:
+        path = config.prompts_file
+        items = prompt_items(
+            path.read_text(encoding="utf-8").splitlines(),
+            jsonl=path.suffix == ".jsonl",
+            prompt_format=config.prompt_format,
+            sampling=config.sampling,
+        )
+    return refuse_duplicates(items)
 
 
 def run_job(config: BatchJobConfig, engine: AsyncEngine, served_model_name: str) -> BatchSummary:

@@ -19,12 +19,16 @@ def summary_path_for(output: Path) -> Path:
     return output.with_name(output.name + ".summary.json")
 
 
-def open_results(output: Path, summary: Path, *, resume: bool, overwrite: bool):
-    """Returns (the records already there, a file to append to)."""
+def refuse_existing(output: Path, *, resume: bool, overwrite: bool) -> None:
     if output.exists() and not (resume or overwrite):
         raise FileExistsError(
             f"{output} exists: pass --resume to continue it or --overwrite to replace it"
         )
+
+
+def open_results(output: Path, summary: Path, *, resume: bool, overwrite: bool):
+    """Returns (the records already there, a file to append to)."""
+    refuse_existing(output, resume=resume, overwrite=overwrite)
     summary.unlink(missing_ok=True)
     records: list[dict[str, Any]] = []
     if resume and output.exists():

@@ -22,7 +22,6 @@ def prompt_items(
     if prompt_format not in FORMATS:
         raise ValueError(f"prompt_format must be one of {FORMATS}, not {prompt_format!r}")
     items: list[BatchItem | LineError] = []
-    seen: set[str] = set()
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -46,11 +45,6 @@ def prompt_items(
             custom_id = str(extra.pop("custom_id", custom_id))
         else:
             prompt = text.rstrip("\r\n")
-        if custom_id in seen:
-            message = f"line {number}: custom_id {custom_id!r} appears on an earlier line"
-            items.append(LineError(number, custom_id, "duplicate_custom_id", message))
-            continue
-        seen.add(custom_id)
         if prompt_format == "chat":
             url = "/v1/chat/completions"
             body = {"messages": [{"role": "user", "content": prompt}]}

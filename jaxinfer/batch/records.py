@@ -73,25 +73,25 @@ def parse_line(line_number: int, text: str) -> BatchItem | LineError:
 
 
 def parse_lines(lines: list[str]) -> list[BatchItem | LineError]:
-    """Parses every non-blank line; a custom_id seen before makes the later line an error."""
-    items: list[BatchItem | LineError] = []
+    """Parses every non-blank line."""
+    return [parse_line(n, text) for n, text in enumerate(lines, start=1) if text.strip()]
+
+
+def refuse_duplicates(items: list[BatchItem | LineError]) -> list[BatchItem | LineError]:
+    """A custom_id seen on an earlier line makes the later line an error."""
     seen: set[str] = set()
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        item = parse_line(number, text)
+    checked: list[BatchItem | LineError] = []
+    for item in items:
         if isinstance(item, BatchItem):
             if item.custom_id in seen:
-                item = LineError(
-                    number,
-                    item.custom_id,
-                    "duplicate_custom_id",
-                    f"line {number}: custom_id {item.custom_id!r} appears on an earlier line",
+                message = (
+                    f"line {item.line}: custom_id {item.custom_id!r} appears on an earlier line"
                 )
+                item = LineError(item.line, item.custom_id, "duplicate_custom_id", message)
             else:
                 seen.add(item.custom_id)
-        items.append(item)
-    return items
+        checked.append(item)
+    return checked
 
 
 def response_record(custom_id: str, status_code: int, body: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHE_BYTES = 4 << 30  # least recently used entries go beyond this
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # fires for cache loads too
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
@@ -61,7 +61,7 @@ class CompileCounter:
         jax.monitoring.unregister_event_listener(self._on_event)
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-        if event == _COMPILE_EVENT:
+        if event == COMPILE_EVENT:
             self.programs += 1
 
     def _on_event(self, event: str, **kwargs) -> None:

@@ -11,10 +11,10 @@ import threading
 import jax
 import prometheus_client as prom
 
+from jaxinfer.engine.compilation_cache import COMPILE_EVENT as _COMPILE_EVENT
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import RequestOutput
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 

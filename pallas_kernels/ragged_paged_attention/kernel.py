@@ -56,9 +56,9 @@ def default_num_kv_splits(num_tokens: int, num_kv_heads: int, max_blocks: int) -
 
 
 def _schedule(query_start_loc, seq_lens, num_seqs, num_tokens: int, block_q: int):
-    """(sched i32[NQB, 5], token_rows i32[T], token_valid bool[T]).
+    """(sched i32[NQB, 4], token_rows i32[T], token_valid bool[T]).
 
-    sched[j] = (request, first token, end token of the request, context length, 0) of query
+    sched[j] = (request, first token, end token of the request, context length) of query
     block j; a padding block owns no token (first = end = T) and an empty kv range.
     """
     num_reqs = seq_lens.shape[0]
@@ -79,7 +79,6 @@ def _schedule(query_start_loc, seq_lens, num_seqs, num_tokens: int, block_q: int
             jnp.where(used, first, num_tokens),
             jnp.where(used, end, num_tokens),
             jnp.where(used, seq_lens[req], 0),
-            jnp.zeros_like(req),
         ],
         axis=1,
     ).astype(jnp.int32)
@@ -92,7 +91,7 @@ def _schedule(query_start_loc, seq_lens, num_seqs, num_tokens: int, block_q: int
 
 
 def _attention_kernel(
-    sched_ref,  # i32[NQB, 5]
+    sched_ref,  # i32[NQB, 4]
     block_tables_ref,  # i32[R, MB + P]
     layer_ref,  # i32[1]
     q_ref,  # [K, (T + BQ) * Gp, D]

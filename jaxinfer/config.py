@@ -46,6 +46,10 @@ class EngineOptions:
             engine's KernelRegistry: "reference" (pure JAX), "pallas" (the GPU kernels),
             "pallas_interpret" (the kernels interpreted on CPU, for tests), a name registered
             by the user, or "auto" (pallas on GPU, reference elsewhere).
+        weight_layout: how projection weights are stored and multiplied
+            (jaxinfer.layers.linear): "in_out" (x @ W), "out_in" (W @ x^T, much faster on
+            XLA:CPU at decode sizes) or "auto" ("out_in" on CPU with the reference FFN, else
+            "in_out").
     """
 
     model: str | None = None
@@ -66,6 +70,7 @@ class EngineOptions:
     attention_impl: str = "auto"
     ffn_impl: str = "auto"
     norm_impl: str = "auto"
+    weight_layout: str = "auto"
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -95,6 +100,10 @@ class EngineOptions:
         for name in ("attention_impl", "ffn_impl", "norm_impl"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
+        if self.weight_layout not in ("auto", "in_out", "out_in"):
+            raise ValueError(
+                f"weight_layout must be 'auto', 'in_out' or 'out_in', got {self.weight_layout!r}"
+            )
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

@@ -36,6 +36,7 @@ def define_engine_flags() -> None:
     define.DEFINE_string("attention_impl", None, "Attention kernel: auto, reference, pallas, ...")
     define.DEFINE_string("ffn_impl", None, "FFN kernel: auto, reference, pallas, ...")
     define.DEFINE_string("norm_impl", None, "Residual-add + RMSNorm kernel: auto, reference, ...")
+    define.DEFINE_string("weight_layout", None, "Projection weights: auto, in_out or out_in.")
 
 
 def distributed_config_from_flags() -> DistributedConfig:
@@ -67,6 +68,7 @@ def engine_options_from_flags() -> EngineOptions:
         "attention_impl",
         "ffn_impl",
         "norm_impl",
+        "weight_layout",
     ]
     values = flags.FLAGS
     return load_engine_options(values.config, **{name: values[name].value for name in names})

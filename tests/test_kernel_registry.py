@@ -26,7 +26,8 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llm):
-    assert tiny_llm.engine.runner.kernels == ModelKernels()  # "auto" is the reference on CPU
+    # "auto" is the reference on CPU, with "out_in" weights
+    assert tiny_llm.engine.runner.kernels == ModelKernels(weight_layout="out_in")
     return tokens(tiny_llm)
 
 
@@ -39,6 +40,7 @@ def test_pallas_kernels_in_the_engine_give_the_same_greedy_tokens(tiny_model_dir
         **OPTIONS,
     )
     assert llm.engine.runner.kernels.ffn.func is fused_ffn
+    assert llm.engine.runner.kernels.weight_layout == "in_out"  # what the Pallas FFN takes
     assert tokens(llm) == reference_tokens
 
 
@@ -83,3 +85,8 @@ def test_unknown_names_and_bad_registrations_are_clear_errors(tiny_model_dir):
     assert registry.names("ffn") == ["pallas", "pallas_interpret", "reference"]
     gpu = registry.resolve("auto", "auto", "auto", platform="gpu")
     assert gpu.ffn is fused_ffn and gpu.attention is not ragged_paged_attention_reference
+    assert gpu.weight_layout == "in_out"
+    with pytest.raises(ValueError, match="'out_in' runs the reference FFN"):
+        registry.resolve("auto", "pallas", "auto", platform="cpu", weight_layout="out_in")
+    with pytest.raises(ValueError, match="weight_layout"):
+        LLM(model=str(tiny_model_dir), weight_layout="column_major", **OPTIONS)

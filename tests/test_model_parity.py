@@ -16,6 +16,7 @@ from jaxinfer.config import EngineOptions, build_engine_config
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.request import Request
+from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
@@ -32,7 +33,13 @@ NUM_BLOCKS = 64
 class Harness:
     """Runs the model runner's jitted step on hand-made scheduler outputs."""
 
-    def __init__(self, folder, layer_execution: str, tensor_parallel_size: int = 1):
+    def __init__(
+        self,
+        folder,
+        layer_execution: str,
+        tensor_parallel_size: int = 1,
+        weight_layout: str = "in_out",
+    ):
         options = EngineOptions(
             model=str(folder),
             layer_execution=layer_execution,
@@ -46,8 +53,9 @@ class Harness:
         arch = self.config.model.arch
         partitioner = Partitioner(make_mesh(tensor_parallel_size))
         params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)
-        graphdef, state = build_llama(arch, params, jnp.float32, partitioner)
-        self.runner = ModelRunner(self.config, graphdef, state, partitioner=partitioner)
+        graphdef, state = build_llama(arch, params, jnp.float32, partitioner, weight_layout)
+        kernels = ModelKernels(weight_layout=weight_layout)
+        self.runner = ModelRunner(self.config, graphdef, state, kernels, partitioner)
         self.builder = BatchBuilder(self.config)
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         self.rng = np.random.default_rng(0)
@@ -114,9 +122,15 @@ def model_folder(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
 
 
-@pytest.fixture(scope="module", params=["scan", "per_layer"])
+# Both executions and both weight layouts (jaxinfer.layers.linear), in the pairs the engine
+# picks by default: scan with "in_out" (accelerators), per_layer with "out_in" (CPU).
+EXECUTIONS = [("scan", "in_out"), ("per_layer", "out_in")]
+
+
+@pytest.fixture(scope="module", params=EXECUTIONS, ids=["-".join(e) for e in EXECUTIONS])
 def harness(request, model_folder):
-    return Harness(model_folder, request.param)
+    layer_execution, weight_layout = request.param
+    return Harness(model_folder, layer_execution, weight_layout=weight_layout)
 
 
 def test_prompt_in_one_step(harness):

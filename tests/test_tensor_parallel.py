@@ -58,29 +58,32 @@ def test_tiny_model_split_gives_the_same_tokens_and_shards(tiny_model_dir, singl
     layer = runner.layer_params[0]  # per-layer execution on CPU
     heads, kv_heads, head_dim = 4, max(2, tp), 16  # the model's view (KV heads copied)
     hidden, inter, vocab = 64, 112, 320
+    assert runner.kernels.weight_layout == "out_in"  # the CPU default: [out, in]
     expected = {
-        "qkv_proj": (hidden, kv_heads // tp, heads // kv_heads + 2, head_dim),
-        "o_proj": (heads * head_dim // tp, hidden),
-        "gate_up_proj": (hidden, 2, inter // tp),
-        "down_proj": (inter // tp, hidden),
+        "qkv_proj": (kv_heads // tp, heads // kv_heads + 2, head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim // tp),
+        "gate_up_proj": (2, inter // tp, hidden),
+        "down_proj": (hidden, inter // tp),
         "input_norm": (hidden,),  # replicated
     }
     for name, shape in expected.items():
         assert shard_shape(layer[name]) == shape, name
         assert len(layer[name].sharding.device_set) == tp
     assert shard_shape(runner.top_params["embed"]) == (vocab // tp, hidden)
-    assert shard_shape(runner.top_params["lm_head"]) == (hidden, vocab // tp)
+    assert shard_shape(runner.top_params["lm_head"]) == (vocab // tp, hidden)
     assert shard_shape(runner.kv_cache)[4] == kv_heads // tp
 
 
-@pytest.mark.parametrize("layer_execution", ["scan", "per_layer"])
-def test_split_logits_match_one_device_and_hf(tiny_model_dir, layer_execution):
+@pytest.mark.parametrize(
+    ("layer_execution", "weight_layout"), [("scan", "in_out"), ("per_layer", "out_in")]
+)
+def test_split_logits_match_one_device_and_hf(tiny_model_dir, layer_execution, weight_layout):
     """Chunked prefill and a mixed batch, logits to 1e-4 relative error."""
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, 320, size=n)) for n in (23, 9)]
     results = {}
     for tp in (1, 2):
-        harness = Harness(tiny_model_dir, layer_execution, tensor_parallel_size=tp)
+        harness = Harness(tiny_model_dir, layer_execution, tp, weight_layout)
         a, b = (harness.new_request(f"r{i}", p) for i, p in enumerate(prompts))
         first = harness.step([(a, 11), (b, 9)])
         second = harness.step([(a, 12)])
@@ -129,7 +132,7 @@ def test_orbax_round_trip(tiny_model_dir, single, tmp_path, tp):
     assert tokens == single[0]
     np.testing.assert_allclose(logprobs, single[1], rtol=1e-5 if tp == 1 else 1e-4, atol=1e-6)
     if tp == 4:  # restored into shards, KV heads copied on the devices
-        assert shard_shape(llm.engine.runner.layer_params[0]["qkv_proj"]) == (64, 1, 3, 16)
+        assert shard_shape(llm.engine.runner.layer_params[0]["qkv_proj"]) == (1, 3, 16, 64)  # out_in
 
 
 def test_sizes_that_cannot_split_are_clear_errors(tiny_model_dir):

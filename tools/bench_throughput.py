@@ -12,31 +12,60 @@ reports the hit rate and the speed-up:
     python tools/bench_throughput.py --num_requests=64 --shared_prefix_len=512 \
         --min_output_len=16 --max_output_len=64 --compare_prefix_caching
 
-HF transformers runs them in static batches of --hf_batch_size (each batch generates until its
-longest request is done, as static batching must); only the requested tokens are counted for
-either engine. Prints output tokens per second and the ratio.
+--baseline names the peers run on the same prompts in the same process (tools/peers.py): `hf`
+(HF transformers in static batches of --hf_batch_size, each generating until its longest request
+is done, as static batching must) and `llamacpp` (llama.cpp through llama-cpp-python on the GGUF
+file the default model comes from, one sequence at a time; `pip install -e '.[llamacpp]'`).
+Only the requested tokens are counted for every engine. Prints output tokens per second and
+jaxinfer's ratio to each peer:
+
+    python tools/bench_throughput.py --baseline=hf,llamacpp
+
+--single_stream instead sends --stream_requests requests one at a time to every engine and
+reports time to first token and inter-token latency (p50, p99) for each:
+
+    python tools/bench_throughput.py --single_stream --baseline=hf,llamacpp
+
+--compare_quantization=int8 also runs jaxinfer with weight-only int8 on the same workload.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import HFPeer, LlamaCppPeer, find_gguf
+
 from jaxinfer import LLM, SamplingParams
+
+PEERS = ("hf", "llamacpp")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_requests", 32, "Requests in the run.")
 flags.DEFINE_integer("min_output_len", 32, "Shortest output (tokens).")
 flags.DEFINE_integer("max_output_len", 160, "Longest output (tokens).")
 flags.DEFINE_integer("input_len", 0, "Synthetic prompt length in tokens; 0 uses chat prompts.")
-flags.DEFINE_list("baseline", [], "Peers to run in the same process: hf.")
+flags.DEFINE_list("baseline", [], f"Peers to run in the same process: {', '.join(PEERS)}.")
+flags.DEFINE_string("gguf", None, "GGUF file for llamacpp (default: the one in the model folder).")
+flags.DEFINE_bool("single_stream", False, "Measure TTFT and ITL one request at a time instead.")
+flags.DEFINE_integer("stream_requests", 4, "Requests in --single_stream mode.")
+flags.DEFINE_integer("stream_output_len", 128, "Output tokens per request in --single_stream.")
+flags.DEFINE_string("quantization", None, "jaxinfer weight quantization: int8, or none.")
+flags.DEFINE_string(
+    "compare_quantization", None, "Also run jaxinfer with this quantization (int8)."
+)
 flags.DEFINE_integer("hf_batch_size", 32, "Static batch size of the HF transformers baseline.")
 flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "jaxinfer token budget per step.")
-flags.DEFINE_integer("threads", 2, "CPU threads for torch (XLA uses the machine's cores).")
+flags.DEFINE_integer(
+    "threads", 2, "CPU threads for torch and llama.cpp (XLA uses the machine's cores)."
+)
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Also run jaxinfer without prefix caching.")
@@ -113,33 +142,6 @@ def run_jaxinfer(llm: LLM, prompts, output_lens) -> float:
     return elapsed
 
 
-def run_hf(model_path, prompts, output_lens) -> float:
-    import torch
-    import transformers
-
-    torch.set_num_threads(FLAGS.threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    pad_id = 0
-    start = time.perf_counter()
-    for first in range(0, len(prompts), FLAGS.hf_batch_size):
-        batch = prompts[first : first + FLAGS.hf_batch_size]
-        longest_output = max(output_lens[first : first + FLAGS.hf_batch_size])
-        width = max(len(p) for p in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.no_grad():
-            model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=longest_output,
-                min_new_tokens=longest_output,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-    return time.perf_counter() - start
-
-
 def run_batch_job(llm: LLM, prompts, output_lens) -> float:
     """The workload as an OpenAI Batch file through jaxinfer.batch (token-id prompts)."""
     import json
@@ -168,13 +170,67 @@ def run_batch_job(llm: LLM, prompts, output_lens) -> float:
     return summary.wall_seconds
 
 
-def make_llm(enable_prefix_caching: bool = True) -> LLM:
+def make_llm(enable_prefix_caching: bool = True, quantization: str | None = None) -> LLM:
     return LLM(
         max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         kv_cache_memory_gb=FLAGS.kv_cache_memory_gb,
         enable_prefix_caching=enable_prefix_caching,
+        quantization=quantization,
     )
+
+
+def make_peer(name: str, llm: LLM, context: int):
+    model_path = llm.engine.config.model.path
+    if name == "hf":
+        return HFPeer(model_path, FLAGS.threads)
+    return LlamaCppPeer(FLAGS.gguf or find_gguf(model_path), FLAGS.threads, context)
+
+
+def peer_throughput(peer, prompts, output_lens) -> float:
+    if peer.name == "hf":
+        return peer.throughput(prompts, output_lens, FLAGS.hf_batch_size)
+    return peer.throughput(prompts, output_lens)
+
+
+def jaxinfer_stream(llm: LLM, prompt: list[int], output_len: int) -> list[float]:
+    """Seconds from the request's arrival to each output token (the engine's own metrics)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    assert llm.engine.reset_prefix_cache()
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    metrics = output.metrics
+    first = metrics.first_token_time - metrics.arrival_time
+    return list(first + np.cumsum([0.0, *metrics.inter_token_latencies]))
+
+
+def latency_summary(name: str, runs: list[list[float]]) -> tuple[float, float]:
+    """Prints TTFT and ITL percentiles over all runs; returns (median TTFT, median ITL)."""
+    ttft = np.array([times[0] for times in runs]) * 1e3
+    itl = np.concatenate([np.diff(times) for times in runs]) * 1e3
+    print(
+        f"{name}: TTFT p50 {np.median(ttft):.1f} ms, p99 {np.percentile(ttft, 99):.1f} ms; "
+        f"ITL p50 {np.median(itl):.2f} ms, p99 {np.percentile(itl, 99):.2f} ms "
+        f"({len(runs)} requests, {len(itl)} gaps)"
+    )
+    return float(np.median(ttft)), float(np.median(itl))
+
+
+def single_stream(llm: LLM, prompts: list[list[int]]) -> None:
+    prompts = prompts[: FLAGS.stream_requests]
+    output_len = FLAGS.stream_output_len
+    context = max(map(len, prompts)) + output_len + 16
+    print(f"single stream: {len(prompts)} requests one at a time, {output_len} tokens each")
+    jaxinfer_stream(llm, prompts[0], 4)  # first-call effects out of the way
+    ours = latency_summary("jaxinfer", [jaxinfer_stream(llm, p, output_len) for p in prompts])
+    for name in FLAGS.baseline:
+        peer = make_peer(name, llm, context)
+        peer.stream(prompts[0], 4)
+        theirs = latency_summary(name, [peer.stream(p, output_len) for p in prompts])
+        print(
+            f"jaxinfer / {name}: TTFT {ours[0] / theirs[0]:.2f}x, ITL {ours[1] / theirs[1]:.2f}x "
+            "(below 1 is faster)"
+        )
+        del peer
 
 
 def shared_prefix_tokens(prompts) -> int:
@@ -187,7 +243,10 @@ def shared_prefix_tokens(prompts) -> int:
 
 def main(argv):
     del argv
-    llm = make_llm()
+    unknown = set(FLAGS.baseline) - set(PEERS)
+    if unknown:
+        raise app.UsageError(f"unknown baselines: {sorted(unknown)} (supported: {PEERS})")
+    llm = make_llm(quantization=FLAGS.quantization)
     prompts, output_lens = build_workload(llm)
     total = sum(output_lens)
     print(
@@ -195,9 +254,12 @@ def main(argv):
         f"{max(map(len, prompts))} tokens, outputs {min(output_lens)}-{max(output_lens)} "
         f"({total} output tokens), greedy, ignore_eos"
     )
+    print(f"jaxinfer warm-up: {llm.engine.warmup_seconds:.1f} s")
+    if FLAGS.single_stream:
+        single_stream(llm, prompts)
+        return
     if FLAGS.shared_prefix_len and len(prompts) > 1:
         print(f"shared prefix: {shared_prefix_tokens(prompts)} tokens")
-    print(f"jaxinfer warm-up: {llm.engine.warmup_seconds:.1f} s")
     ours = run_jaxinfer(llm, prompts, output_lens)
     stats = llm.engine.stats()
     hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
@@ -222,25 +284,29 @@ def main(argv):
             f"jaxinfer through run_batch: {batch:.2f} s, {total / batch:.1f} output tokens/s; "
             f"ratio run_batch / LLM.generate: {ours / batch:.2f}x"
         )
-    if FLAGS.compare_prefix_caching:
+    if FLAGS.compare_prefix_caching or FLAGS.compare_quantization:
         del llm
-        uncached = make_llm(enable_prefix_caching=False)
-        without = run_jaxinfer(uncached, prompts, output_lens)
+        if FLAGS.compare_prefix_caching:
+            other = make_llm(enable_prefix_caching=False, quantization=FLAGS.quantization)
+            label = "without prefix caching"
+        else:
+            other = make_llm(quantization=FLAGS.compare_quantization)
+            label = f"with quantization={FLAGS.compare_quantization}"
+        theirs = run_jaxinfer(other, prompts, output_lens)
         print(
-            f"jaxinfer without prefix caching: {without:.2f} s, {total / without:.1f} output "
-            f"tokens/s ({uncached.engine.stats().num_preemptions} preemptions)"
+            f"jaxinfer {label}: {theirs:.2f} s, {total / theirs:.1f} output tokens/s "
+            f"({other.engine.stats().num_preemptions} preemptions)"
         )
-        print(f"ratio prefix caching on / off: {without / ours:.2f}x")
-    if "hf" in FLAGS.baseline:
-        theirs = run_hf(llm.engine.config.model.path, prompts, output_lens)
-        print(
-            f"hf transformers (static batches of {FLAGS.hf_batch_size}): {theirs:.2f} s, "
-            f"{total / theirs:.1f} output tokens/s"
-        )
-        print(f"ratio jaxinfer / hf: {theirs / ours:.2f}x")
-    unknown = set(FLAGS.baseline) - {"hf"}
-    if unknown:
-        raise app.UsageError(f"unknown baselines: {sorted(unknown)} (supported: hf)")
+        print(f"ratio {label} / first run: {ours / theirs:.2f}x (above 1: faster)")
+        llm = other
+    context = max(map(len, prompts)) + max(output_lens) + 16
+    for name in FLAGS.baseline:
+        peer = make_peer(name, llm, context)
+        theirs = peer_throughput(peer, prompts, output_lens)
+        how = f"static batches of {FLAGS.hf_batch_size}" if name == "hf" else "one at a time"
+        print(f"{name} ({how}): {theirs:.2f} s, {total / theirs:.1f} output tokens/s")
+        print(f"ratio jaxinfer / {name}: {theirs / ours:.2f}x")
+        del peer
 
 
 if __name__ == "__main__":

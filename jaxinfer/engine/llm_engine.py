@@ -74,6 +74,7 @@ class LLMEngine:
             options.norm_impl,
             platform=jax.default_backend(),
             tensor_parallel_size=options.tensor_parallel_size,
+            weight_layout=options.weight_layout,
         )
         if options.compilation_cache:
             compilation_cache.enable(
@@ -87,7 +88,9 @@ class LLMEngine:
 
         start = time.perf_counter()
         self.partitioner = Partitioner(make_mesh(self.config.parallel.tensor_parallel_size))
-        graphdef, state = load_model(folder, self.config, self.partitioner)
+        graphdef, state = load_model(
+            folder, self.config, self.partitioner, model_kernels.weight_layout
+        )
         self.load_seconds = time.perf_counter() - start
 
         self.batch_builder = BatchBuilder(self.config)

@@ -36,6 +36,7 @@ from jaxinfer.engine.device_inputs import (
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.linear import axes_in_layout
 from jaxinfer.models.llama import (
     PARAM_AXES,
     compute_logits,
@@ -68,9 +69,14 @@ def _scan_hidden(
 
 
 def _prompt_logprobs(
-    config, partitioner: Partitioner, params: dict, hidden: jax.Array, targets: jax.Array
+    config,
+    partitioner: Partitioner,
+    weight_layout: str,
+    params: dict,
+    hidden: jax.Array,
+    targets: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[P], i32[P, K], f32[P, K]
-    logits = lm_head(config, params, hidden, partitioner)
+    logits = lm_head(config, params, hidden, partitioner, weight_layout)
     return token_logprobs(logits, targets, MAX_LOGPROBS)
 
 
@@ -121,9 +127,12 @@ class ModelRunner:
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache
-        self._logits = jax.jit(functools.partial(compute_logits, arch, partitioner=part))
+        layout = kernels.weight_layout
+        self._logits = jax.jit(
+            functools.partial(compute_logits, arch, partitioner=part, weight_layout=layout)
+        )
         self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
-        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part))
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part, layout))
         if self.layer_execution == "scan":
             self.state = state
             self._scan_hidden = jax.jit(
@@ -131,7 +140,7 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
         else:
-            axes = param_axes(stacked, PARAM_AXES["layers"])
+            axes = param_axes(stacked, axes_in_layout(PARAM_AXES, layout)["layers"])
             self.layer_params = [
                 jax.tree.map(
                     lambda a, ax, i=i: part.place(a[i], ax[1:]),  # without the [L] axis

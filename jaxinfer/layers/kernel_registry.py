@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+from jaxinfer.layers.linear import IN_OUT, OUT_IN, check_layout
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
@@ -35,8 +36,11 @@ class ModelKernels:
     """The implementations one model instance runs (static under jit)."""
 
     attention: Callable = ragged_paged_attention_reference
-    ffn: Callable = fused_ffn_reference
+    ffn: Callable = fused_ffn_reference  # used in the "in_out" weight layout only
     add_rms_norm: Callable = add_rms_norm_reference
+    # How projection weights are laid out and multiplied (jaxinfer.layers.linear). In "out_in"
+    # the FFN is the reference computed feature-major (linear.gated_ffn_out_in).
+    weight_layout: str = IN_OUT
 
 
 class KernelRegistry:
@@ -66,11 +70,22 @@ class KernelRegistry:
         return impls[name]
 
     def resolve(
-        self, attention: str, ffn: str, norm: str, *, platform: str, tensor_parallel_size: int = 1
+        self,
+        attention: str,
+        ffn: str,
+        norm: str,
+        *,
+        platform: str,
+        tensor_parallel_size: int = 1,
+        weight_layout: str = "auto",
     ) -> ModelKernels:
         """The implementations the names select ("auto": "pallas" on one GPU, else
         "reference"). XLA cannot split a compiled Pallas call over a mesh, so "pallas" with
-        tensor parallelism is refused until the kernels run under shard_map."""
+        tensor parallelism is refused until the kernels run under shard_map.
+
+        weight_layout "auto" is "out_in" on CPU when the FFN is the built-in reference (its
+        feature-major form is what runs there), else "in_out"; "out_in" with any other FFN is
+        refused, as that FFN takes "in_out" weights."""
 
         def pick(kind: str, name: str) -> Callable:
             if name == "auto":
@@ -83,10 +98,21 @@ class KernelRegistry:
                 )
             return self.get(kind, name)
 
+        ffn_fn = pick("ffn", ffn)
+        reference_ffn = ffn_fn is fused_ffn_reference
+        if weight_layout == "auto":
+            weight_layout = OUT_IN if platform == "cpu" and reference_ffn else IN_OUT
+        check_layout(weight_layout)
+        if weight_layout == OUT_IN and not reference_ffn:
+            raise ValueError(
+                f"weight_layout 'out_in' runs the reference FFN; ffn_impl {ffn!r} takes "
+                "'in_out' weights: use weight_layout 'in_out' or 'auto'"
+            )
         return ModelKernels(
             attention=pick("attention", attention),
-            ffn=pick("ffn", ffn),
+            ffn=ffn_fn,
             add_rms_norm=pick("norm", norm),
+            weight_layout=weight_layout,
         )
 
 

@@ -16,6 +16,14 @@ from flax import nnx
 
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.linear import (
+    IN_OUT,
+    axes_in_layout,
+    dense,
+    gated_ffn_out_in,
+    lm_logits,
+    to_layout,
+)
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
@@ -99,7 +107,10 @@ class LlamaForCausalLM(nnx.Module):
             kv_cache, batch, kernels=kernels, partitioner=partitioner
         )
         params = nnx.to_pure_dict(nnx.state(self))
-        return kv_cache, compute_logits(self.config, params, hidden, batch, partitioner)
+        logits = compute_logits(
+            self.config, params, hidden, batch, partitioner, kernels.weight_layout
+        )
+        return kv_cache, logits
 
     def hidden_states(
         self,
@@ -164,7 +175,8 @@ def decoder_layer(
 
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
-        qkv = jnp.einsum("te,ekgd->tkgd", x, p["qkv_proj"])  # [T, K, G+2, D]
+        layout = kernels.weight_layout
+        qkv = dense(x, p["qkv_proj"], layout)  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -184,12 +196,16 @@ def decoder_layer(
             layer=layer,
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
-        hidden = constrain(attn.reshape(num_tokens, -1) @ p["o_proj"], ("tokens", "embed"))
+        hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], layout)
+        hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
         x, residual = kernels.add_rms_norm(
             hidden, residual, p["post_attention_norm"], eps=cfg.rms_norm_eps
         )
-        hidden = kernels.ffn(x, p["gate_up_proj"], p["down_proj"])
+        if layout == IN_OUT:
+            hidden = kernels.ffn(x, p["gate_up_proj"], p["down_proj"])
+        else:
+            hidden = gated_ffn_out_in(x, p["gate_up_proj"], p["down_proj"])
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
 
@@ -200,21 +216,25 @@ def compute_logits(
     hidden: jax.Array,
     batch: BatchInputs,
     partitioner: Partitioner | None = None,
+    weight_layout: str = IN_OUT,
 ) -> jax.Array:  # f32[R, V]
     """Final norm and LM head on the rows that sample only (one per request)."""
-    return lm_head(config, params, hidden[batch.logits_indices], partitioner)
+    return lm_head(config, params, hidden[batch.logits_indices], partitioner, weight_layout)
 
 
 def lm_head(
-    config: LlamaConfig, params: dict, hidden: jax.Array, partitioner: Partitioner | None = None
+    config: LlamaConfig,
+    params: dict,
+    hidden: jax.Array,
+    partitioner: Partitioner | None = None,
+    weight_layout: str = IN_OUT,
 ) -> jax.Array:  # f32[N, V], whole on every device (the sampler needs every logit)
     """Final norm and LM head of some hidden rows [N, E]."""
     with jax.named_scope("lm_head"):
         x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
-        if config.tie_word_embeddings:
-            logits = (x @ params["embed"].T).astype(jnp.float32)
-        else:
-            logits = (x @ params["lm_head"]).astype(jnp.float32)
+        tied = config.tie_word_embeddings
+        head = params["embed"] if tied else params["lm_head"]
+        logits = lm_logits(x, head, weight_layout, tied).astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))
         return logits
@@ -229,20 +249,26 @@ def param_axes(params: dict, axes: dict = PARAM_AXES) -> dict:
 
 
 def build_llama(
-    config: LlamaConfig, params: dict, dtype, partitioner: Partitioner | None = None
+    config: LlamaConfig,
+    params: dict,
+    dtype,
+    partitioner: Partitioner | None = None,
+    weight_layout: str = IN_OUT,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (host arrays in the
-    loader's layout, or arrays already placed), each placed on the partitioner's mesh by its
-    logical axes (every device receives only its shards), or on the default device."""
+    loader's layout, or arrays already placed), put in `weight_layout` (jaxinfer.layers.linear)
+    and each placed on the partitioner's mesh by its logical axes (every device receives only
+    its shards), or on the default device. The module's declared shapes are "in_out"."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    values = dict(params)
+    values = to_layout(dict(params), weight_layout)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )
     if partitioner is None:
         placed = jax.tree.map(jnp.asarray, values)
     else:
-        placed = jax.tree.map(partitioner.place, values, param_axes(values))
+        axes = param_axes(values, axes_in_layout(PARAM_AXES, weight_layout))
+        placed = jax.tree.map(partitioner.place, values, axes)
     nnx.replace_by_pure_dict(state, placed)
     return graphdef, state

@@ -24,4 +24,6 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) tools/bench_throughput.py --baseline hf
+	$(PY) -m pip install -q -e '.[llamacpp]'
+	$(PY) tools/bench_throughput.py --baseline hf,llamacpp
+	$(PY) tools/bench_throughput.py --baseline hf,llamacpp --single_stream

@@ -16,8 +16,8 @@ from jaxinfer.config import EngineOptions, build_engine_config
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.request import Request
-from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
 from jaxinfer.outputs import RequestMetrics

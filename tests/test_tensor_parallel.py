@@ -132,7 +132,12 @@ def test_orbax_round_trip(tiny_model_dir, single, tmp_path, tp):
     assert tokens == single[0]
     np.testing.assert_allclose(logprobs, single[1], rtol=1e-5 if tp == 1 else 1e-4, atol=1e-6)
     if tp == 4:  # restored into shards, KV heads copied on the devices
-        assert shard_shape(llm.engine.runner.layer_params[0]["qkv_proj"]) == (1, 3, 16, 64)  # out_in
+        assert shard_shape(llm.engine.runner.layer_params[0]["qkv_proj"]) == (
+            1,
+            3,
+            16,
+            64,
+        )  # out_in
 
 
 def test_sizes_that_cannot_split_are_clear_errors(tiny_model_dir):

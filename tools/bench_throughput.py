@@ -25,8 +25,6 @@ jaxinfer's ratio to each peer:
 reports time to first token and inter-token latency (p50, p99) for each:
 
     python tools/bench_throughput.py --single_stream --baseline=hf,llamacpp
-
---compare_quantization=int8 also runs jaxinfer with weight-only int8 on the same workload.
 """
 
 from __future__ import annotations
@@ -56,10 +54,7 @@ flags.DEFINE_string("gguf", None, "GGUF file for llamacpp (default: the one in t
 flags.DEFINE_bool("single_stream", False, "Measure TTFT and ITL one request at a time instead.")
 flags.DEFINE_integer("stream_requests", 4, "Requests in --single_stream mode.")
 flags.DEFINE_integer("stream_output_len", 128, "Output tokens per request in --single_stream.")
-flags.DEFINE_string("quantization", None, "jaxinfer weight quantization: int8, or none.")
-flags.DEFINE_string(
-    "compare_quantization", None, "Also run jaxinfer with this quantization (int8)."
-)
+
 flags.DEFINE_integer("hf_batch_size", 32, "Static batch size of the HF transformers baseline.")
 flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "jaxinfer token budget per step.")
@@ -170,13 +165,12 @@ def run_batch_job(llm: LLM, prompts, output_lens) -> float:
     return summary.wall_seconds
 
 
-def make_llm(enable_prefix_caching: bool = True, quantization: str | None = None) -> LLM:
+def make_llm(enable_prefix_caching: bool = True) -> LLM:
     return LLM(
         max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         kv_cache_memory_gb=FLAGS.kv_cache_memory_gb,
         enable_prefix_caching=enable_prefix_caching,
-        quantization=quantization,
     )
 
 
@@ -246,7 +240,7 @@ def main(argv):
     unknown = set(FLAGS.baseline) - set(PEERS)
     if unknown:
         raise app.UsageError(f"unknown baselines: {sorted(unknown)} (supported: {PEERS})")
-    llm = make_llm(quantization=FLAGS.quantization)
+    llm = make_llm()
     prompts, output_lens = build_workload(llm)
     total = sum(output_lens)
     print(
@@ -284,21 +278,15 @@ def main(argv):
             f"jaxinfer through run_batch: {batch:.2f} s, {total / batch:.1f} output tokens/s; "
             f"ratio run_batch / LLM.generate: {ours / batch:.2f}x"
         )
-    if FLAGS.compare_prefix_caching or FLAGS.compare_quantization:
+    if FLAGS.compare_prefix_caching:
         del llm
-        if FLAGS.compare_prefix_caching:
-            other = make_llm(enable_prefix_caching=False, quantization=FLAGS.quantization)
-            label = "without prefix caching"
-        else:
-            other = make_llm(quantization=FLAGS.compare_quantization)
-            label = f"with quantization={FLAGS.compare_quantization}"
-        theirs = run_jaxinfer(other, prompts, output_lens)
+        llm = make_llm(enable_prefix_caching=False)
+        without = run_jaxinfer(llm, prompts, output_lens)
         print(
-            f"jaxinfer {label}: {theirs:.2f} s, {total / theirs:.1f} output tokens/s "
-            f"({other.engine.stats().num_preemptions} preemptions)"
+            f"jaxinfer without prefix caching: {without:.2f} s, {total / without:.1f} output "
+            f"tokens/s ({llm.engine.stats().num_preemptions} preemptions)"
         )
-        print(f"ratio {label} / first run: {ours / theirs:.2f}x (above 1: faster)")
-        llm = other
+        print(f"ratio prefix caching on / off: {without / ours:.2f}x")
     context = max(map(len, prompts)) + max(output_lens) + 16
     for name in FLAGS.baseline:
         peer = make_peer(name, llm, context)

@@ -28,7 +28,7 @@ from device_rates import memory_bandwidth
 
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import default_registry
-from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.llama import LlamaForCausalLM, build_llama
 from jaxinfer.models.shapes import shape
 
 FLAGS = flags.FLAGS
@@ -87,8 +87,11 @@ def main(argv):
 
     start = time.perf_counter()
     model = LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(nnx.state(model))
     del model
+    params.pop("rope_cache")
+    graphdef, state = build_llama(cfg, params, dtype, weight_layout=kernels.weight_layout)
+    del params
     weights = weight_bytes(state, cfg.tie_word_embeddings)
     num_blocks = 1 + max(batch_sizes) * -(-context // block_size)
     kv_shape = (

@@ -11,19 +11,29 @@ enqueued while step N runs), on the same engine. Reported per decode step (media
 - device: in sync mode, from the first transfer of a step to its tokens being ready (an upper
   bound on the device's work: it includes dispatching the programs);
 - period: time between consecutive steps' outputs, what a request sees per token;
-- idle gap: in sync mode, from one step's tokens being ready to the next step's first
+- - idle gap: in sync mode, from one step's tokens being ready to the next step's first
   transfer (the device waits for the host all that time); in async mode, the median period
   minus the sync device time (what the host still adds), and the share of steps whose
   successor was enqueued before they finished.
+
+Then, for each batch size, a table of where the decode step's device time goes (embedding,
+layers without attention, attention, LM head, sampler; tools/step_breakdown.py) against the
+roofline of each part, with the sync host time beside it. --breakdown_only skips the engine
+runs and reports the tables with the host time left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 from absl import app, flags
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_breakdown import table
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.llm_engine import StepTiming
@@ -31,6 +41,8 @@ from jaxinfer.engine.llm_engine import StepTiming
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "32"], "Concurrent requests.")
 flags.DEFINE_integer("output_len", 64, "Tokens per request.")
+flags.DEFINE_integer("context", 80, "Context per request in the breakdown's decode batch.")
+flags.DEFINE_bool("breakdown_only", False, "Only the per-part tables (no host timing runs).")
 
 
 def profile(llm: LLM, batch_size: int) -> list[StepTiming]:
@@ -60,7 +72,11 @@ def main(argv):
     llm = LLM()
     async_config = llm.engine.config
     sync_config = dataclasses.replace(async_config, async_scheduling=False)
+    hosts = {}
     for batch_size in map(int, FLAGS.batch_sizes):
+        if FLAGS.breakdown_only:
+            hosts[batch_size] = float("nan")
+            continue
         llm.engine.config = sync_config
         steps = profile(llm, batch_size)
         host = [(t.dispatched - t.start) + (t.end - t.ready) for t in steps]
@@ -79,6 +95,7 @@ def main(argv):
                 ]
             )
         )
+        hosts[batch_size] = float(np.median(host))
         llm.engine.config = async_config
         steps = profile(llm, batch_size)
         host = [(t.dispatched - t.start) + (t.end - t.ready) for t in steps]
@@ -91,6 +108,9 @@ def main(argv):
             + f", idle gap ~{gap * 1e3:.2f} ms (period - sync device), successor enqueued "
             f"before the step finished in {overlapped:.0%} of steps"
         )
+    for batch_size, host in hosts.items():
+        print()
+        print(table(llm, batch_size, FLAGS.context, host))
 
 
 if __name__ == "__main__":

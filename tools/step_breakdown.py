@@ -1,0 +1,167 @@
+"""Where a decode step's device time goes, part by part, against the machine's roofline.
+
+Times the engine's own compiled pieces on a decode batch of B requests with `context` tokens
+each (random token ids; the KV cache as it is): the embedding, the decoder layers (one program
+per layer, as per-layer execution runs them), attention alone inside those layers (the same
+attention kernel, jitted on its own, on the same shapes), the LM head and the sampler (greedy).
+Each part's roofline is the larger of the bytes it must read over the memory bandwidth and its
+FLOPs over the matmul rate, both measured here (tools/device_rates.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from device_rates import matmul_rate, memory_bandwidth, timed
+
+from jaxinfer import LLM
+from jaxinfer.engine.batch import BatchInputs, SamplingMetadata
+from jaxinfer.engine.sampler import sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    name: str
+    seconds: float
+    bytes_read: float
+    flops: float
+
+    def roofline(self, bandwidth: float, flop_rate: float) -> float:
+        return max(self.bytes_read / bandwidth, self.flops / flop_rate)
+
+    def bound(self, bandwidth: float, flop_rate: float) -> str:
+        return "memory" if self.bytes_read / bandwidth >= self.flops / flop_rate else "compute"
+
+
+def decode_batch(llm: LLM, batch: int, context: int) -> BatchInputs:
+    """B requests of `context` tokens each, one new token apiece, on blocks 1.. of the cache."""
+    config = llm.engine.config
+    block_size = config.cache.block_size
+    blocks_per = -(-context // block_size)
+    if 1 + batch * blocks_per > config.cache.num_blocks:
+        raise ValueError("the KV cache is too small for this batch and context")
+    tables = np.zeros((batch, config.max_blocks_per_request), np.int32)
+    tables[:, :blocks_per] = 1 + np.arange(batch * blocks_per).reshape(batch, blocks_per)
+    last = context - 1
+    rng = np.random.default_rng(0)
+    return jax.device_put(
+        BatchInputs(
+            token_ids=rng.integers(0, config.model.arch.vocab_size, batch).astype(np.int32),
+            positions=np.full(batch, last, np.int32),
+            slot_mapping=tables[:, last // block_size] * block_size + last % block_size,
+            block_tables=tables,
+            seq_lens=np.full(batch, context, np.int32),
+            query_start_loc=np.arange(batch + 1, dtype=np.int32),
+            logits_indices=np.arange(batch, dtype=np.int32),
+            num_seqs=np.array([batch], np.int32),
+        )
+    )
+
+
+def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]:
+    runner = llm.engine.runner
+    if runner.layer_execution != "per_layer":
+        raise ValueError("the breakdown times per-layer execution (the CPU default)")
+    arch = llm.engine.config.model.arch
+    inputs = decode_batch(llm, batch, context)
+    kernels = runner.kernels
+    layers = runner.layer_params
+    itemsize = jnp.dtype(llm.engine.config.model.dtype).itemsize
+    head_dim, kv_heads = arch.head_dim, arch.num_key_value_heads
+
+    def embed():
+        return runner._embed(runner.top_params, inputs)
+
+    hidden, residual, cos_sin = embed()
+
+    def all_layers():
+        h, r = hidden, residual
+        for params, layer in zip(layers, runner.layer_ids, strict=True):
+            h, r, runner.kv_cache = runner._layer(
+                params, h, r, runner.kv_cache, layer, inputs, cos_sin
+            )
+        return runner._add(h, r)
+
+    q = jax.random.normal(jax.random.key(0), (batch, arch.num_attention_heads, head_dim))
+    attention = jax.jit(
+        lambda q, kv, layer: kernels.attention(
+            q,
+            kv,
+            inputs.block_tables,
+            inputs.seq_lens,
+            inputs.query_start_loc,
+            inputs.num_seqs,
+            sm_scale=head_dim**-0.5,
+            layer=layer,
+        )
+    )
+
+    def all_attention():
+        return [attention(q, runner.kv_cache, layer) for layer in runner.layer_ids]
+
+    final = all_layers()
+
+    def logits():
+        return runner._logits(runner.top_params, final, inputs)
+
+    row_logits = logits()
+    sampling = jax.device_put(SamplingMetadata.neutral(batch))
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    sampler = jax.jit(lambda x: sample(x, sampling, runner.sampler_state, slots, num_logprobs=0))
+
+    layer_weights = sum(a.nbytes for p in layers for a in jax.tree.leaves(p))
+    matmul_params = sum(
+        a.size for p in layers for k, a in p.items() if k.endswith("_proj")
+    )  # per token: 2 FLOPs each
+    head = runner.top_params.get("lm_head", runner.top_params["embed"])
+    kv_bytes = batch * context * arch.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
+    attn_flops = 4 * batch * context * arch.num_attention_heads * head_dim * arch.num_hidden_layers
+    layers_time = timed(all_layers, repeats=repeats)
+    attention_time = timed(all_attention, repeats=repeats)
+    return [
+        Part("embedding", timed(embed, repeats=repeats), batch * arch.hidden_size * itemsize, 0),
+        Part(
+            "layers without attention",
+            max(layers_time - attention_time, 0.0),
+            layer_weights,
+            2 * batch * matmul_params,
+        ),
+        Part("attention", attention_time, kv_bytes, attn_flops),
+        Part("LM head", timed(logits, repeats=repeats), head.nbytes, 2 * batch * head.size),
+        Part(
+            "sampler (greedy)",
+            timed(sampler, row_logits, repeats=repeats),
+            row_logits.nbytes,
+            0,
+        ),
+    ]
+
+
+def table(llm: LLM, batch: int, context: int, host_seconds: float) -> str:
+    """Markdown rows: each part's time, roofline, share of it reached and what bounds it."""
+    bandwidth, flop_rate = memory_bandwidth(), matmul_rate(1024, jnp.float32)
+    parts = measure(llm, batch, context)
+    lines = [
+        f"batch {batch}, context {context}: memory bandwidth {bandwidth / 1e9:.0f} GB/s, "
+        f"matmul rate {flop_rate / 1e9:.0f} GFLOP/s (float32, 1024^3)",
+        "",
+        "| part | time | roofline | reached | bound by |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    total = total_roof = 0.0
+    for part in parts:
+        roof = part.roofline(bandwidth, flop_rate)
+        total, total_roof = total + part.seconds, total_roof + roof
+        lines.append(
+            f"| {part.name} | {part.seconds * 1e3:.2f} ms | {roof * 1e3:.2f} ms | "
+            f"{100 * roof / part.seconds:.0f}% | {part.bound(bandwidth, flop_rate)} |"
+        )
+    lines.append(f"| host (Python, measured per step) | {host_seconds * 1e3:.2f} ms | | | |")
+    lines.append(
+        f"| **device total** | {total * 1e3:.2f} ms | {total_roof * 1e3:.2f} ms | "
+        f"{100 * total_roof / total:.0f}% | |"
+    )
+    return "\n".join(lines)

@@ -37,6 +37,7 @@ def define_engine_flags() -> None:
     define.DEFINE_string("ffn_impl", None, "FFN kernel: auto, reference, pallas, ...")
     define.DEFINE_string("norm_impl", None, "Residual-add + RMSNorm kernel: auto, reference, ...")
     define.DEFINE_string("weight_layout", None, "Projection weights: auto, in_out or out_in.")
+    define.DEFINE_string("quantization", None, "Weight-only quantization: int8 (default: none).")
 
 
 def distributed_config_from_flags() -> DistributedConfig:
@@ -69,6 +70,7 @@ def engine_options_from_flags() -> EngineOptions:
         "ffn_impl",
         "norm_impl",
         "weight_layout",
+        "quantization",
     ]
     values = flags.FLAGS
     return load_engine_options(values.config, **{name: values[name].value for name in names})

@@ -15,9 +15,10 @@ from jaxinfer.layers.linear import (
     lm_logits,
     to_layout,
 )
+from jaxinfer.layers.quantization import quantize_params
 from jaxinfer.models.llama import PARAM_AXES, param_axes
 
-E, I, V, K, G, D, L = 24, 40, 56, 2, 3, 8, 3  # noqa: E741
+E, I, V, K, G, D, L = 24, 40, 2048, 2, 3, 8, 3  # noqa: E741 (V: two int8 LM-head chunks)
 
 
 def loader_params(rng) -> dict:
@@ -84,3 +85,40 @@ def test_axes_follow_the_layout():
     assert axes["layers"]["qkv_proj"] == ("layers", "kv_heads", "qkv", "head_dim", "embed")
     with pytest.raises(ValueError, match="weight layout"):
         to_layout(params, "row_major")
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_int8_projections_match_their_dequantized_weights(rows):
+    """Every int8 path (one row, several rows, the chunked LM head) against numpy on Q * s."""
+    rng = np.random.default_rng(10 + rows)
+    params = quantize_params(loader_params(rng), tied=True)
+    moved = to_layout(params, OUT_IN)
+    layers, moved_layers = params["layers"], moved["layers"]
+    x = rng.standard_normal((rows, E)).astype(np.float32)
+
+    def weight(name):  # the float weight the int8 one stands for, "in_out", layer 0
+        return layers[name][0] * layers[name + "_scale"][0][None]
+
+    for name in ("qkv_proj", "gate_up_proj"):
+        expected = np.tensordot(x, weight(name), axes=1)
+        scale = layers[name + "_scale"][0]
+        for layout, w in ((IN_OUT, layers[name][0]), (OUT_IN, moved_layers[name][0])):
+            got = jax.jit(dense, static_argnums=2)(x, w, layout, scale)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4, err_msg=name)
+    h = x @ weight("gate_up_proj").reshape(E, 2 * I)
+    h = h.reshape(rows, 2, I)
+    expected = (h[:, 0] / (1 + np.exp(-h[:, 0])) * h[:, 1]) @ weight("down_proj")
+    got = jax.jit(gated_ffn_out_in)(
+        x,
+        moved_layers["gate_up_proj"][0],
+        moved_layers["down_proj"][0],
+        layers["gate_up_proj_scale"][0],
+        layers["down_proj_scale"][0],
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-3)
+    embed = params["embed"] * params["embed_scale"][:, None]
+    for layout in (IN_OUT, OUT_IN):
+        got = jax.jit(lm_logits, static_argnums=(2, 3))(
+            x, params["embed"], layout, True, params["embed_scale"]
+        )
+        np.testing.assert_allclose(got, x @ embed.T, rtol=1e-5, atol=1e-4)

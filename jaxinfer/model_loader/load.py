@@ -19,11 +19,12 @@ from jaxinfer.parallel.sharding import Partitioner
 def load_model(
     folder: Path, config: EngineConfig, partitioner: Partitioner, weight_layout: str = IN_OUT
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """The checkpoint is read in the loader's "in_out" layout, then put in `weight_layout`."""
+    """The checkpoint is read in the loader's "in_out" layout, quantized if the config says so,
+    then put in `weight_layout`."""
     arch, dtype = config.model.arch, config.model.dtype
     replicas = config.parallel.kv_replicas
     if is_orbax_folder(folder):
         params = restore_params(folder, dtype, partitioner, PARAM_AXES, replicas)
     else:
         params = load_llama_params(folder, arch, np.dtype(dtype), replicas)
-    return build_llama(arch, params, dtype, partitioner, weight_layout)
+    return build_llama(arch, params, dtype, partitioner, weight_layout, config.model.quantization)

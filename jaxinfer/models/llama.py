@@ -24,6 +24,14 @@ from jaxinfer.layers.linear import (
     lm_logits,
     to_layout,
 )
+from jaxinfer.layers.quantization import (
+    SCALE,
+    SCALE_AXES,
+    check_quantization,
+    dequantize,
+    dequantize_rows,
+    quantize_params,
+)
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
@@ -48,7 +56,10 @@ PARAM_AXES = {
         "o_proj": ("layers", "q_heads_x_dim", "embed"),
         "gate_up_proj": ("layers", "embed", "gate_up", "mlp"),
         "down_proj": ("layers", "mlp", "embed"),
+        **SCALE_AXES["layers"],
     },
+    "embed_scale": SCALE_AXES["embed_scale"],
+    "lm_head_scale": SCALE_AXES["lm_head_scale"],
 }
 
 
@@ -56,32 +67,67 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -
     return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
 
 
-class DecoderLayers(nnx.Module):
-    """All L decoder layers; every parameter has a leading [L] axis."""
+def _int8_param(shape: tuple[int, ...]) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, jnp.int8))
 
-    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+
+def _scale_param(shape: tuple[int, ...]) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, jnp.float32))
+
+
+class DecoderLayers(nnx.Module):
+    """All L decoder layers; every parameter has a leading [L] axis. With int8 quantization
+    each projection is int8 with a float32 scale per output channel (`<name>_scale`)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
         num_layers, hidden = config.num_hidden_layers, config.hidden_size
         kv_heads, head_dim = config.num_key_value_heads, config.head_dim
         qkv_shape = (kv_heads, config.num_attention_heads // kv_heads + 2, head_dim)
+        inter = config.intermediate_size
         self.input_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
-        self.qkv_proj = _param(rngs, (num_layers, hidden, *qkv_shape), dtype)  # [L, E, K, G+2, D]
+        self.post_attention_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
         if config.attention_bias:
             self.qkv_bias = _param(rngs, (num_layers, *qkv_shape), dtype)  # [L, K, G+2, D]
-        self.o_proj = _param(rngs, (num_layers, config.q_size, hidden), dtype)  # [L, H*D, E]
-        self.post_attention_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
-        inter = config.intermediate_size
-        self.gate_up_proj = _param(rngs, (num_layers, hidden, 2, inter), dtype)  # [L, E, 2, I]
-        self.down_proj = _param(rngs, (num_layers, inter, hidden), dtype)  # [L, I, E]
+        shapes = {  # (input axis size, output shape)
+            "qkv_proj": (hidden, qkv_shape),  # [L, E, K, G+2, D]
+            "o_proj": (config.q_size, (hidden,)),  # [L, H*D, E]
+            "gate_up_proj": (hidden, (2, inter)),  # [L, E, 2, I]
+            "down_proj": (inter, (hidden,)),  # [L, I, E]
+        }
+        for name, (size_in, out) in shapes.items():
+            if quantization is None:
+                setattr(self, name, _param(rngs, (num_layers, size_in, *out), dtype))
+            else:
+                setattr(self, name, _int8_param((num_layers, size_in, *out)))
+                setattr(self, name + SCALE, _scale_param((num_layers, *out)))
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+        quantization: str | None = None,
+    ):
+        """quantization "int8": projections and the LM head (the embedding when tied) are
+        int8 with per-output-channel scales (jaxinfer.layers.quantization)."""
         self.config = config
-        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dtype)  # [V, E]
-        self.layers = DecoderLayers(config, dtype=dtype, rngs=rngs)
-        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
-        if not config.tie_word_embeddings:
-            self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), dtype)  # [E, V]
+        vocab, hidden = config.vocab_size, config.hidden_size
+        tied = config.tie_word_embeddings
+        if quantization is not None and tied:
+            self.embed = _int8_param((vocab, hidden))  # [V, E]
+            self.embed_scale = _scale_param((vocab,))
+        else:
+            self.embed = _param(rngs, (vocab, hidden), dtype)  # [V, E]
+        self.layers = DecoderLayers(config, dtype=dtype, rngs=rngs, quantization=quantization)
+        self.norm = nnx.Param(jnp.ones((hidden,), dtype))
+        if not tied and quantization is not None:
+            self.lm_head = _int8_param((hidden, vocab))  # [E, V]
+            self.lm_head_scale = _scale_param((vocab,))
+        elif not tied:
+            self.lm_head = _param(rngs, (hidden, vocab), dtype)  # [E, V]
         # Static (not a Param): rebuilt from the config, never loaded or sharded.
         self.rope_cache = nnx.Variable(
             jnp.asarray(
@@ -148,7 +194,8 @@ class LlamaForCausalLM(nnx.Module):
 def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(hidden [T, E], residual [T, E] zeros, cos_sin f32[T, 2, D / 2]) of the step's tokens:
     the residual stream before the first layer is hidden + residual."""
-    hidden = params["embed"][batch.token_ids]
+    dtype = params["norm"].dtype
+    hidden = dequantize_rows(params["embed"], params.get("embed" + SCALE), batch.token_ids, dtype)
     return hidden, jnp.zeros_like(hidden), params["rope_cache"][batch.positions]
 
 
@@ -176,7 +223,7 @@ def decoder_layer(
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
         layout = kernels.weight_layout
-        qkv = dense(x, p["qkv_proj"], layout)  # [T, K, G+2, D]
+        qkv = dense(x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE))  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -196,16 +243,20 @@ def decoder_layer(
             layer=layer,
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
-        hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], layout)
+        hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], layout, p.get("o_proj" + SCALE))
         hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
         x, residual = kernels.add_rms_norm(
             hidden, residual, p["post_attention_norm"], eps=cfg.rms_norm_eps
         )
-        if layout == IN_OUT:
-            hidden = kernels.ffn(x, p["gate_up_proj"], p["down_proj"])
+        gate_up_scale, down_scale = p.get("gate_up_proj" + SCALE), p.get("down_proj" + SCALE)
+        if layout == IN_OUT:  # the kernel takes float weights
+            gate_up = dequantize(p["gate_up_proj"], gate_up_scale, x.dtype)
+            hidden = kernels.ffn(x, gate_up, dequantize(p["down_proj"], down_scale, x.dtype))
         else:
-            hidden = gated_ffn_out_in(x, p["gate_up_proj"], p["down_proj"])
+            hidden = gated_ffn_out_in(
+                x, p["gate_up_proj"], p["down_proj"], gate_up_scale, down_scale
+            )
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
 
@@ -233,8 +284,9 @@ def lm_head(
     with jax.named_scope("lm_head"):
         x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
         tied = config.tie_word_embeddings
-        head = params["embed"] if tied else params["lm_head"]
-        logits = lm_logits(x, head, weight_layout, tied).astype(jnp.float32)
+        name = "embed" if tied else "lm_head"
+        logits = lm_logits(x, params[name], weight_layout, tied, params.get(name + SCALE))
+        logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))
         return logits
@@ -254,14 +306,22 @@ def build_llama(
     dtype,
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
+    quantization: str | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (host arrays in the
-    loader's layout, or arrays already placed), put in `weight_layout` (jaxinfer.layers.linear)
-    and each placed on the partitioner's mesh by its logical axes (every device receives only
-    its shards), or on the default device. The module's declared shapes are "in_out"."""
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    loader's layout, or arrays already placed), quantized if asked
+    (jaxinfer.layers.quantization), put in `weight_layout` (jaxinfer.layers.linear) and each
+    placed on the partitioner's mesh by its logical axes (every device receives only its
+    shards), or on the default device. The module's declared shapes are "in_out"."""
+    check_quantization(quantization)
+    abstract = nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization)
+    )
     graphdef, state = nnx.split(abstract)
-    values = to_layout(dict(params), weight_layout)
+    values = dict(params)
+    if quantization is not None:
+        values = quantize_params(values, config.tie_word_embeddings)
+    values = to_layout(values, weight_layout)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )

@@ -1,0 +1,64 @@
+"""Weight-only int8: the quantizer against numpy, and the engine's int8 model against its
+float32 model (the default model's check is in test_default_model.py)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.layers.quantization import quantize_int8
+from tests.conftest import TINY_OPTIONS
+from tests.test_default_model import check_logprobs_close
+
+PROMPTS = ["The quick brown fox", "def f(x):", "hello world, how are you"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_quantize_int8_per_output_channel(axis):
+    rng = np.random.default_rng(axis)
+    w = rng.standard_normal((48, 40)).astype(np.float32)
+    w[:, 3] = 0.0  # an all-zero channel (axis 0) or part of each (axis 1)
+    q, scale = quantize_int8(w, axis)
+    assert q.dtype == np.int8 and scale.dtype == np.float32
+    assert scale.shape == (w.shape[1 - axis],)
+    expected_scale = np.abs(w).max(axis=axis) / 127
+    expected_scale[expected_scale == 0] = 1.0
+    np.testing.assert_allclose(scale, expected_scale, rtol=1e-6)
+    restored = q * np.expand_dims(scale, axis)
+    assert np.all(np.abs(restored - w) <= np.expand_dims(scale, axis) / 2 + 1e-7)
+    assert np.all(np.abs(q).max(axis=axis)[expected_scale != 1.0] == 127)
+    q_device, scale_device = quantize_int8(jnp.asarray(w), axis)  # restored checkpoints
+    np.testing.assert_array_equal(np.asarray(q_device), q)
+    np.testing.assert_allclose(np.asarray(scale_device), scale, rtol=1e-6)
+
+
+def generate(llm: LLM):
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # per-layer execution, "out_in" weights (the CPU default)
+        {"layer_execution": "scan", "weight_layout": "in_out"},
+        {"tensor_parallel_size": 2},
+    ],
+    ids=["per_layer-out_in", "scan-in_out", "tp2"],
+)
+def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, options):
+    llm = LLM(model=str(tiny_model_dir), quantization="int8", **TINY_OPTIONS, **options)
+    layer = llm.engine.runner.layer_params[0] if "layer_execution" not in options else None
+    if layer is not None:
+        assert layer["gate_up_proj"].dtype == jnp.int8
+        assert layer["gate_up_proj_scale"].dtype == jnp.float32
+    for i, (ours, theirs) in enumerate(zip(generate(llm), generate(tiny_llm), strict=True)):
+        check_logprobs_close(ours, theirs, f"prompt {i}")
+
+
+def test_unknown_quantization_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        LLM(model=str(tiny_model_dir), quantization="int4", **TINY_OPTIONS)

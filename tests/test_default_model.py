@@ -126,6 +126,27 @@ def test_greedy_generation_matches_hf(llm, hf_model, prompts):
             assert token in entry and 5 <= len(entry) <= 6
 
 
+def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_dir):
+    """Weight-only int8 against the float32 engine, by the rule float32 meets against HF."""
+    int8 = LLM(
+        cache_dir=str(model_cache_dir),
+        quantization="int8",
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=256,
+    )
+    weights = int8.engine.runner.layer_params[0]
+    assert (
+        weights["gate_up_proj"].dtype == np.int8
+        and int8.engine.runner.top_params["embed"].dtype == np.int8
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    ours, theirs = (x.generate(prompts, params, use_tqdm=False) for x in (int8, llm))
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        a, b = a.outputs[0], b.outputs[0]
+        check_logprobs_close((a.token_ids, a.logprobs), (b.token_ids, b.logprobs), f"prompt {i}")
+
+
 def test_greedy_output_same_alone_and_in_batch_of_16(llm):
     tokenizer = llm.tokenizer
     others = [

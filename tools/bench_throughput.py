@@ -26,9 +26,10 @@ reports time to first token and inter-token latency (p50, p99) for each:
 
     python tools/bench_throughput.py --single_stream --baseline=hf,llamacpp
 
---quantization=int8 runs jaxinfer with weight-only int8; --compare_quantization=int8 runs the
-float model first, then the int8 one on the same requests, and prints their ratio (in either
-mode).
+--quantization=int8 runs jaxinfer with weight-only int8. --compare=KEY=VALUE,... runs jaxinfer
+a second time, on a second engine built with those engine options on top, on the same requests
+and prints the ratio (in either mode), e.g. --compare=quantization=int8 (int8 against float32)
+or --compare=weight_layout=in_out.
 """
 
 from __future__ import annotations
@@ -59,9 +60,7 @@ flags.DEFINE_bool("single_stream", False, "Measure TTFT and ITL one request at a
 flags.DEFINE_integer("stream_requests", 4, "Requests in --single_stream mode.")
 flags.DEFINE_integer("stream_output_len", 128, "Output tokens per request in --single_stream.")
 flags.DEFINE_enum("quantization", None, ["int8"], "jaxinfer weight quantization.")
-flags.DEFINE_enum(
-    "compare_quantization", None, ["int8"], "Also run jaxinfer with this quantization."
-)
+flags.DEFINE_list("compare", [], "KEY=VALUE engine options of a second jaxinfer run.")
 
 flags.DEFINE_integer("hf_batch_size", 32, "Static batch size of the HF transformers baseline.")
 flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
@@ -173,14 +172,30 @@ def run_batch_job(llm: LLM, prompts, output_lens) -> float:
     return summary.wall_seconds
 
 
-def make_llm(enable_prefix_caching: bool = True, quantization: str | None = None) -> LLM:
+def make_llm(enable_prefix_caching: bool = True, **options) -> LLM:
     return LLM(
         max_num_seqs=FLAGS.max_num_seqs,
         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         kv_cache_memory_gb=FLAGS.kv_cache_memory_gb,
         enable_prefix_caching=enable_prefix_caching,
-        quantization=quantization,
+        **{"quantization": FLAGS.quantization, **options},
     )
+
+
+def compared_options() -> dict:
+    """--compare as engine options (values parsed as TOML would: numbers, true/false)."""
+    import tomllib
+
+    options = {}
+    for item in FLAGS.compare:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise app.UsageError(f"--compare takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            options[key] = value
+    return options
 
 
 def make_peer(name: str, llm: LLM, context: int):
@@ -225,10 +240,10 @@ def single_stream(llm: LLM, prompts: list[list[int]]) -> None:
     print(f"single stream: {len(prompts)} requests one at a time, {output_len} tokens each")
     jaxinfer_stream(llm, prompts[0], 4)  # first-call effects out of the way
     ours = latency_summary("jaxinfer", [jaxinfer_stream(llm, p, output_len) for p in prompts])
-    if FLAGS.compare_quantization:
-        other = make_llm(quantization=FLAGS.compare_quantization)
+    if FLAGS.compare:
+        other = make_llm(**compared_options())
         jaxinfer_stream(other, prompts[0], 4)
-        name = f"jaxinfer {FLAGS.compare_quantization}"
+        name = f"jaxinfer {','.join(FLAGS.compare)}"
         theirs = latency_summary(name, [jaxinfer_stream(other, p, output_len) for p in prompts])
         print(f"{name} / jaxinfer: TTFT {theirs[0] / ours[0]:.2f}x, ITL {theirs[1] / ours[1]:.2f}x")
         del other
@@ -256,7 +271,7 @@ def main(argv):
     unknown = set(FLAGS.baseline) - set(PEERS)
     if unknown:
         raise app.UsageError(f"unknown baselines: {sorted(unknown)} (supported: {PEERS})")
-    llm = make_llm(quantization=FLAGS.quantization)
+    llm = make_llm()
     prompts, output_lens = build_workload(llm)
     total = sum(output_lens)
     print(
@@ -294,13 +309,15 @@ def main(argv):
             f"jaxinfer through run_batch: {batch:.2f} s, {total / batch:.1f} output tokens/s; "
             f"ratio run_batch / LLM.generate: {ours / batch:.2f}x"
         )
-    if FLAGS.compare_quantization:
-        other = make_llm(quantization=FLAGS.compare_quantization)
+    if FLAGS.compare:
+        other = make_llm(**compared_options())
         theirs = run_jaxinfer(other, prompts, output_lens)
         print(
-            f"jaxinfer {FLAGS.compare_quantization}: {theirs:.2f} s, {total / theirs:.1f} output "
+            f"jaxinfer {','.join(FLAGS.compare)}: {theirs:.2f} s, {total / theirs:.1f} output "
             f"tokens/s; ratio to the first run: {ours / theirs:.2f}x (above 1: faster)"
         )
+        again = run_jaxinfer(llm, prompts, output_lens)
+        print(f"jaxinfer first configuration again: {again:.2f} s")
         del other
     if FLAGS.compare_prefix_caching:
         del llm

@@ -6,7 +6,8 @@
   as W @ x^T, then transposed back. On XLA:CPU this is much faster for the few rows of a decode
   step: Eigen's contraction runs the large operand as the left one far better. Measured here
   (float32, 2 cores), the gated FFN of the default model took 0.6 against 1.5 ms at 8 rows and
-  1.6 against 3.3 ms at 32 rows, and its LM head 14 against 42 ms at 32 rows.
+  1.9 against 3.2 ms at 32 rows, and its LM head 16 against 46 ms at 32 rows; there is no gain
+  at one row, nor at 128 rows and more (docs/benchmarks.md).
 
 In "out_in" the transposes of the activations are materialized on their own
 (`optimization_barrier`): XLA:CPU otherwise folds a transpose into the dot's operand layout,

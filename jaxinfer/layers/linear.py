@@ -97,11 +97,16 @@ def _int8_row(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.sum(w.astype(x.dtype) * x, axis=-1)
 
 
+def _int8_one_row(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [1, in] times int8 "out_in" w [*out, in] with scales [*out] -> [1, *out]."""
+    return (_int8_row(x[0], w) * scale.astype(x.dtype))[None]
+
+
 def dense(x: jax.Array, w: jax.Array, layout: str, scale: jax.Array | None = None) -> jax.Array:
     """x [T, in] times w ([in, *out] or [*out, in]) -> [T, *out]; `scale` [*out] for an int8
     w (jaxinfer.layers.quantization)."""
     if layout == OUT_IN and scale is not None and x.shape[0] == 1:
-        return (_int8_row(x[0], w) * scale.astype(x.dtype))[None]
+        return _int8_one_row(x, w, scale)
     w = _as(w, x.dtype)
     if layout == IN_OUT:
         y = jnp.tensordot(x, w, axes=1)
@@ -124,7 +129,7 @@ def gated_ffn_out_in(
     if gate_up_scale is not None and x.shape[0] == 1:
         h = _int8_row(x[0], gate_up) * gate_up_scale.astype(x.dtype)  # [2, I]
         act = jax.nn.silu(h[0]) * h[1]
-        return (_int8_row(act, down) * down_scale.astype(x.dtype))[None]
+        return _int8_one_row(act[None], down, down_scale)
     h = jnp.einsum("cie,et->cit", _as(gate_up, x.dtype), _feature_major(x))  # [2, I, T]
     if gate_up_scale is not None:
         h = h * gate_up_scale[..., None].astype(h.dtype)
@@ -145,7 +150,7 @@ def lm_logits(
     vocab_major = tied or layout == OUT_IN
     if scale is not None and layout == OUT_IN:
         if x.shape[0] == 1:
-            return (_int8_row(x[0], w) * scale.astype(x.dtype))[None]
+            return _int8_one_row(x, w, scale)
         return _int8_vocab_major_logits(x, w, scale)
     w = _as(w, x.dtype)
     if not vocab_major:

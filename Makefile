@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(PY) -m jaxinfer.demo
 
 test: $(STAMP)
-	$(PY) -m ruff check jaxinfer pallas_kernels tests tools
-	$(PY) -m ruff format --check jaxinfer pallas_kernels tests tools
+	$(PY) -m ruff check jaxinfer pallas_kernels cpu_kernels tests tools
+	$(PY) -m ruff format --check jaxinfer pallas_kernels cpu_kernels tests tools
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

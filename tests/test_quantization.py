@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels.build import compiler
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.quantization import quantize_int8
 from tests.conftest import TINY_OPTIONS
@@ -43,14 +44,19 @@ def generate(llm: LLM):
 @pytest.mark.parametrize(
     "options",
     [
-        {},  # per-layer execution, "out_in" weights (the CPU default)
+        {},  # per-layer execution, "out_in" weights (the CPU default), the C++ kernel
+        {"int8_matmul_impl": "xla"},  # the same through XLA's ops
         {"layer_execution": "scan", "weight_layout": "in_out"},
         {"tensor_parallel_size": 2},
     ],
-    ids=["per_layer-out_in", "scan-in_out", "tp2"],
+    ids=["per_layer-out_in-cpu_kernel", "per_layer-out_in-xla", "scan-in_out", "tp2"],
 )
 def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, options):
+    if not options and compiler() is None:
+        pytest.skip("no C++ compiler to build the int8 kernel")
     llm = LLM(model=str(tiny_model_dir), quantization="int8", **TINY_OPTIONS, **options)
+    uses_kernel = llm.engine.runner.kernels.int8_matmul is not None
+    assert uses_kernel == (not options)  # "auto" picks it on one CPU device in "out_in" only
     layer = llm.engine.runner.layer_params[0] if "layer_execution" not in options else None
     if layer is not None:
         assert layer["gate_up_proj"].dtype == jnp.int8

@@ -71,12 +71,14 @@ def _scan_hidden(
 def _prompt_logprobs(
     config,
     partitioner: Partitioner,
-    weight_layout: str,
+    kernels: ModelKernels,
     params: dict,
     hidden: jax.Array,
     targets: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[P], i32[P, K], f32[P, K]
-    logits = lm_head(config, params, hidden, partitioner, weight_layout)
+    logits = lm_head(
+        config, params, hidden, partitioner, kernels.weight_layout, kernels.int8_matmul
+    )
     return token_logprobs(logits, targets, MAX_LOGPROBS)
 
 
@@ -129,10 +131,16 @@ class ModelRunner:
         self.top_params = params  # embed, norm, lm_head, rope_cache
         layout = kernels.weight_layout
         self._logits = jax.jit(
-            functools.partial(compute_logits, arch, partitioner=part, weight_layout=layout)
+            functools.partial(
+                compute_logits,
+                arch,
+                partitioner=part,
+                weight_layout=layout,
+                int8_matmul=kernels.int8_matmul,
+            )
         )
         self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
-        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part, layout))
+        self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part, kernels))
         if self.layer_execution == "scan":
             self.state = state
             self._scan_hidden = jax.jit(

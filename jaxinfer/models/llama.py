@@ -10,6 +10,8 @@ The decoder layers' parameters are stacked along a leading [L] axis and run unde
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -154,7 +156,13 @@ class LlamaForCausalLM(nnx.Module):
         )
         params = nnx.to_pure_dict(nnx.state(self))
         logits = compute_logits(
-            self.config, params, hidden, batch, partitioner, kernels.weight_layout
+            self.config,
+            params,
+            hidden,
+            batch,
+            partitioner,
+            kernels.weight_layout,
+            kernels.int8_matmul,
         )
         return kv_cache, logits
 
@@ -223,7 +231,10 @@ def decoder_layer(
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
         layout = kernels.weight_layout
-        qkv = dense(x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE))  # [T, K, G+2, D]
+        int8_matmul = kernels.int8_matmul
+        qkv = dense(
+            x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE), int8_matmul
+        )  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -243,7 +254,9 @@ def decoder_layer(
             layer=layer,
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
-        hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], layout, p.get("o_proj" + SCALE))
+        hidden = dense(
+            attn.reshape(num_tokens, -1), p["o_proj"], layout, p.get("o_proj" + SCALE), int8_matmul
+        )
         hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
         x, residual = kernels.add_rms_norm(
@@ -255,7 +268,7 @@ def decoder_layer(
             hidden = kernels.ffn(x, gate_up, dequantize(p["down_proj"], down_scale, x.dtype))
         else:
             hidden = gated_ffn_out_in(
-                x, p["gate_up_proj"], p["down_proj"], gate_up_scale, down_scale
+                x, p["gate_up_proj"], p["down_proj"], gate_up_scale, down_scale, int8_matmul
             )
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
@@ -268,9 +281,11 @@ def compute_logits(
     batch: BatchInputs,
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
+    int8_matmul: Callable | None = None,
 ) -> jax.Array:  # f32[R, V]
     """Final norm and LM head on the rows that sample only (one per request)."""
-    return lm_head(config, params, hidden[batch.logits_indices], partitioner, weight_layout)
+    rows = hidden[batch.logits_indices]
+    return lm_head(config, params, rows, partitioner, weight_layout, int8_matmul)
 
 
 def lm_head(
@@ -279,13 +294,16 @@ def lm_head(
     hidden: jax.Array,
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
+    int8_matmul: Callable | None = None,
 ) -> jax.Array:  # f32[N, V], whole on every device (the sampler needs every logit)
-    """Final norm and LM head of some hidden rows [N, E]."""
+    """Final norm and LM head of some hidden rows [N, E] (`int8_matmul`: the kernel of an
+    int8 head, see ModelKernels)."""
     with jax.named_scope("lm_head"):
         x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
         tied = config.tie_word_embeddings
         name = "embed" if tied else "lm_head"
-        logits = lm_logits(x, params[name], weight_layout, tied, params.get(name + SCALE))
+        scale = params.get(name + SCALE)
+        logits = lm_logits(x, params[name], weight_layout, tied, scale, int8_matmul)
         logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))

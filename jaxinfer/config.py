@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.layers.int8_kernel import check_impl as check_int8_impl
+from jaxinfer.layers.cpu_matmul import check_impl as check_matmul_impl
 from jaxinfer.layers.quantization import check_quantization
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
@@ -55,9 +55,10 @@ class EngineOptions:
         quantization: None (weights in `dtype`) or "int8": weight-only int8 with one scale
             per output channel for every projection and the LM head (4x smaller weights than
             float32; activations and the KV cache stay in `dtype`).
-        int8_matmul_impl: what computes the int8 projections (jaxinfer.layers.int8_kernel):
-            "cpu" (a C++ kernel built once with the host's compiler, XLA:CPU with float32,
-            "out_in" and one device only), "xla" (XLA's ops) or "auto" ("cpu" where it runs).
+        matmul_impl: what computes the "out_in" projections and LM head, float32 or int8
+            (jaxinfer.layers.cpu_matmul): "cpu" (a C++ kernel built once with the host's
+            compiler; XLA:CPU with float32 activations, "out_in" and one device only), "xla"
+            (XLA's ops) or "auto" ("cpu" for int8 weights where it runs, else "xla").
     """
 
     model: str | None = None
@@ -80,7 +81,7 @@ class EngineOptions:
     norm_impl: str = "auto"
     weight_layout: str = "auto"
     quantization: str | None = None
-    int8_matmul_impl: str = "auto"
+    matmul_impl: str = "auto"
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -115,7 +116,7 @@ class EngineOptions:
                 f"weight_layout must be 'auto', 'in_out' or 'out_in', got {self.weight_layout!r}"
             )
         check_quantization(self.quantization)
-        check_int8_impl(self.int8_matmul_impl)
+        check_matmul_impl(self.matmul_impl)
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

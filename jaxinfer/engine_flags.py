@@ -38,7 +38,7 @@ def define_engine_flags() -> None:
     define.DEFINE_string("norm_impl", None, "Residual-add + RMSNorm kernel: auto, reference, ...")
     define.DEFINE_string("weight_layout", None, "Projection weights: auto, in_out or out_in.")
     define.DEFINE_string("quantization", None, "Weight-only quantization: int8 (default: none).")
-    define.DEFINE_string("int8_matmul_impl", None, "int8 projections: auto, cpu or xla.")
+    define.DEFINE_string("matmul_impl", None, "out_in projections: auto, cpu (C++ kernel) or xla.")
 
 
 def distributed_config_from_flags() -> DistributedConfig:
@@ -72,7 +72,7 @@ def engine_options_from_flags() -> EngineOptions:
         "norm_impl",
         "weight_layout",
         "quantization",
-        "int8_matmul_impl",
+        "matmul_impl",
     ]
     values = flags.FLAGS
     return load_engine_options(values.config, **{name: values[name].value for name in names})

@@ -115,3 +115,21 @@ def tiny_llm(tiny_model_dir):
     from jaxinfer import LLM
 
     return LLM(model=str(tiny_model_dir), **TINY_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def cpu_kernel_dir(tmp_path_factory):
+    """Where the C++ kernels are built (once per test session)."""
+    from cpu_kernels.build import compiler
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler to build the C++ kernels")
+    return tmp_path_factory.mktemp("cpu_kernels")
+
+
+@pytest.fixture(scope="session")
+def cpu_matmul(cpu_kernel_dir):
+    """The C++ matmul kernel (cpu_kernels.matmul), built once per test session."""
+    from cpu_kernels.matmul.kernel import load_matmul
+
+    return load_matmul(cpu_kernel_dir)

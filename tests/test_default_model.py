@@ -142,7 +142,7 @@ def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_di
         and int8.engine.runner.top_params["embed"].dtype == np.int8
     )
     # "auto" runs the int8 projections through the C++ kernel where it can be built.
-    assert (int8.engine.runner.kernels.int8_matmul is not None) == (compiler() is not None)
+    assert (int8.engine.runner.kernels.matmul is not None) == (compiler() is not None)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
     ours, theirs = (x.generate(prompts, params, use_tqdm=False) for x in (int8, llm))
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):

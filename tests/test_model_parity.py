@@ -39,6 +39,7 @@ class Harness:
         layer_execution: str,
         tensor_parallel_size: int = 1,
         weight_layout: str = "in_out",
+        matmul=None,
     ):
         options = EngineOptions(
             model=str(folder),
@@ -54,7 +55,7 @@ class Harness:
         partitioner = Partitioner(make_mesh(tensor_parallel_size))
         params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)
         graphdef, state = build_llama(arch, params, jnp.float32, partitioner, weight_layout)
-        kernels = ModelKernels(weight_layout=weight_layout)
+        kernels = ModelKernels(weight_layout=weight_layout, matmul=matmul)
         self.runner = ModelRunner(self.config, graphdef, state, kernels, partitioner)
         self.builder = BatchBuilder(self.config)
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -123,14 +124,20 @@ def model_folder(request, tmp_path_factory):
 
 
 # Both executions and both weight layouts (jaxinfer.layers.linear), in the pairs the engine
-# picks by default: scan with "in_out" (accelerators), per_layer with "out_in" (CPU).
-EXECUTIONS = [("scan", "in_out"), ("per_layer", "out_in")]
+# picks by default: scan with "in_out" (accelerators), per_layer with "out_in" (CPU); and the
+# "out_in" projections through the C++ kernel (jaxinfer.layers.cpu_matmul).
+EXECUTIONS = [
+    ("scan", "in_out", "xla"),
+    ("per_layer", "out_in", "xla"),
+    ("per_layer", "out_in", "cpu"),
+]
 
 
 @pytest.fixture(scope="module", params=EXECUTIONS, ids=["-".join(e) for e in EXECUTIONS])
 def harness(request, model_folder):
-    layer_execution, weight_layout = request.param
-    return Harness(model_folder, layer_execution, weight_layout=weight_layout)
+    layer_execution, weight_layout, matmul_impl = request.param
+    matmul = request.getfixturevalue("cpu_matmul") if matmul_impl == "cpu" else None
+    return Harness(model_folder, layer_execution, weight_layout=weight_layout, matmul=matmul)
 
 
 def test_prompt_in_one_step(harness):

@@ -45,7 +45,7 @@ def generate(llm: LLM):
     "options",
     [
         {},  # per-layer execution, "out_in" weights (the CPU default), the C++ kernel
-        {"int8_matmul_impl": "xla"},  # the same through XLA's ops
+        {"matmul_impl": "xla"},  # the same through XLA's ops
         {"layer_execution": "scan", "weight_layout": "in_out"},
         {"tensor_parallel_size": 2},
     ],
@@ -53,9 +53,9 @@ def generate(llm: LLM):
 )
 def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, options):
     if not options and compiler() is None:
-        pytest.skip("no C++ compiler to build the int8 kernel")
+        pytest.skip("no C++ compiler to build the matmul kernel")
     llm = LLM(model=str(tiny_model_dir), quantization="int8", **TINY_OPTIONS, **options)
-    uses_kernel = llm.engine.runner.kernels.int8_matmul is not None
+    uses_kernel = llm.engine.runner.kernels.matmul is not None
     assert uses_kernel == (not options)  # "auto" picks it on one CPU device in "out_in" only
     layer = llm.engine.runner.layer_params[0] if "layer_execution" not in options else None
     if layer is not None:

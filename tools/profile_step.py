@@ -43,6 +43,8 @@ flags.DEFINE_list("batch_sizes", ["1", "32"], "Concurrent requests.")
 flags.DEFINE_integer("output_len", 64, "Tokens per request.")
 flags.DEFINE_integer("context", 80, "Context per request in the breakdown's decode batch.")
 flags.DEFINE_bool("breakdown_only", False, "Only the per-part tables (no host timing runs).")
+flags.DEFINE_enum("quantization", None, ["int8"], "Weight quantization of the engine.")
+flags.DEFINE_enum("matmul_impl", "auto", ["auto", "cpu", "xla"], "Projections of the engine.")
 
 
 def profile(llm: LLM, batch_size: int) -> list[StepTiming]:
@@ -69,7 +71,7 @@ def summary(name: str, values) -> str:
 
 def main(argv):
     del argv
-    llm = LLM()
+    llm = LLM(quantization=FLAGS.quantization, matmul_impl=FLAGS.matmul_impl)
     async_config = llm.engine.config
     sync_config = dataclasses.replace(async_config, async_scheduling=False)
     hosts = {}

@@ -24,7 +24,7 @@ from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
-from jaxinfer.layers.int8_kernel import select_int8_matmul
+from jaxinfer.layers.cpu_matmul import select_matmul
 from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model
@@ -84,8 +84,8 @@ class LLMEngine:
         folder = resolve_model(options.model, Path(options.cache_dir))
         self.config: EngineConfig = build_engine_config(options, folder)
         arch = self.config.model.arch
-        int8_matmul = select_int8_matmul(
-            options.int8_matmul_impl,
+        matmul = select_matmul(
+            options.matmul_impl,
             quantization=self.config.model.quantization,
             platform=jax.default_backend(),
             tensor_parallel_size=self.config.parallel.tensor_parallel_size,
@@ -93,7 +93,7 @@ class LLMEngine:
             dtype=self.config.model.dtype,
             build_dir=Path(options.cache_dir) / "cpu_kernels",
         )
-        model_kernels = dataclasses.replace(model_kernels, int8_matmul=int8_matmul)
+        model_kernels = dataclasses.replace(model_kernels, matmul=matmul)
         self.tokenizer = TokenizerWrapper(folder)
         self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
 

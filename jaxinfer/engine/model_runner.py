@@ -76,9 +76,7 @@ def _prompt_logprobs(
     hidden: jax.Array,
     targets: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[P], i32[P, K], f32[P, K]
-    logits = lm_head(
-        config, params, hidden, partitioner, kernels.weight_layout, kernels.int8_matmul
-    )
+    logits = lm_head(config, params, hidden, partitioner, kernels.weight_layout, kernels.matmul)
     return token_logprobs(logits, targets, MAX_LOGPROBS)
 
 
@@ -136,7 +134,7 @@ class ModelRunner:
                 arch,
                 partitioner=part,
                 weight_layout=layout,
-                int8_matmul=kernels.int8_matmul,
+                matmul=kernels.matmul,
             )
         )
         self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])

@@ -41,9 +41,9 @@ class ModelKernels:
     # How projection weights are laid out and multiplied (jaxinfer.layers.linear). In "out_in"
     # the FFN is the reference computed feature-major (linear.gated_ffn_out_in).
     weight_layout: str = IN_OUT
-    # Computes the int8 "out_in" projections of quantization="int8" instead of XLA (x [T, K],
-    # w [*out, K] int8, scale [*out] -> [T, *out]); None: XLA (jaxinfer.layers.linear).
-    int8_matmul: Callable | None = None
+    # Computes the "out_in" projections and LM head instead of XLA: x [T, K] times w [*out, K]
+    # (float, or int8 with scale [*out]) -> [T, *out]; None: XLA (jaxinfer.layers.cpu_matmul).
+    matmul: Callable | None = None
 
 
 class KernelRegistry:

@@ -109,13 +109,13 @@ def dense(
     w: jax.Array,
     layout: str,
     scale: jax.Array | None = None,
-    int8_matmul: Callable | None = None,
+    matmul: Callable | None = None,
 ) -> jax.Array:
     """x [T, in] times w ([in, *out] or [*out, in]) -> [T, *out]; `scale` [*out] for an int8
-    w (jaxinfer.layers.quantization). `int8_matmul`: a kernel that computes an int8 "out_in"
-    product instead of XLA (cpu_kernels.int8_matmul)."""
-    if layout == OUT_IN and scale is not None and int8_matmul is not None:
-        return int8_matmul(x, w, scale)
+    w (jaxinfer.layers.quantization). `matmul`: a kernel that computes "out_in" products
+    instead of XLA (jaxinfer.layers.cpu_matmul)."""
+    if layout == OUT_IN and matmul is not None:
+        return matmul(x, w, scale)
     if layout == OUT_IN and scale is not None and x.shape[0] == 1:
         return _int8_one_row(x, w, scale)
     w = _as(w, x.dtype)
@@ -134,14 +134,14 @@ def gated_ffn_out_in(
     down: jax.Array,  # [E, I]
     gate_up_scale: jax.Array | None = None,  # [2, I] for int8 weights
     down_scale: jax.Array | None = None,  # [E]
-    int8_matmul: Callable | None = None,
+    matmul: Callable | None = None,
 ) -> jax.Array:  # [T, E]
     """down(silu(x @ W_gate) * (x @ W_up)) on "out_in" weights, feature-major inside: the
-    [I, T] activation is never transposed. With int8 weights and an `int8_matmul` kernel, the
-    two products run through the kernel (token-major)."""
-    if gate_up_scale is not None and int8_matmul is not None:
-        h = int8_matmul(x, gate_up, gate_up_scale)  # [T, 2, I]
-        return int8_matmul(jax.nn.silu(h[:, 0]) * h[:, 1], down, down_scale)
+    [I, T] activation is never transposed. With a `matmul` kernel the two products run
+    through it, token-major."""
+    if matmul is not None:
+        h = matmul(x, gate_up, gate_up_scale)  # [T, 2, I]
+        return matmul(jax.nn.silu(h[:, 0]) * h[:, 1], down, down_scale)
     if gate_up_scale is not None and x.shape[0] == 1:
         h = _int8_row(x[0], gate_up) * gate_up_scale.astype(x.dtype)  # [2, I]
         act = jax.nn.silu(h[0]) * h[1]
@@ -162,16 +162,16 @@ def lm_logits(
     layout: str,
     tied: bool,
     scale: jax.Array | None = None,
-    int8_matmul: Callable | None = None,
+    matmul: Callable | None = None,
 ) -> jax.Array:
     """x [N, E] times the LM head -> [N, V]. w is [V, E] when tied (the embedding) or in
-    "out_in", else [E, V]; `scale` [V] when w is int8 (then `int8_matmul`, if given, computes
-    it). In "out_in" a vocabulary-major head runs as W @ x^T, except for a float head and a
+    "out_in", else [E, V]; `scale` [V] when w is int8. In "out_in" a `matmul` kernel computes
+    it if given; else a vocabulary-major head runs as W @ x^T, except for a float head and a
     single row, where the plain matrix-vector product was as fast or faster here."""
     vocab_major = tied or layout == OUT_IN
+    if layout == OUT_IN and matmul is not None:
+        return matmul(x, w, scale)
     if scale is not None and layout == OUT_IN:
-        if int8_matmul is not None:
-            return int8_matmul(x, w, scale)
         if x.shape[0] == 1:
             return _int8_one_row(x, w, scale)
         return _int8_vocab_major_logits(x, w, scale)

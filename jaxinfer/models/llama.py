@@ -162,7 +162,7 @@ class LlamaForCausalLM(nnx.Module):
             batch,
             partitioner,
             kernels.weight_layout,
-            kernels.int8_matmul,
+            kernels.matmul,
         )
         return kv_cache, logits
 
@@ -231,10 +231,8 @@ def decoder_layer(
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
         layout = kernels.weight_layout
-        int8_matmul = kernels.int8_matmul
-        qkv = dense(
-            x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE), int8_matmul
-        )  # [T, K, G+2, D]
+        matmul = kernels.matmul
+        qkv = dense(x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE), matmul)  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -255,7 +253,7 @@ def decoder_layer(
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
         hidden = dense(
-            attn.reshape(num_tokens, -1), p["o_proj"], layout, p.get("o_proj" + SCALE), int8_matmul
+            attn.reshape(num_tokens, -1), p["o_proj"], layout, p.get("o_proj" + SCALE), matmul
         )
         hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
@@ -268,7 +266,7 @@ def decoder_layer(
             hidden = kernels.ffn(x, gate_up, dequantize(p["down_proj"], down_scale, x.dtype))
         else:
             hidden = gated_ffn_out_in(
-                x, p["gate_up_proj"], p["down_proj"], gate_up_scale, down_scale, int8_matmul
+                x, p["gate_up_proj"], p["down_proj"], gate_up_scale, down_scale, matmul
             )
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
@@ -281,11 +279,11 @@ def compute_logits(
     batch: BatchInputs,
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
-    int8_matmul: Callable | None = None,
+    matmul: Callable | None = None,
 ) -> jax.Array:  # f32[R, V]
     """Final norm and LM head on the rows that sample only (one per request)."""
     rows = hidden[batch.logits_indices]
-    return lm_head(config, params, rows, partitioner, weight_layout, int8_matmul)
+    return lm_head(config, params, rows, partitioner, weight_layout, matmul)
 
 
 def lm_head(
@@ -294,16 +292,16 @@ def lm_head(
     hidden: jax.Array,
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
-    int8_matmul: Callable | None = None,
+    matmul: Callable | None = None,
 ) -> jax.Array:  # f32[N, V], whole on every device (the sampler needs every logit)
-    """Final norm and LM head of some hidden rows [N, E] (`int8_matmul`: the kernel of an
-    int8 head, see ModelKernels)."""
+    """Final norm and LM head of some hidden rows [N, E] (`matmul`: the kernel that computes
+    an "out_in" head, see ModelKernels)."""
     with jax.named_scope("lm_head"):
         x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
         tied = config.tie_word_embeddings
         name = "embed" if tied else "lm_head"
         scale = params.get(name + SCALE)
-        logits = lm_logits(x, params[name], weight_layout, tied, scale, int8_matmul)
+        logits = lm_logits(x, params[name], weight_layout, tied, scale, matmul)
         logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))

@@ -1,0 +1,255 @@
+// y[M, N] = (x[M, K] . w[N, K]^T) (* scale[N]): float32 activations times "out_in" weights
+// that are float32, or int8 with one float32 scale per output row; for XLA:CPU through the
+// XLA FFI (AVX2 + FMA).
+//
+// XLA:CPU runs these products of a decode step (few rows of x against a large weight) well
+// below the machine's rates, and has no fast int8 path at all: converting int8 weights inside
+// a dot ran several times slower than float32 here. This kernel:
+// - up to 3 rows of x: streams each weight row once, 32 values at a time (int8 converted in
+//   registers), into four accumulators per row of x (memory-bound: int8 reads a quarter of
+//   float32's bytes);
+// - more rows: takes a tile of 16 weight rows as float32 (int8 is converted once into a
+//   buffer that stays in cache) and multiplies it into 3 x 4 blocks of (rows of x) x (rows of
+//   w), each a dot product along K.
+// Tiles of output columns are claimed from an atomic counter by the calling thread and by
+// tasks on XLA's intra-op thread pool, so a task that starts late finds nothing left to do
+// and the caller never waits on work nobody has started.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;  // weight rows (output columns) per claimed unit of work
+
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 Load8(const int8_t* p) {  // 8 x int8 -> 8 x float
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline void Load32(const float* p, __m256 out[4]) {
+  for (int q = 0; q < 4; ++q) out[q] = _mm256_loadu_ps(p + 8 * q);
+}
+
+inline void Load32(const int8_t* p, __m256 out[4]) {  // one 32-byte load, four conversions
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+inline float Sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename W>
+struct Problem {
+  const float* x;  // [M, K]
+  const W* w;  // [N, K]
+  const float* scale;  // [N], or nullptr for float32 weights
+  float* y;  // [M, N]
+  int64_t m, n, k;
+
+  void Store(int64_t row, int64_t col, float value) const {
+    y[row * n + col] = scale == nullptr ? value : value * scale[col];
+  }
+};
+
+// Rows [0, MR) of x times weight row `col`.
+template <int MR, typename W>
+void StreamRow(const Problem<W>& p, int64_t col) {
+  __m256 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_ps();
+  const W* w = p.w + col * p.k;
+  const int64_t k32 = p.k & ~int64_t{31};
+  for (int64_t kk = 0; kk < k32; kk += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kk) + 1024, _MM_HINT_T0);
+    __m256 wv[4];
+    Load32(w + kk, wv);
+    for (int i = 0; i < MR; ++i)
+      for (int q = 0; q < 4; ++q)
+        acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + i * p.k + kk + 8 * q), wv[q], acc[i][q]);
+  }
+  for (int i = 0; i < MR; ++i) {
+    float s = Sum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                                _mm256_add_ps(acc[i][2], acc[i][3])));
+    for (int64_t kk = k32; kk < p.k; ++kk) s += p.x[i * p.k + kk] * static_cast<float>(w[kk]);
+    p.Store(i, col, s);
+  }
+}
+
+// Rows [m0, m0 + MR) of x times tile rows [j0, j0 + NR) of `tile` [rows, K] (float32), whose
+// row 0 is weight row `col0`.
+template <int MR, int NR, typename W>
+void TileBlock(const Problem<W>& p, const float* tile, int64_t col0, int64_t m0, int64_t j0) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k8 = p.k & ~int64_t{7};
+  for (int64_t kk = 0; kk < k8; kk += 8) {
+    __m256 w[NR];
+    for (int j = 0; j < NR; ++j) w[j] = _mm256_loadu_ps(tile + (j0 + j) * p.k + kk);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_loadu_ps(p.x + (m0 + i) * p.k + kk);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float s = Sum(acc[i][j]);
+      for (int64_t kk = k8; kk < p.k; ++kk)
+        s += p.x[(m0 + i) * p.k + kk] * tile[(j0 + j) * p.k + kk];
+      p.Store(m0 + i, col0 + j0 + j, s);
+    }
+}
+
+template <int MR, typename W>
+void TileRows(const Problem<W>& p, const float* tile, int64_t col0, int64_t rows, int64_t m0) {
+  int64_t j = 0;
+  for (; j + 4 <= rows; j += 4) TileBlock<MR, 4>(p, tile, col0, m0, j);
+  for (; j < rows; ++j) TileBlock<MR, 1>(p, tile, col0, m0, j);
+}
+
+// The weight rows [col0, col0 + rows) as float32: the weights themselves, or int8 converted
+// into a per-thread buffer.
+inline const float* AsFloat(const float* w, int64_t count) { return w; }
+
+inline const float* AsFloat(const int8_t* w, int64_t count) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(count);
+  float* out = buffer.data();
+  const int64_t c8 = count & ~int64_t{7};
+  for (int64_t i = 0; i < c8; i += 8) _mm256_storeu_ps(out + i, Load8(w + i));
+  for (int64_t i = c8; i < count; ++i) out[i] = static_cast<float>(w[i]);
+  return out;
+}
+
+// Output columns [col0, col1) for every row of x.
+template <typename W>
+void Columns(const Problem<W>& p, int64_t col0, int64_t col1) {
+  if (p.m <= 3) {
+    for (int64_t col = col0; col < col1; ++col) {
+      if (p.m == 1) StreamRow<1>(p, col);
+      if (p.m == 2) StreamRow<2>(p, col);
+      if (p.m == 3) StreamRow<3>(p, col);
+    }
+    return;
+  }
+  const int64_t rows = col1 - col0;
+  const float* tile = AsFloat(p.w + col0 * p.k, rows * p.k);
+  int64_t m = 0;
+  for (; m + 3 <= p.m; m += 3) TileRows<3>(p, tile, col0, rows, m);
+  if (p.m - m == 2) TileRows<2>(p, tile, col0, rows, m);
+  if (p.m - m == 1) TileRows<1>(p, tile, col0, rows, m);
+}
+
+struct Claims {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename W>
+void Work(const Problem<W>& p, Claims& claims, int64_t tiles) {
+  for (int64_t t; (t = claims.next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
+    Columns(p, t * kTile, std::min(p.n, (t + 1) * kTile));
+    claims.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename W>
+ffi::Error Run(ffi::ThreadPool& pool, const Problem<W>& p) {
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  const int64_t tiles = (p.n + kTile - 1) / kTile;
+  auto claims = std::make_shared<Claims>();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, tiles - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    // A helper that starts after the work is done claims nothing and touches no buffer.
+    pool.Schedule([p, claims, tiles] { Work(p, *claims, tiles); });
+  }
+  Work(p, *claims, tiles);
+  for (int spins = 0; claims->done.load(std::memory_order_acquire) < tiles; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Checks the shapes and sets p.m, p.n; x [..., K], w [..., K], y [M, N].
+template <typename W, typename XBuffer, typename WBuffer, typename YBuffer>
+ffi::Error Shape(Problem<W>& p, const XBuffer& x, const WBuffer& w, const YBuffer& y) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x_dims.size() < 1 || w_dims.size() < 1 || x_dims.back() != w_dims.back()) {
+    return ffi::Error::InvalidArgument("matmul: x and w must share their last axis");
+  }
+  p.k = w_dims.back();
+  p.m = p.k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / p.k;
+  p.n = p.k == 0 ? 0 : static_cast<int64_t>(w.element_count()) / p.k;
+  if (static_cast<int64_t>(y.element_count()) != p.m * p.n) {
+    return ffi::Error::InvalidArgument("matmul: output size mismatch");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  Problem<int8_t> p{x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data()};
+  if (ffi::Error error = Shape(p, x, w, *y); error.failure()) return error;
+  if (static_cast<int64_t>(scale.element_count()) != p.n) {
+    return ffi::Error::InvalidArgument("matmul: scale must have one value per output row");
+  }
+  return Run(pool, p);
+}
+
+ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  Problem<float> p{x.typed_data(), w.typed_data(), nullptr, y->typed_data()};
+  if (ffi::Error error = Shape(p, x, w, *y); error.failure()) return error;
+  return Run(pool, p);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [..., K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [..., K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+);
+
+// Whether this CPU runs the kernels (they are compiled for AVX2 and FMA).
+extern "C" int jaxinfer_matmul_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}

@@ -1,7 +1,8 @@
 """Compiles a kernel's C++ source into a shared library once, and loads it.
 
-The library is named by a hash of the source, the compiler command and the jaxlib version, so
-a changed kernel or a new jaxlib builds anew and an unchanged one is loaded from `build_dir`.
+The library is named by a hash of the source, the shared headers, the compiler command and the
+jaxlib version, so a changed kernel or a new jaxlib builds anew and an unchanged one is loaded
+from `build_dir`.
 Concurrent builds write to a temporary file and rename it into place.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
+HEADERS = Path(__file__).parent  # common.h, shared by the kernels
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -36,10 +38,11 @@ def build(source: Path, build_dir: Path) -> Path:
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
-    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}"]
-    key = hashlib.sha256(
-        source.read_bytes() + " ".join(command).encode() + jaxlib.__version__.encode()
-    ).hexdigest()[:16]
+    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADERS}"]
+    digest = hashlib.sha256(" ".join(command).encode() + jaxlib.__version__.encode())
+    for path in [source, *sorted(HEADERS.glob("*.h"))]:
+        digest.update(path.read_bytes())
+    key = digest.hexdigest()[:16]
     target = Path(build_dir) / f"{source.parent.name}-{key}.so"
     if target.exists():
         return target

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.layers.cpu_matmul import check_impl as check_matmul_impl
+from jaxinfer.layers.native_kernels import check_impl as check_matmul_impl
 from jaxinfer.layers.quantization import check_quantization
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
@@ -47,7 +47,8 @@ class EngineOptions:
         attention_impl, ffn_impl, norm_impl: the kernel each kind runs, by its name in the
             engine's KernelRegistry: "reference" (pure JAX), "pallas" (the GPU kernels),
             "pallas_interpret" (the kernels interpreted on CPU, for tests), a name registered
-            by the user, or "auto" (pallas on GPU, reference elsewhere).
+            by the user, or "auto" (pallas on one GPU; on CPU the C++ attention kernel, "cpu",
+            where it runs (jaxinfer.layers.native_kernels); reference elsewhere).
         weight_layout: how projection weights are stored and multiplied
             (jaxinfer.layers.linear): "in_out" (x @ W), "out_in" (W @ x^T, much faster on
             XLA:CPU at decode sizes) or "auto" ("out_in" on CPU with the reference FFN, else
@@ -56,7 +57,7 @@ class EngineOptions:
             per output channel for every projection and the LM head (4x smaller weights than
             float32; activations and the KV cache stay in `dtype`).
         matmul_impl: what computes the "out_in" projections and LM head, float32 or int8
-            (jaxinfer.layers.cpu_matmul): "cpu" (a C++ kernel built once with the host's
+            (jaxinfer.layers.native_kernels): "cpu" (a C++ kernel built once with the host's
             compiler; XLA:CPU with float32 activations, "out_in" and one device only), "xla"
             (XLA's ops) or "auto" ("cpu" for int8 weights where it runs, else "xla").
     """

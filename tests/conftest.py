@@ -133,3 +133,11 @@ def cpu_matmul(cpu_kernel_dir):
     from cpu_kernels.matmul.kernel import load_matmul
 
     return load_matmul(cpu_kernel_dir)
+
+
+@pytest.fixture(scope="session")
+def cpu_attention(cpu_kernel_dir):
+    """The C++ paged attention kernel (cpu_kernels.paged_attention), built once per session."""
+    from cpu_kernels.paged_attention.kernel import load_paged_attention
+
+    return load_paged_attention(cpu_kernel_dir)

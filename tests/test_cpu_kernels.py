@@ -1,5 +1,6 @@
-"""The C++ matmul kernel (cpu_kernels.matmul) against numpy and its pure-JAX reference, its
-build cache, and the choice between it and XLA (jaxinfer.layers.cpu_matmul)."""
+"""The C++ kernels against numpy and their pure-JAX references: matmul (cpu_kernels.matmul)
+and paged attention (cpu_kernels.paged_attention); the build cache; and the choice between
+them and XLA (jaxinfer.layers.native_kernels)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from cpu_kernels.build import build, compiler
 from cpu_kernels.matmul.kernel import SOURCE, matmul
 from cpu_kernels.matmul.reference import matmul_reference
-from jaxinfer.layers.cpu_matmul import select_matmul
+from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
+from jaxinfer.layers.native_kernels import select_matmul
+from tests.test_kernels import F32, assert_close, attention_batch, jit
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the kernel")
 
@@ -120,3 +123,62 @@ def test_cpu_where_it_cannot_run_is_a_clear_error(cpu_kernel_dir, change, messag
 def test_unknown_impl_is_a_clear_error(cpu_kernel_dir):
     with pytest.raises(ValueError, match="matmul_impl must be one of"):
         select_matmul("avx512", build_dir=cpu_kernel_dir, **SELECT)
+
+
+@pytest.fixture(scope="module")
+def attention(cpu_attention):
+    return cpu_attention
+
+
+# Block size x group x head dim: every pair of {8, 16, 32} x {1, 3, 4, 8} x {16, 64, 128}.
+ATTENTION_CASES = [
+    (8, 1, 16),
+    (8, 3, 64),
+    (8, 4, 128),
+    (8, 8, 16),
+    (16, 1, 64),
+    (16, 3, 128),
+    (16, 4, 16),
+    (16, 8, 64),
+    (32, 1, 128),
+    (32, 3, 16),
+    (32, 4, 64),
+    (32, 8, 128),
+]
+
+
+@pytest.mark.parametrize("block_size,group,head_dim", ATTENTION_CASES)
+def test_attention_matches_reference(attention, block_size, group, head_dim):
+    # Decodes, a prefill chunk ending on a block boundary, a ragged chunk of a longer context,
+    # a whole prompt of two blocks, then padding requests and tokens (as tests/test_kernels).
+    q_lens = [1, block_size, 7, 2 * block_size, 1]
+    context_lens = [1, 2 * block_size, 3 * block_size + 5, 2 * block_size, 4 * block_size + 3]
+    args = attention_batch(
+        q_lens, context_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=F32
+    )
+    scale = head_dim**-0.5
+    out = jit(attention, sm_scale=scale)(*args)
+    expected = jit(ragged_paged_attention_reference, sm_scale=scale)(*args)
+    assert out.shape == expected.shape and out.dtype == F32
+    assert_close(out, expected, F32)
+    assert not np.asarray(out[sum(q_lens) :]).any()  # padding tokens: zeros
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_attention_long_contexts_and_sliding_window(attention, sliding_window):
+    args = attention_batch(
+        [1, 1, 3, 9], [150, 17, 96, 200], group=3, head_dim=64, block_size=16, dtype=F32
+    )
+    kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
+    out = jit(attention, **kwargs)(*args)
+    assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)
+
+
+def test_attention_reads_one_layer_of_the_whole_cache(attention):
+    q, kv, *rest = attention_batch([4, 1], [20, 33], group=4, head_dim=64, block_size=16, dtype=F32)
+    stacked = jnp.stack([kv * 0.5, kv, kv * 2.0])  # [L, 2, NB, BS, K, D]
+    out = jax.jit(lambda layer: attention(q, stacked, *rest, sm_scale=0.1, layer=layer))(
+        jnp.int32(2)
+    )
+    expected = ragged_paged_attention_reference(q, kv * 2.0, *rest, sm_scale=0.1)
+    assert_close(out, expected, F32)

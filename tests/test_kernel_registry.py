@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cpu_kernels.build import compiler
+from cpu_kernels.paged_attention.kernel import paged_attention
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.kernel_registry import ModelKernels, default_registry
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
@@ -26,8 +28,11 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llm):
-    # "auto" is the reference on CPU, with "out_in" weights
-    assert tiny_llm.engine.runner.kernels == ModelKernels(weight_layout="out_in")
+    # "auto" on CPU: "out_in" weights, the C++ attention kernel (where it can be built) and
+    # the reference everywhere else
+    attention = paged_attention if compiler() is not None else ragged_paged_attention_reference
+    expected = ModelKernels(weight_layout="out_in", attention=attention)
+    assert tiny_llm.engine.runner.kernels == expected
     return tokens(tiny_llm)
 
 

@@ -6,6 +6,8 @@ shuffled non-contiguous blocks, and inside a mixed batch with other requests at 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +42,7 @@ class Harness:
         tensor_parallel_size: int = 1,
         weight_layout: str = "in_out",
         matmul=None,
+        attention=None,
     ):
         options = EngineOptions(
             model=str(folder),
@@ -56,6 +59,8 @@ class Harness:
         params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)
         graphdef, state = build_llama(arch, params, jnp.float32, partitioner, weight_layout)
         kernels = ModelKernels(weight_layout=weight_layout, matmul=matmul)
+        if attention is not None:
+            kernels = dataclasses.replace(kernels, attention=attention)
         self.runner = ModelRunner(self.config, graphdef, state, kernels, partitioner)
         self.builder = BatchBuilder(self.config)
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -125,7 +130,7 @@ def model_folder(request, tmp_path_factory):
 
 # Both executions and both weight layouts (jaxinfer.layers.linear), in the pairs the engine
 # picks by default: scan with "in_out" (accelerators), per_layer with "out_in" (CPU); and the
-# "out_in" projections through the C++ kernel (jaxinfer.layers.cpu_matmul).
+# "out_in" projections and attention through the C++ kernels (jaxinfer.layers.native_kernels).
 EXECUTIONS = [
     ("scan", "in_out", "xla"),
     ("per_layer", "out_in", "xla"),
@@ -136,8 +141,15 @@ EXECUTIONS = [
 @pytest.fixture(scope="module", params=EXECUTIONS, ids=["-".join(e) for e in EXECUTIONS])
 def harness(request, model_folder):
     layer_execution, weight_layout, matmul_impl = request.param
-    matmul = request.getfixturevalue("cpu_matmul") if matmul_impl == "cpu" else None
-    return Harness(model_folder, layer_execution, weight_layout=weight_layout, matmul=matmul)
+    if matmul_impl == "xla":
+        return Harness(model_folder, layer_execution, weight_layout=weight_layout)
+    return Harness(
+        model_folder,
+        layer_execution,
+        weight_layout=weight_layout,
+        matmul=request.getfixturevalue("cpu_matmul"),
+        attention=request.getfixturevalue("cpu_attention"),
+    )
 
 
 def test_prompt_in_one_step(harness):

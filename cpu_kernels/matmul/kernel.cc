@@ -11,19 +11,14 @@
 // - more rows: takes a tile of 16 weight rows as float32 (int8 is converted once into a
 //   buffer that stays in cache) and multiplies it into 3 x 4 blocks of (rows of x) x (rows of
 //   w), each a dot product along K.
-// Tiles of output columns are claimed from an atomic counter by the calling thread and by
-// tasks on XLA's intra-op thread pool, so a task that starts late finds nothing left to do
-// and the caller never waits on work nobody has started.
+// Tiles of 16 output columns are shared out over XLA's intra-op threads (common.h).
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
-#include <type_traits>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -50,13 +45,6 @@ inline void Load32(const int8_t* p, __m256 out[4]) {  // one 32-byte load, four 
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
   out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-inline float Sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 template <typename W>
@@ -89,7 +77,7 @@ void StreamRow(const Problem<W>& p, int64_t col) {
         acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + i * p.k + kk + 8 * q), wv[q], acc[i][q]);
   }
   for (int i = 0; i < MR; ++i) {
-    float s = Sum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+    float s = jaxinfer::Sum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
                                 _mm256_add_ps(acc[i][2], acc[i][3])));
     for (int64_t kk = k32; kk < p.k; ++kk) s += p.x[i * p.k + kk] * static_cast<float>(w[kk]);
     p.Store(i, col, s);
@@ -114,7 +102,7 @@ void TileBlock(const Problem<W>& p, const float* tile, int64_t col0, int64_t m0,
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
-      float s = Sum(acc[i][j]);
+      float s = jaxinfer::Sum(acc[i][j]);
       for (int64_t kk = k8; kk < p.k; ++kk)
         s += p.x[(m0 + i) * p.k + kk] * tile[(j0 + j) * p.k + kk];
       p.Store(m0 + i, col0 + j0 + j, s);
@@ -161,37 +149,12 @@ void Columns(const Problem<W>& p, int64_t col0, int64_t col1) {
   if (p.m - m == 1) TileRows<1>(p, tile, col0, rows, m);
 }
 
-struct Claims {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-template <typename W>
-void Work(const Problem<W>& p, Claims& claims, int64_t tiles) {
-  for (int64_t t; (t = claims.next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
-    Columns(p, t * kTile, std::min(p.n, (t + 1) * kTile));
-    claims.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 template <typename W>
 ffi::Error Run(ffi::ThreadPool& pool, const Problem<W>& p) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  const int64_t tiles = (p.n + kTile - 1) / kTile;
-  auto claims = std::make_shared<Claims>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, tiles - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    // A helper that starts after the work is done claims nothing and touches no buffer.
-    pool.Schedule([p, claims, tiles] { Work(p, *claims, tiles); });
-  }
-  Work(p, *claims, tiles);
-  for (int spins = 0; claims->done.load(std::memory_order_acquire) < tiles; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  jaxinfer::ParallelFor(pool, (p.n + kTile - 1) / kTile, [&p](int64_t t) {
+    Columns(p, t * kTile, std::min(p.n, (t + 1) * kTile));
+  });
   return ffi::Error::Success();
 }
 

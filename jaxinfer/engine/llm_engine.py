@@ -24,8 +24,8 @@ from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
-from jaxinfer.layers.cpu_matmul import select_matmul
 from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
+from jaxinfer.layers.native_kernels import select_attention, select_matmul
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -93,7 +93,17 @@ class LLMEngine:
             dtype=self.config.model.dtype,
             build_dir=Path(options.cache_dir) / "cpu_kernels",
         )
-        model_kernels = dataclasses.replace(model_kernels, matmul=matmul)
+        attention = select_attention(
+            options.attention_impl,
+            model_kernels.attention,
+            platform=jax.default_backend(),
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+            dtype=self.config.model.dtype,
+            head_dim=arch.head_dim,
+            block_size=self.config.cache.block_size,
+            build_dir=Path(options.cache_dir) / "cpu_kernels",
+        )
+        model_kernels = dataclasses.replace(model_kernels, matmul=matmul, attention=attention)
         self.tokenizer = TokenizerWrapper(folder)
         self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
 

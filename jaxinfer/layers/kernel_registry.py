@@ -7,8 +7,10 @@ Three kinds, each with the signature of its pure-JAX reference:
 - "ffn": fused_ffn_reference(x, gate_up [E, 2, I], down [I, E]) -> [T, E]
 - "norm": add_rms_norm_reference(x, residual, weight, *, eps) -> (normed, x + residual)
 
-Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU) and
-"pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU).
+Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
+"pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
+for attention, "cpu" (the C++ kernel of cpu_kernels.paged_attention, which the engine builds
+and registers before use; jaxinfer.layers.native_kernels, where "auto" also picks it on CPU).
 "auto" picks "pallas" on one GPU and "reference" elsewhere (also under tensor parallelism). Research code registers its own
 function under a new name on a registry it passes to the engine (`LLM(kernels=registry,
 attention_impl="mine")`); the model calls whatever is selected inside the same jitted step.
@@ -20,6 +22,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+from cpu_kernels.paged_attention.kernel import paged_attention
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, check_layout
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
@@ -42,7 +45,7 @@ class ModelKernels:
     # the FFN is the reference computed feature-major (linear.gated_ffn_out_in).
     weight_layout: str = IN_OUT
     # Computes the "out_in" projections and LM head instead of XLA: x [T, K] times w [*out, K]
-    # (float, or int8 with scale [*out]) -> [T, *out]; None: XLA (jaxinfer.layers.cpu_matmul).
+    # (float, or int8 with scale [*out]) -> [T, *out]; None: XLA (jaxinfer.layers.native_kernels).
     matmul: Callable | None = None
 
 
@@ -127,6 +130,7 @@ def default_registry() -> KernelRegistry:
         "ffn": (fused_ffn_reference, fused_ffn),
         "norm": (add_rms_norm_reference, add_rms_norm),
     }
+    registry.register("attention", "cpu", paged_attention)
     for kind, (reference, kernel) in builtins.items():
         registry.register(kind, "reference", reference)
         registry.register(kind, "pallas", kernel)

@@ -113,7 +113,7 @@ def dense(
 ) -> jax.Array:
     """x [T, in] times w ([in, *out] or [*out, in]) -> [T, *out]; `scale` [*out] for an int8
     w (jaxinfer.layers.quantization). `matmul`: a kernel that computes "out_in" products
-    instead of XLA (jaxinfer.layers.cpu_matmul)."""
+    instead of XLA (jaxinfer.layers.native_kernels)."""
     if layout == OUT_IN and matmul is not None:
         return matmul(x, w, scale)
     if layout == OUT_IN and scale is not None and x.shape[0] == 1:

@@ -1,0 +1,231 @@
+// Ragged paged attention for XLA:CPU through the XLA FFI (AVX2 + FMA), float32: the same
+// contract as pallas_kernels/ragged_paged_attention/reference.py.
+//
+// One flattened batch mixes prefill chunks and decodes: request r owns query tokens
+// query_start_loc[r] : query_start_loc[r + 1], the last tokens of its context of seq_lens[r]
+// positions, whose K/V are already in the cache blocks block_tables[r]. Attention is causal
+// (and limited to a sliding window when one is given).
+//
+// Work is split into items of (request, kv head, up to kQueryBlock query tokens); an item's
+// rows are its tokens times the G query heads that share the kv head, so each K and V vector
+// read from the cache serves all of them. Each item walks its context one cache block at a
+// time with an online softmax: scores of every row against the block's positions, one
+// rescale of the running sums, then the block's V weighted into each row's accumulator.
+// Tokens that belong to no real request get zeros.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQueryBlock = 4;  // query tokens of one request per work item
+constexpr int kMaxRows = 64;  // rows (tokens x heads of a group) per item
+constexpr int kMaxBlockSize = 128;
+constexpr int kMaxHeadDim = 256;
+
+struct Shapes {
+  int64_t tokens, heads, head_dim, kv_heads, group, layers, num_blocks, block_size, max_blocks,
+      requests;
+};
+
+struct Item {
+  int32_t request, kv_head, first_token, num_tokens;
+};
+
+struct Inputs {
+  const float* q;  // [T, H, D]
+  const float* kv;  // [L, 2, NB, BS, K, D]
+  const int32_t* block_tables;  // [R, MB]
+  const int32_t* seq_lens;  // [R]
+  const int32_t* query_start_loc;  // [R + 1]
+  int64_t layer;
+  float sm_scale;
+  int64_t sliding_window;  // 0: none
+  float* out;  // [T, H, D]
+  Shapes s;
+};
+
+inline float Dot(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  return jaxinfer::Sum(_mm256_add_ps(acc0, acc1));
+}
+
+// acc[0:d] = acc * c + sum_j p[j] * v_j, v_j = v + j * stride.
+inline void Accumulate(float* acc, float c, const float* p, const float* v, int64_t stride,
+                       int count, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), _mm256_set1_ps(c));
+    for (int j = 0; j < count; ++j) {
+      if (p[j] != 0.0f) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + i), a);
+    }
+    _mm256_storeu_ps(acc + i, a);
+  }
+}
+
+void RunItem(const Inputs& in, const Item& item) {
+  const Shapes& s = in.s;
+  const int64_t d = s.head_dim, bs = s.block_size, g = s.group;
+  const int rows = item.num_tokens * g;
+  const int32_t query_end = in.query_start_loc[item.request + 1];
+  const int32_t seq_len = in.seq_lens[item.request];
+  int64_t first[kMaxRows], last[kMaxRows];  // visible positions [first, last] of each row
+  float running_max[kMaxRows], denom[kMaxRows];
+  thread_local std::vector<float> scratch;  // q [rows, D] (scaled), acc [rows, D]
+  scratch.resize(2 * rows * d);
+  float* q = scratch.data();
+  float* acc = q + rows * d;
+  int64_t lo = INT64_MAX, hi = -1;
+  for (int t = 0; t < item.num_tokens; ++t) {
+    const int64_t token = item.first_token + t;
+    const int64_t position = seq_len - (query_end - token);
+    const int64_t start =
+        in.sliding_window > 0 ? std::max<int64_t>(0, position - in.sliding_window + 1) : 0;
+    for (int h = 0; h < g; ++h) {
+      const int r = t * g + h;
+      first[r] = start;
+      last[r] = position;
+      const float* src = in.q + (token * s.heads + item.kv_head * g + h) * d;
+      for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * in.sm_scale;
+      running_max[r] = -INFINITY;
+      denom[r] = 0.0f;
+      std::memset(acc + r * d, 0, d * sizeof(float));
+    }
+    lo = std::min(lo, start);
+    hi = std::max(hi, position);
+  }
+  const int32_t* table = in.block_tables + int64_t{item.request} * s.max_blocks;
+  const int64_t position_stride = s.kv_heads * d;  // floats between positions in a block
+  const int64_t block_floats = bs * position_stride;
+  const float* k_layer = in.kv + (in.layer * 2) * s.num_blocks * block_floats + item.kv_head * d;
+  const float* v_layer = k_layer + s.num_blocks * block_floats;
+  alignas(32) float scores[kMaxBlockSize];
+  for (int64_t b = lo / bs; b <= hi / bs; ++b) {
+    const int64_t base = b * bs;
+    const int count = static_cast<int>(std::min<int64_t>(bs, hi + 1 - base));
+    const float* k = k_layer + table[b] * block_floats;
+    const float* v = v_layer + table[b] * block_floats;
+    for (int r = 0; r < rows; ++r) {
+      if (last[r] < base || first[r] >= base + count) continue;  // nothing visible here
+      float block_max = -INFINITY;
+      for (int j = 0; j < count; ++j) {
+        const int64_t position = base + j;
+        if (position < first[r] || position > last[r]) {
+          scores[j] = -INFINITY;
+        } else {
+          scores[j] = Dot(q + r * d, k + j * position_stride, d);
+          block_max = std::max(block_max, scores[j]);
+        }
+      }
+      const float new_max = std::max(running_max[r], block_max);
+      const float correction =
+          running_max[r] == -INFINITY ? 0.0f : std::exp(running_max[r] - new_max);
+      float block_sum = 0.0f;
+      int j = 0;
+      for (; j + 8 <= count; j += 8) {
+        const __m256 p = jaxinfer::Exp(
+            _mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(new_max)));
+        _mm256_storeu_ps(scores + j, p);
+        block_sum += jaxinfer::Sum(p);
+      }
+      for (; j < count; ++j) {
+        scores[j] = scores[j] == -INFINITY ? 0.0f : std::exp(scores[j] - new_max);
+        block_sum += scores[j];
+      }
+      denom[r] = denom[r] * correction + block_sum;
+      running_max[r] = new_max;
+      Accumulate(acc + r * d, correction, scores, v, position_stride, count, d);
+    }
+  }
+  for (int t = 0; t < item.num_tokens; ++t) {
+    for (int h = 0; h < g; ++h) {
+      const int r = t * g + h;
+      const float inverse = denom[r] > 0.0f ? 1.0f / denom[r] : 0.0f;
+      float* dst = in.out + ((item.first_token + t) * s.heads + item.kv_head * g + h) * d;
+      for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * inverse;
+    }
+  }
+}
+
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                          ffi::Buffer<ffi::F32> kv, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                          ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+                          float sm_scale, int64_t sliding_window,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 6 || bd.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "paged_attention: q [T, H, D], kv_cache [L, 2, NB, BS, K, D], block_tables [R, MB]");
+  }
+  Shapes s{qd[0], qd[1], qd[2], kd[4], 0, kd[0], kd[2], kd[3], bd[1], bd[0]};
+  if (kd[1] != 2 || kd[5] != s.head_dim || s.kv_heads == 0 || s.heads % s.kv_heads != 0) {
+    return ffi::Error::InvalidArgument("paged_attention: q and kv_cache do not match");
+  }
+  s.group = s.heads / s.kv_heads;
+  if (s.head_dim % 8 != 0 || s.head_dim > kMaxHeadDim || s.block_size > kMaxBlockSize ||
+      s.group > kMaxRows) {
+    return ffi::Error::InvalidArgument(
+        "paged_attention: needs head_dim a multiple of 8 up to 256, block_size up to 128 and "
+        "at most 64 query heads per kv head");
+  }
+  const int64_t layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= s.layers) {
+    return ffi::Error::InvalidArgument("paged_attention: layer out of range");
+  }
+  Inputs in{q.typed_data(),        kv.typed_data(),  block_tables.typed_data(),
+            seq_lens.typed_data(), query_start_loc.typed_data(), layer_index,
+            sm_scale,              sliding_window,   out->typed_data(), s};
+  const int64_t real = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.requests);
+  const int32_t* starts = in.query_start_loc;
+  const int tokens_per_item = std::max<int>(1, std::min<int64_t>(kQueryBlock, kMaxRows / s.group));
+  std::vector<Item> items;
+  for (int32_t r = 0; r < real; ++r) {
+    for (int32_t t = starts[r]; t < starts[r + 1]; t += tokens_per_item) {
+      const int32_t n = std::min<int32_t>(tokens_per_item, starts[r + 1] - t);
+      for (int32_t h = 0; h < s.kv_heads; ++h) items.push_back({r, h, t, n});
+    }
+  }
+  const int64_t covered = real > 0 ? std::clamp<int64_t>(starts[real], 0, s.tokens) : 0;
+  std::memset(in.out + covered * s.heads * s.head_dim, 0,
+              (s.tokens - covered) * s.heads * s.head_dim * sizeof(float));
+  jaxinfer::ParallelFor(pool, static_cast<int64_t>(items.size()),
+                        [&in, &items](int64_t i) { RunItem(in, items[i]); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_cache [L, 2, NB, BS, K, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [R, MB]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [R + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
+);
+
+extern "C" int jaxinfer_paged_attention_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from cpu_kernels.build import compiler
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,8 +44,12 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
     }
     for case in cases:
         impls = {row["impl"]: row for row in rows if row["case"] == case}
-        assert set(impls) == {"reference", "pallas_interpret"}
+        # attention also has the C++ kernel (built by the tool) where a compiler exists
+        cpu = {"cpu"} if "attn" in case and compiler() is not None else set()
+        assert set(impls) == {"reference", "pallas_interpret", *cpu}
         assert impls["pallas_interpret"]["max_abs_error"] < 1e-4, case
+        if cpu:
+            assert impls["cpu"]["max_abs_error"] < 1e-4, case
         assert all(row["ms"] > 0 for row in impls.values())
 
 
@@ -58,3 +66,11 @@ def test_decode_roofline_reports_each_batch(tmp_path):
     rows = json.loads(output.read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 4]
     assert all(row["step_ms"] > 0 and row["roofline_ms"] > 0 for row in rows)
+
+
+def test_cpu_matmul_bench_reports_every_weight():
+    if compiler() is None:
+        pytest.skip("no C++ compiler to build the matmul kernel")
+    out = run("tools/bench_cpu_matmul.py", "--rows=2", "--repeats=1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and " ms |" in line]
+    assert [row.split(" | ")[0][2:] for row in rows] == ["gate_up", "down", "qkv", "lm_head"]

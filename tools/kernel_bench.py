@@ -9,7 +9,7 @@ Cases per model shape (random inputs): decode attention (--batch requests of one
 reported as bandwidth (K/V bytes read per second) against a measured device-to-device copy;
 prefill attention and the FFN as FLOP/s against a measured matmul of the same dtype. On CPU
 the Pallas kernels run through the interpreter (slow; the numbers check correctness only), so
-the default sizes there are small.
+the default sizes there are small; the C++ attention kernel ("cpu") runs compiled.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from absl import app, flags
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_rates import matmul_rate, memory_bandwidth, timed
 
+from cpu_kernels.build import KernelBuildError
+from cpu_kernels.paged_attention.kernel import load_paged_attention
+from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import default_registry
 from jaxinfer.models.shapes import shape
 
@@ -44,11 +47,12 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def runnable(names: list[str]) -> list[str]:
+def runnable(names: list[str], cpu_kernel: bool) -> list[str]:
+    """`cpu_kernel`: the C++ attention kernel is built and registered here."""
     if FLAGS.impls:
         return [n for n in names if n in FLAGS.impls]
-    skip = "pallas_interpret" if on_gpu() else "pallas"
-    return [n for n in names if n != skip]
+    skip = ("pallas_interpret",) if on_gpu() else ("pallas",)
+    return [n for n in names if n not in skip and (n != "cpu" or cpu_kernel)]
 
 
 def attention_inputs(cfg, q_lens, context_lens, dtype, seed=0):
@@ -101,6 +105,13 @@ def main(argv):
     context = FLAGS.context or (1024 if gpu else 128)
     prefill = FLAGS.prefill_len or (4096 if gpu else 64)
     registry = default_registry()
+    cpu_kernel = not gpu  # the C++ attention kernel ("cpu") is built and registered before use
+    if cpu_kernel:
+        try:
+            load_paged_attention(Path(EngineOptions().cache_dir) / "cpu_kernels")
+        except KernelBuildError as error:
+            print(f"the C++ attention kernel is left out: {error}")
+            cpu_kernel = False
     bandwidth = memory_bandwidth()
     flops = matmul_rate(8192 if gpu else 1024, dtype)
     print(
@@ -136,7 +147,7 @@ def main(argv):
         heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         itemsize = jnp.dtype(dtype).itemsize
         scale = head_dim**-0.5
-        impls = runnable(registry.names("attention"))
+        impls = runnable(registry.names("attention"), cpu_kernel)
 
         args = attention_inputs(cfg, [1] * batch, [context] * batch, dtype)
         results = run_case(
@@ -159,7 +170,11 @@ def main(argv):
         for tokens in (batch, prefill):
             x = jax.random.normal(keys[2], (tokens, hidden), dtype)
             results = run_case(
-                "ffn", runnable(registry.names("ffn")), registry, lambda f: f, (x, gate_up, down)
+                "ffn",
+                runnable(registry.names("ffn"), cpu_kernel),
+                registry,
+                lambda f: f,
+                (x, gate_up, down),
             )
             report(shape_name, f"ffn t{tokens}", results, 6 * tokens * hidden * inter, "TFLOP/s")
 
@@ -167,7 +182,7 @@ def main(argv):
         weight = jnp.ones((hidden,), dtype)
         results = run_case(
             "norm",
-            runnable(registry.names("norm")),
+            runnable(registry.names("norm"), cpu_kernel),
             registry,
             lambda f: lambda a, r, w: f(a, r, w, eps=1e-5),
             (x, x * 0.5, weight),

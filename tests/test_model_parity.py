@@ -124,8 +124,13 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def model_folder(request, tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+def variant(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model_folder(variant, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(variant), **VARIANTS[variant])
 
 
 # Both executions and both weight layouts (jaxinfer.layers.linear), in the pairs the engine
@@ -140,11 +145,11 @@ EXECUTIONS = [
 
 
 @pytest.fixture(scope="module", params=EXECUTIONS, ids=["-".join(e) for e in EXECUTIONS])
-def harness(request, model_folder):
+def harness(request, variant, model_folder):
     layer_execution, weight_layout, matmul_impl = request.param
     if matmul_impl == "xla":
         return Harness(model_folder, layer_execution, weight_layout=weight_layout)
-    if request.node.callspec.params["model_folder"] not in CPU_KERNEL_VARIANTS:
+    if variant not in CPU_KERNEL_VARIANTS:
         pytest.skip("the C++ kernels are checked on the one-KV-head and the MHA variants")
     return Harness(
         model_folder,

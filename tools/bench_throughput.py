@@ -240,21 +240,24 @@ def single_stream(llm: LLM, prompts: list[list[int]]) -> None:
     print(f"single stream: {len(prompts)} requests one at a time, {output_len} tokens each")
     jaxinfer_stream(llm, prompts[0], 4)  # first-call effects out of the way
     ours = latency_summary("jaxinfer", [jaxinfer_stream(llm, p, output_len) for p in prompts])
+    engines = {"jaxinfer": ours}
     if FLAGS.compare:
         other = make_llm(**compared_options())
         jaxinfer_stream(other, prompts[0], 4)
         name = f"jaxinfer {','.join(FLAGS.compare)}"
         theirs = latency_summary(name, [jaxinfer_stream(other, p, output_len) for p in prompts])
         print(f"{name} / jaxinfer: TTFT {theirs[0] / ours[0]:.2f}x, ITL {theirs[1] / ours[1]:.2f}x")
+        engines[name] = theirs
         del other
     for name in FLAGS.baseline:
         peer = make_peer(name, llm, context)
         peer.stream(prompts[0], 4)
         theirs = latency_summary(name, [peer.stream(p, output_len) for p in prompts])
-        print(
-            f"jaxinfer / {name}: TTFT {ours[0] / theirs[0]:.2f}x, ITL {ours[1] / theirs[1]:.2f}x "
-            "(below 1 is faster)"
-        )
+        for engine, (ttft, itl) in engines.items():
+            print(
+                f"{engine} / {name}: TTFT {ttft / theirs[0]:.2f}x, ITL {itl / theirs[1]:.2f}x "
+                "(below 1 is faster)"
+            )
         del peer
 
 
@@ -309,6 +312,7 @@ def main(argv):
             f"jaxinfer through run_batch: {batch:.2f} s, {total / batch:.1f} output tokens/s; "
             f"ratio run_batch / LLM.generate: {ours / batch:.2f}x"
         )
+    engines = {"jaxinfer": ours}
     if FLAGS.compare:
         other = make_llm(**compared_options())
         theirs = run_jaxinfer(other, prompts, output_lens)
@@ -316,6 +320,7 @@ def main(argv):
             f"jaxinfer {','.join(FLAGS.compare)}: {theirs:.2f} s, {total / theirs:.1f} output "
             f"tokens/s; ratio to the first run: {ours / theirs:.2f}x (above 1: faster)"
         )
+        engines[f"jaxinfer {','.join(FLAGS.compare)}"] = theirs
         again = run_jaxinfer(llm, prompts, output_lens)
         print(f"jaxinfer first configuration again: {again:.2f} s")
         del other
@@ -334,7 +339,8 @@ def main(argv):
         theirs = peer_throughput(peer, prompts, output_lens)
         how = f"static batches of {FLAGS.hf_batch_size}" if name == "hf" else "one at a time"
         print(f"{name} ({how}): {theirs:.2f} s, {total / theirs:.1f} output tokens/s")
-        print(f"ratio jaxinfer / {name}: {theirs / ours:.2f}x")
+        for engine, seconds in engines.items():
+            print(f"ratio {engine} / {name}: {theirs / seconds:.2f}x")
         del peer
 
 

@@ -9,9 +9,9 @@ matmul_impl, for the "out_in" projections and LM head (cpu_kernels.matmul):
 - "cpu": the kernel, on float32 or int8 weights: token-major in and out (no transposes), int8
   read as int8. Also needs the "out_in" layout.
 - "auto": "cpu" for int8 weights wherever it can run, else "xla". For float32 weights the
-  kernel measured no faster than XLA (the default model's layers per decode step: 20.8
-  against 22.0 ms at 1 row, 82 against 67 ms at 32 rows), while for int8 it is what makes
-  them pay: 10.3 ms at 1 row and 53.5 ms at 32 (docs/benchmarks.md).
+  kernel's gain was within the machine's drift (the whole workload 3-6% faster in two runs,
+  the 32-row layers once slower: 82 against 67 ms), while for int8 it is what makes them pay:
+  10.3 against 22.0 ms for the float32 layers at 1 row (docs/benchmarks.md).
 
 attention_impl "cpu" (cpu_kernels.paged_attention): ragged paged attention walking each
 request's blocks with an online softmax, 3-5x faster than the reference on every shape

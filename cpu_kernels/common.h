@@ -1,4 +1,4 @@
-// Helpers shared by the C++ kernels: horizontal sums, a vectorized exp, and a parallel loop
+// Helpers shared by the C++ kernels: a horizontal sum, a vectorized exp, and a parallel loop
 // over XLA's intra-op thread pool.
 #ifndef JAXINFER_CPU_KERNELS_COMMON_H_
 #define JAXINFER_CPU_KERNELS_COMMON_H_
@@ -19,13 +19,6 @@ inline float Sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float Max(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 

@@ -14,7 +14,7 @@ from cpu_kernels.matmul.kernel import SOURCE, matmul
 from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
 from jaxinfer.layers.native_kernels import select_matmul
-from tests.test_kernels import F32, assert_close, attention_batch, jit
+from tests.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the kernel")
 
@@ -162,10 +162,7 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize("block_size,group,head_dim", ATTENTION_CASES)
 def test_attention_matches_reference(attention, block_size, group, head_dim):
-    # Decodes, a prefill chunk ending on a block boundary, a ragged chunk of a longer context,
-    # a whole prompt of two blocks, then padding requests and tokens (as tests/test_kernels).
-    q_lens = [1, block_size, 7, 2 * block_size, 1]
-    context_lens = [1, 2 * block_size, 3 * block_size + 5, 2 * block_size, 4 * block_size + 3]
+    q_lens, context_lens = mixed_lengths(block_size)
     args = attention_batch(
         q_lens, context_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=F32
     )

@@ -58,6 +58,15 @@ def attention_batch(
     )
 
 
+def mixed_lengths(block_size: int) -> tuple[list[int], list[int]]:
+    """(q_lens, context_lens) of a mixed batch: decodes (1 token), a prefill chunk ending on a
+    block boundary, a ragged chunk of a longer context and a whole prompt of exactly two
+    blocks (attention_batch adds padding requests and tokens)."""
+    q_lens = [1, block_size, 7, 2 * block_size, 1]
+    context_lens = [1, 2 * block_size, 3 * block_size + 5, 2 * block_size, 4 * block_size + 3]
+    return q_lens, context_lens
+
+
 def jit(fn, **static):
     """fn jitted with its keyword arguments bound (one compile instead of op-by-op dispatch)."""
     return jax.jit(functools.partial(fn, **static))
@@ -97,10 +106,7 @@ def test_attention_cases_cover_every_pair_of_values():
 
 @pytest.mark.parametrize("block_size,group,head_dim,dtype", PAIRWISE_CASES)
 def test_attention_matches_reference(block_size, group, head_dim, dtype):
-    # Decodes (1 token), a prefill chunk ending on a block boundary, a ragged chunk of a
-    # longer context, a whole prompt of exactly two blocks, then padding requests and tokens.
-    q_lens = [1, block_size, 7, 2 * block_size, 1]
-    context_lens = [1, 2 * block_size, 3 * block_size + 5, 2 * block_size, 4 * block_size + 3]
+    q_lens, context_lens = mixed_lengths(block_size)
     args = attention_batch(
         q_lens, context_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype
     )

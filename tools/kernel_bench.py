@@ -24,6 +24,7 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_inputs import attention_inputs
 from device_rates import matmul_rate, memory_bandwidth, timed
 
 from cpu_kernels.build import KernelBuildError
@@ -53,32 +54,6 @@ def runnable(names: list[str], cpu_kernel: bool) -> list[str]:
         return [n for n in names if n in FLAGS.impls]
     skip = ("pallas_interpret",) if on_gpu() else ("pallas",)
     return [n for n in names if n not in skip and (n != "cpu" or cpu_kernel)]
-
-
-def attention_inputs(cfg, q_lens, context_lens, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    block_size = FLAGS.block_size
-    blocks_per = [-(-c // block_size) for c in context_lens]
-    num_blocks = 1 + sum(blocks_per)
-    tables = np.zeros((len(q_lens), max(blocks_per)), np.int32)
-    free = rng.permutation(np.arange(1, num_blocks))
-    used = 0
-    for r, count in enumerate(blocks_per):
-        tables[r, :count] = free[used : used + count]
-        used += count
-    key_q, key_kv = jax.random.split(jax.random.key(seed))
-    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q = jax.random.normal(key_q, (sum(q_lens), heads, head_dim), dtype)
-    kv = jax.random.normal(key_kv, (2, num_blocks, block_size, kv_heads, head_dim), dtype)
-    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return (
-        q,
-        kv,
-        jnp.asarray(tables),
-        jnp.asarray(context_lens, jnp.int32),
-        jnp.asarray(starts),
-        jnp.asarray([len(q_lens)], jnp.int32),
-    )
 
 
 def run_case(kind, impls, registry, make_call, args, reference_name="reference"):
@@ -149,14 +124,14 @@ def main(argv):
         scale = head_dim**-0.5
         impls = runnable(registry.names("attention"), cpu_kernel)
 
-        args = attention_inputs(cfg, [1] * batch, [context] * batch, dtype)
+        args = attention_inputs(cfg, [1] * batch, [context] * batch, dtype, FLAGS.block_size)
         results = run_case(
             "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
         )
         kv_bytes = 2 * batch * context * kv_heads * head_dim * itemsize
         report(shape_name, f"decode attn b{batch} c{context}", results, kv_bytes, "GB/s")
 
-        args = attention_inputs(cfg, [prefill], [prefill], dtype)
+        args = attention_inputs(cfg, [prefill], [prefill], dtype, FLAGS.block_size)
         results = run_case(
             "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
         )

@@ -59,7 +59,8 @@ class EngineOptions:
         matmul_impl: what computes the "out_in" projections and LM head, float32 or int8
             (jaxinfer.layers.native_kernels): "cpu" (a C++ kernel built once with the host's
             compiler; XLA:CPU with float32 activations, "out_in" and one device only), "xla"
-            (XLA's ops) or "auto" ("cpu" for int8 weights where it runs, else "xla").
+            (XLA's ops) or "auto" ("cpu" where it runs, else "xla"). The kernel leaves float32
+            products of more than 48 rows (prefill chunks) to XLA's GEMM.
     """
 
     model: str | None = None

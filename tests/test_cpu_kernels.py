@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from cpu_kernels.build import build, compiler
-from cpu_kernels.matmul.kernel import SOURCE, matmul
+from cpu_kernels.matmul.kernel import SOURCE, load_matmul, matmul
 from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
-from jaxinfer.layers.native_kernels import select_matmul
+from jaxinfer.layers.native_kernels import KernelMatmul, select_matmul
+from jaxinfer.layers.quantization import quantize_int8
 from tests.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the kernel")
@@ -42,11 +43,12 @@ def expected(x, w, scale):  # float64 numpy: (x @ w^T) (* scale)
     return y.reshape(x.shape[0], *out)
 
 
-# Rows cover the one-to-three-row path and the float-tile path with every remainder of its
-# 3-row blocks; K covers whole 32-value steps, an 8-value tail and a scalar tail; N covers
-# partial 16-row tiles and partial 4-row blocks.
+# Rows cover the one-to-three-row path (K: whole 32-value steps, an 8-value tail and a
+# scalar tail) and the outer-product path: one partial 8-row block (4-7), a partial 16-row
+# block (12), two 16-row blocks (32) and a partial 8-row block after them (37). N covers a
+# whole 48-column tile, partial tiles and every remainder of the 6-column blocks.
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "float32"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 32, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 32, 37])
 @pytest.mark.parametrize(("out", "k"), [((48,), 576), ((2, 21), 72), ((5, 3, 7), 100), ((1,), 9)])
 def test_kernel_matches_numpy(kernel, int8, rows, out, k):
     x, w, scale = operands(rows, out, k, int8, seed=rows * k)
@@ -95,7 +97,6 @@ def test_build_is_cached_by_source(tmp_path):
 
 
 SELECT = dict(
-    quantization="int8",
     platform="cpu",
     tensor_parallel_size=1,
     weight_layout="out_in",
@@ -103,20 +104,37 @@ SELECT = dict(
 )
 
 
-def test_auto_picks_the_kernel_for_int8_where_it_runs(cpu_kernel_dir):
-    assert select_matmul("auto", build_dir=cpu_kernel_dir, **SELECT) is matmul
-    assert (
-        select_matmul("cpu", build_dir=cpu_kernel_dir, **{**SELECT, "quantization": None}) is matmul
-    )
+def test_auto_picks_the_kernel_where_it_runs(cpu_kernel_dir):
+    for impl in ("auto", "cpu"):
+        chosen = select_matmul(impl, build_dir=cpu_kernel_dir, **SELECT)
+        assert isinstance(chosen, KernelMatmul) and chosen.kernel is matmul
     assert select_matmul("xla", build_dir=cpu_kernel_dir, **SELECT) is None
     for change in (
-        {"quantization": None},  # float32 weights: XLA measured as fast
         {"platform": "gpu"},
         {"tensor_parallel_size": 2},
         {"weight_layout": "in_out"},
         {"dtype": jnp.bfloat16},
     ):
         assert select_matmul("auto", build_dir=cpu_kernel_dir, **{**SELECT, **change}) is None
+
+
+def test_long_float32_products_stay_on_xla(cpu_kernel_dir):
+    """Float32 products of more than max_float_rows rows take XLA's ops (no custom call in the
+    program), int8 ones the kernel at any length; both agree with the reference."""
+    chosen = KernelMatmul(load_matmul(cpu_kernel_dir), max_float_rows=4)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    q, scale = quantize_int8(w, axis=-1)
+    for rows, weights, uses_kernel in (
+        (4, (w,), True),
+        (5, (w,), False),
+        (5, (q, scale), True),
+    ):
+        x = rng.standard_normal((rows, 40)).astype(np.float32)
+        hlo = jax.jit(chosen).lower(x, *weights).as_text()
+        assert ("custom_call" in hlo) == uses_kernel, (rows, len(weights))
+        expected = matmul_reference(jnp.asarray(x), *map(jnp.asarray, weights))
+        np.testing.assert_allclose(chosen(x, *weights), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,16 @@
 //   weights these rows of x are rounded to int16 (one scale per row: a relative error of at
 //   most 1.5e-5 of the row's largest value, far below the int8 weights' own) and multiplied
 //   in integers;
-// - more rows: takes a tile of 16 weight rows as float32 (int8 is converted once into a
-//   buffer that stays in cache) and multiplies it into 3 x 4 blocks of (rows of x) x (rows of
-//   w), each a dot product along K.
-// Tiles of 16 output columns are shared out over XLA's intra-op threads (common.h).
+// - more rows: x is transposed once to x^T [K, M'] (M' = M rounded up to 8, zero rows), and
+//   each block of up to 6 weight rows times 16 (or 8) rows of x is an outer product per k:
+//   6 broadcasts of w[n, k] against 2 vectors of x^T[k, m], 12 FMAs into 12 accumulators
+//   held in registers. The weight rows are read in place (int8 rows are first converted to a
+//   float buffer that stays in L1), so neither layout needs packing.
+// Tiles of output columns are shared out over XLA's intra-op threads (common.h).
+//
+// GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled
+// (otherwise it stores every accumulator each iteration: a third of the FMA rate, measured);
+// hence the unroll pragmas.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,7 +35,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTile = 16;  // weight rows (output columns) per claimed unit of work
+constexpr int64_t kTile = 16;  // weight rows (output columns) per claim, up to 3 rows of x
+constexpr int64_t kOuterTile = 48;  // the same for more rows: 8 outer-product blocks
 // Claims of a large weight streamed by up to 3 rows (an LM head): longer sequential runs per
 // claim read faster here (the default model's int8 head, one row: 1.2-1.8 against 2.3 ms);
 // smaller weights keep 16-row claims, which split them more evenly over the threads.
@@ -60,14 +67,18 @@ struct Problem {
 template <int MR>
 void StreamRow(const Problem<float>& p, int64_t col) {
   __m256 acc[MR][4];
+#pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_ps();
   const float* w = p.w + col * p.k;
   const int64_t k32 = p.k & ~int64_t{31};
   for (int64_t kk = 0; kk < k32; kk += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(w + kk) + 1024, _MM_HINT_T0);
+#pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
       const __m256 wv = _mm256_loadu_ps(w + kk + 8 * q);
+#pragma GCC unroll 4
       for (int i = 0; i < MR; ++i)
         acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + i * p.k + kk + 8 * q), wv, acc[i][q]);
     }
@@ -94,12 +105,14 @@ void StreamRowInt16(const Problem<int8_t>& p, int64_t col) {
   for (int64_t start = 0; start < k32; start += kFlush) {
     const int64_t stop = std::min(k32, start + kFlush);
     __m256i acc[MR];
+#pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
     for (int64_t kk = start; kk < stop; kk += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(w + kk) + 1024, _MM_HINT_T0);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk));
       const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
       const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+#pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) {
         const int16_t* x = p.xq + i * p.k + kk;
         const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -130,55 +143,129 @@ void RoundRows(const float* x, int64_t m, int64_t k, int16_t* xq, float* scale) 
   }
 }
 
-// Rows [m0, m0 + MR) of x times tile rows [j0, j0 + NR) of `tile` [rows, K] (float32), whose
-// row 0 is weight row `col0`.
-template <int MR, int NR, typename W>
-void TileBlock(const Problem<W>& p, const float* tile, int64_t col0, int64_t m0, int64_t j0) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  const int64_t k8 = p.k & ~int64_t{7};
-  for (int64_t kk = 0; kk < k8; kk += 8) {
-    __m256 w[NR];
-    for (int j = 0; j < NR; ++j) w[j] = _mm256_loadu_ps(tile + (j0 + j) * p.k + kk);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 x = _mm256_loadu_ps(p.x + (m0 + i) * p.k + kk);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(x, w[j], acc[i][j]);
+// x [M, K] -> xt [K, mp] (mp >= M, a multiple of 8; rows M.. are zero), by 8 x 8 blocks.
+void Transpose(const float* x, int64_t m, int64_t k, float* xt, int64_t mp) {
+  const int64_t m8 = m & ~int64_t{7}, k8 = k & ~int64_t{7};
+  for (int64_t i = 0; i < m8; i += 8) {
+    for (int64_t j = 0; j < k8; j += 8) {
+      __m256 r[8];
+#pragma GCC unroll 8
+      for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(x + (i + a) * k + j);
+      __m256 t[8];
+#pragma GCC unroll 4
+      for (int a = 0; a < 8; a += 2) {
+        t[a] = _mm256_unpacklo_ps(r[a], r[a + 1]);
+        t[a + 1] = _mm256_unpackhi_ps(r[a], r[a + 1]);
+      }
+      __m256 u[8];
+#pragma GCC unroll 2
+      for (int a = 0; a < 8; a += 4) {
+        u[a] = _mm256_shuffle_ps(t[a], t[a + 2], 0x44);
+        u[a + 1] = _mm256_shuffle_ps(t[a], t[a + 2], 0xEE);
+        u[a + 2] = _mm256_shuffle_ps(t[a + 1], t[a + 3], 0x44);
+        u[a + 3] = _mm256_shuffle_ps(t[a + 1], t[a + 3], 0xEE);
+      }
+#pragma GCC unroll 4
+      for (int a = 0; a < 4; ++a) {
+        _mm256_storeu_ps(xt + (j + a) * mp + i, _mm256_permute2f128_ps(u[a], u[a + 4], 0x20));
+        _mm256_storeu_ps(xt + (j + a + 4) * mp + i,
+                         _mm256_permute2f128_ps(u[a], u[a + 4], 0x31));
+      }
+    }
+    for (int64_t j = k8; j < k; ++j)
+      for (int64_t a = 0; a < 8; ++a) xt[j * mp + i + a] = x[(i + a) * k + j];
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t i = m8; i < m; ++i) xt[j * mp + i] = x[i * k + j];
+    for (int64_t i = m; i < mp; ++i) xt[j * mp + i] = 0.0f;
+  }
+}
+
+// y[m0 + i, col0 + j] for i < min(8 MV, m - m0), j < NR: the outer products of the weight
+// rows w[j] (K floats each) and the columns m0.. of x^T, summed over k.
+template <int NR, int MV, typename W>
+void OuterBlock(const Problem<W>& p, const float* xt, int64_t mp, const float* const* w,
+                int64_t col0, int64_t m0) {
+  __m256 acc[NR][MV];
+#pragma GCC unroll 6
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v) acc[j][v] = _mm256_setzero_ps();
+  const float* x = xt + m0;
+  for (int64_t kk = 0; kk < p.k; ++kk) {
+    __m256 xv[MV];
+#pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v) xv[v] = _mm256_loadu_ps(x + kk * mp + 8 * v);
+#pragma GCC unroll 6
+    for (int j = 0; j < NR; ++j) {
+      const __m256 b = _mm256_broadcast_ss(w[j] + kk);
+#pragma GCC unroll 2
+      for (int v = 0; v < MV; ++v) acc[j][v] = _mm256_fmadd_ps(b, xv[v], acc[j][v]);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float s = jaxinfer::Sum(acc[i][j]);
-      for (int64_t kk = k8; kk < p.k; ++kk)
-        s += p.x[(m0 + i) * p.k + kk] * tile[(j0 + j) * p.k + kk];
-      p.Store(m0 + i, col0 + j0 + j, s);
-    }
+  alignas(32) float out[NR][8 * MV];
+#pragma GCC unroll 6
+  for (int j = 0; j < NR; ++j)
+#pragma GCC unroll 2
+    for (int v = 0; v < MV; ++v) _mm256_store_ps(out[j] + 8 * v, acc[j][v]);
+  const int64_t rows = std::min<int64_t>(8 * MV, p.m - m0);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int j = 0; j < NR; ++j) p.Store(m0 + i, col0 + j, out[j][i]);
 }
 
-template <int MR, typename W>
-void TileRows(const Problem<W>& p, const float* tile, int64_t col0, int64_t rows, int64_t m0) {
+constexpr int kOuterColumns = 6;  // weight rows per outer-product block
+
+// Rows [m0, m0 + 8 MV) of x for the weight rows w[0 .. count) (output columns col0..).
+template <int MV, typename W>
+void OuterTile(const Problem<W>& p, const float* xt, int64_t mp, const float* const* w,
+               int64_t count, int64_t col0, int64_t m0) {
   int64_t j = 0;
-  for (; j + 4 <= rows; j += 4) TileBlock<MR, 4>(p, tile, col0, m0, j);
-  for (; j < rows; ++j) TileBlock<MR, 1>(p, tile, col0, m0, j);
+  for (; j + kOuterColumns <= count; j += kOuterColumns) {
+    OuterBlock<kOuterColumns, MV>(p, xt, mp, w + j, col0 + j, m0);
+  }
+  switch (count - j) {
+    case 5: return OuterBlock<5, MV>(p, xt, mp, w + j, col0 + j, m0);
+    case 4: return OuterBlock<4, MV>(p, xt, mp, w + j, col0 + j, m0);
+    case 3: return OuterBlock<3, MV>(p, xt, mp, w + j, col0 + j, m0);
+    case 2: return OuterBlock<2, MV>(p, xt, mp, w + j, col0 + j, m0);
+    case 1: return OuterBlock<1, MV>(p, xt, mp, w + j, col0 + j, m0);
+    default: return;
+  }
 }
 
-// The weight rows [col0, col0 + rows) as float32: the weights themselves, or int8 converted
-// into a per-thread buffer.
-inline const float* AsFloat(const float* w, int64_t count) { return w; }
-
-inline const float* AsFloat(const int8_t* w, int64_t count) {
-  thread_local std::vector<float> buffer;
-  buffer.resize(count);
-  float* out = buffer.data();
-  const int64_t c8 = count & ~int64_t{7};
-  for (int64_t i = 0; i < c8; i += 8) _mm256_storeu_ps(out + i, Load8(w + i));
-  for (int64_t i = c8; i < count; ++i) out[i] = static_cast<float>(w[i]);
-  return out;
-}
-
-// Output columns [col0, col1) for every row of x.
+// Output columns [col0, col0 + count) (count <= kOuterTile) for every row of x, from x^T.
+// Blocks of 16 rows of x are the outer loop, so the tile's weight rows (at most 48 x K
+// floats) stay in L2 while each block of x^T is used from L1.
 template <typename W>
-void Columns(const Problem<W>& p, int64_t col0, int64_t col1) {
+void OuterColumns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0,
+                  int64_t count) {
+  const float* w[kOuterTile];
+  if constexpr (std::is_same_v<W, int8_t>) {
+    thread_local std::vector<float> buffer;  // the tile's weight rows as float32
+    buffer.resize(kOuterTile * p.k);
+    const int64_t k8 = p.k & ~int64_t{7};
+    for (int64_t j = 0; j < count; ++j) {
+      const int8_t* row = p.w + (col0 + j) * p.k;
+      float* out = buffer.data() + j * p.k;
+      for (int64_t kk = 0; kk < k8; kk += 8) _mm256_storeu_ps(out + kk, Load8(row + kk));
+      for (int64_t kk = k8; kk < p.k; ++kk) out[kk] = static_cast<float>(row[kk]);
+      w[j] = out;
+    }
+  } else {
+    for (int64_t j = 0; j < count; ++j) w[j] = p.w + (col0 + j) * p.k;
+  }
+  for (int64_t m0 = 0; m0 < p.m; m0 += 16) {
+    if (p.m - m0 > 8) {
+      OuterTile<2>(p, xt, mp, w, count, col0, m0);
+    } else {
+      OuterTile<1>(p, xt, mp, w, count, col0, m0);
+    }
+  }
+}
+
+// Output columns [col0, col1) for every row of x (x^T: `xt`, when there are more than 3 rows).
+template <typename W>
+void Columns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0, int64_t col1) {
   if (p.m <= 3) {
     for (int64_t col = col0; col < col1; ++col) {
       if constexpr (std::is_same_v<W, int8_t>) {
@@ -193,20 +280,26 @@ void Columns(const Problem<W>& p, int64_t col0, int64_t col1) {
     }
     return;
   }
-  const int64_t rows = col1 - col0;
-  const float* tile = AsFloat(p.w + col0 * p.k, rows * p.k);
-  int64_t m = 0;
-  for (; m + 3 <= p.m; m += 3) TileRows<3>(p, tile, col0, rows, m);
-  if (p.m - m == 2) TileRows<2>(p, tile, col0, rows, m);
-  if (p.m - m == 1) TileRows<1>(p, tile, col0, rows, m);
+  OuterColumns(p, xt, mp, col0, col1 - col0);
 }
 
 template <typename W>
 ffi::Error Run(ffi::ThreadPool& pool, const Problem<W>& p) {
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  const int64_t columns = p.m <= 3 && p.n >= kStreamMinColumns ? kStreamColumns : kTile;
-  jaxinfer::ParallelFor(pool, (p.n + columns - 1) / columns, [&p, columns](int64_t t) {
-    Columns(p, t * columns, std::min(p.n, (t + 1) * columns));
+  int64_t columns = kTile;
+  std::vector<float> xt;
+  int64_t mp = 0;
+  if (p.m <= 3) {
+    if (p.n >= kStreamMinColumns) columns = kStreamColumns;
+  } else {
+    columns = kOuterTile;
+    mp = (p.m + 7) & ~int64_t{7};
+    xt.resize(p.k * mp);
+    Transpose(p.x, p.m, p.k, xt.data(), mp);
+  }
+  const float* xt_data = xt.data();
+  jaxinfer::ParallelFor(pool, (p.n + columns - 1) / columns, [&p, xt_data, mp, columns](int64_t t) {
+    Columns(p, xt_data, mp, t * columns, std::min(p.n, (t + 1) * columns));
   });
   return ffi::Error::Success();
 }

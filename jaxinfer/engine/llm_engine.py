@@ -86,7 +86,6 @@ class LLMEngine:
         arch = self.config.model.arch
         matmul = select_matmul(
             options.matmul_impl,
-            quantization=self.config.model.quantization,
             platform=jax.default_backend(),
             tensor_parallel_size=self.config.parallel.tensor_parallel_size,
             weight_layout=model_kernels.weight_layout,

@@ -6,12 +6,13 @@ mesh), and a C++ compiler to build them once into `<cache_dir>/cpu_kernels`.
 matmul_impl, for the "out_in" projections and LM head (cpu_kernels.matmul):
 - "xla": XLA's own ops (jaxinfer.layers.linear): W @ x^T between materialized transposes, and
   for int8 weights a convert fused into the dot (or a multiply and a sum for one row).
-- "cpu": the kernel, on float32 or int8 weights: token-major in and out (no transposes), int8
-  read as int8. Also needs the "out_in" layout.
-- "auto": "cpu" for int8 weights wherever it can run, else "xla". For float32 weights the
-  kernel's gain was within the machine's drift (the whole workload 3-6% faster in two runs,
-  the 32-row layers once slower: 82 against 67 ms), while for int8 it is what makes them pay:
-  10.3 against 22.0 ms for the float32 layers at 1 row (docs/benchmarks.md).
+- "cpu": the kernel: token-major in and out (no transposes), int8 read as int8. Float32
+  products of more than KERNEL_MAX_FLOAT_ROWS rows (prefill chunks) stay on XLA's blocked
+  GEMM, which is as fast or faster there; int8 ones always take the kernel (XLA has no fast
+  int8 path). Needs the "out_in" layout.
+- "auto": "cpu" wherever it can run, else "xla". Decode steps gained 10-20% in float32 (the
+  32-row step 118 against 132-144 ms) and int8 is what makes it pay: 10.3 against 22.0 ms
+  for the float32 layers at 1 row (docs/benchmarks.md).
 
 attention_impl "cpu" (cpu_kernels.paged_attention): ragged paged attention walking each
 request's blocks with an online softmax, 3-5x faster than the reference on every shape
@@ -21,6 +22,7 @@ block_size up to 128), else the registry's choice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -30,9 +32,13 @@ import jax.numpy as jnp
 from cpu_kernels.build import KernelBuildError
 from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.paged_attention.kernel import load_paged_attention
-from jaxinfer.layers.linear import OUT_IN
+from jaxinfer.layers.linear import OUT_IN, dense
 
 IMPLS = ("auto", "xla", "cpu")
+# Rows of x up to which float32 products take the kernel (a step bucket; XLA above).
+# tools/bench_cpu_matmul.py: at 64 rows the two were even on gate_up and qkv and XLA 1.2x
+# faster on down; at 128-512 rows XLA was 1.0-2x faster; at 8-32 rows the kernel 1.3-2x.
+KERNEL_MAX_FLOAT_ROWS = 48
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +75,23 @@ def _load(name: str, impl: str, reasons: list[str], loader: Callable, build_dir:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelMatmul:
+    """ModelKernels.matmul: `kernel` for int8 weights and for float32 ones of up to
+    `max_float_rows` rows of x, XLA's "out_in" product for longer float32 ones."""
+
+    kernel: Callable
+    max_float_rows: int = KERNEL_MAX_FLOAT_ROWS
+
+    def __call__(self, x, w, scale=None):
+        if w.dtype != jnp.int8 and x.shape[0] > self.max_float_rows:
+            return dense(x, w, OUT_IN, scale)
+        return self.kernel(x, w, scale)
+
+
 def select_matmul(
     impl: str,
     *,
-    quantization: str | None,
     platform: str,
     tensor_parallel_size: int,
     weight_layout: str,
@@ -81,12 +100,13 @@ def select_matmul(
 ) -> Callable | None:
     """The kernel for ModelKernels.matmul, or None for XLA's ops."""
     check_impl(impl)
-    if impl == "xla" or (impl == "auto" and quantization != "int8"):
+    if impl == "xla":
         return None
     reasons = _common_reasons(platform, tensor_parallel_size, dtype)
     if weight_layout != OUT_IN:
         reasons.append("it takes the 'out_in' weight layout")
-    return _load("matmul_impl", impl, reasons, load_matmul, build_dir)
+    kernel = _load("matmul_impl", impl, reasons, load_matmul, build_dir)
+    return None if kernel is None else KernelMatmul(kernel)
 
 
 def select_attention(

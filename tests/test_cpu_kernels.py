@@ -44,11 +44,11 @@ def expected(x, w, scale):  # float64 numpy: (x @ w^T) (* scale)
 
 
 # Rows cover the one-to-three-row path (K: whole 32-value steps, an 8-value tail and a
-# scalar tail) and the outer-product path: one partial 8-row block (4-7), a partial 16-row
-# block (12), two 16-row blocks (32) and a partial 8-row block after them (37). N covers a
-# whole 48-column tile, partial tiles and every remainder of the 6-column blocks.
+# scalar tail) and the outer-product path: partial blocks of 8 rows (4-7), 16 (12) and 24
+# (20), a whole 32-row block (32) and an 8-row block after it (37). N covers a whole
+# 48-column tile, partial tiles and remainders of the 3-, 6- and 12-column blocks.
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "float32"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 32, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 20, 32, 37])
 @pytest.mark.parametrize(("out", "k"), [((48,), 576), ((2, 21), 72), ((5, 3, 7), 100), ((1,), 9)])
 def test_kernel_matches_numpy(kernel, int8, rows, out, k):
     x, w, scale = operands(rows, out, k, int8, seed=rows * k)

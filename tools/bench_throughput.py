@@ -21,6 +21,12 @@ jaxinfer's ratio to each peer:
 
     python tools/bench_throughput.py --baseline=hf,llamacpp
 
+This machine's speed drifts by 10-20% over minutes, which moves one run of each engine apart;
+--rounds=N runs jaxinfer and each peer in turn N times and also reports the medians and the
+ratio per round:
+
+    python tools/bench_throughput.py --baseline=hf,llamacpp --rounds=3
+
 --single_stream instead sends --stream_requests requests one at a time to every engine and
 reports time to first token and inter-token latency (p50, p99) for each:
 
@@ -67,6 +73,9 @@ flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "jaxinfer token budget per step.")
 flags.DEFINE_integer(
     "threads", 2, "CPU threads for torch and llama.cpp (XLA uses the machine's cores)."
+)
+flags.DEFINE_integer(
+    "rounds", 1, "With --baseline: rounds of jaxinfer and each peer in turn; medians reported."
 )
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
@@ -334,14 +343,33 @@ def main(argv):
         )
         print(f"ratio prefix caching on / off: {without / ours:.2f}x")
     context = max(map(len, prompts)) + max(output_lens) + 16
-    for name in FLAGS.baseline:
-        peer = make_peer(name, llm, context)
-        theirs = peer_throughput(peer, prompts, output_lens)
-        how = f"static batches of {FLAGS.hf_batch_size}" if name == "hf" else "one at a time"
-        print(f"{name} ({how}): {theirs:.2f} s, {total / theirs:.1f} output tokens/s")
-        for engine, seconds in engines.items():
-            print(f"ratio {engine} / {name}: {theirs / seconds:.2f}x")
-        del peer
+    peers = {name: make_peer(name, llm, context) for name in FLAGS.baseline}
+    times = {name: [] for name in ["jaxinfer", *peers]}
+    times["jaxinfer"].append(ours)
+    for round_index in range(FLAGS.rounds):
+        if round_index:  # jaxinfer again, then each peer: the machine's drift hits all alike
+            ours = run_jaxinfer(llm, prompts, output_lens)
+            times["jaxinfer"].append(ours)
+            engines["jaxinfer"] = ours
+            print(f"round {round_index + 1}: jaxinfer {ours:.2f} s")
+        for name, peer in peers.items():
+            theirs = peer_throughput(peer, prompts, output_lens)
+            times[name].append(theirs)
+            how = f"static batches of {FLAGS.hf_batch_size}" if name == "hf" else "one at a time"
+            print(f"{name} ({how}): {theirs:.2f} s, {total / theirs:.1f} output tokens/s")
+            for engine, seconds in engines.items():
+                print(f"ratio {engine} / {name}: {theirs / seconds:.2f}x")
+    if FLAGS.rounds > 1 and peers:
+        median = {name: float(np.median(values)) for name, values in times.items()}
+        print(f"over {FLAGS.rounds} alternating rounds (median seconds):")
+        for name, seconds in median.items():
+            print(f"  {name}: {seconds:.2f} s, {total / seconds:.1f} output tokens/s")
+        for name in peers:
+            per_round = [t / o for t, o in zip(times[name], times["jaxinfer"], strict=True)]
+            print(
+                f"  ratio jaxinfer / {name}: {median[name] / median['jaxinfer']:.2f}x of the "
+                f"medians; per round {', '.join(f'{r:.2f}x' for r in per_round)}"
+            )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@
 // Work is split into items of (request, kv head, up to kQueryBlock query tokens); an item's
 // rows are its tokens times the G query heads that share the kv head, so each K and V vector
 // read from the cache serves all of them. Each item walks its context one cache block at a
-// time with an online softmax: scores of every row against the block's positions, one
-// rescale of the running sums, then the block's V weighted into each row's accumulator.
+// time with an online softmax: scores of every row against the block's positions it may see
+// (eight at a time), one rescale of the running sums, then those positions' V weighted into
+// each row's accumulator.
 // Tokens that belong to no real request get zeros.
 #include <immintrin.h>
 
@@ -65,13 +66,41 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   return jaxinfer::Sum(_mm256_add_ps(acc0, acc1));
 }
 
-// acc[0:d] = acc * c + sum_j p[j] * v_j, v_j = v + j * stride.
+// scores[j] = q . k_j for j in [0, count), k_j = k + j * stride: eight positions at a time,
+// each with its own accumulator (eight independent FMA chains), their eight sums reduced
+// together by three rounds of pairwise adds instead of one horizontal sum each.
+inline void Scores(const float* q, const float* k, int64_t stride, int count, int64_t d,
+                   float* scores) {
+  int j = 0;
+  for (; j + 8 <= count; j += 8) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + u) * stride + i), a[u]);
+      }
+    }
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    // s0123 = [0 1 2 3 | 0 1 2 3] (each half holds half of every sum), s4567 likewise
+    _mm256_storeu_ps(scores + j,
+                     _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                   _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+  }
+  for (; j < count; ++j) scores[j] = Dot(q, k + j * stride, d);
+}
+
+// acc[0:d] = acc * c + sum_j p[j] * v_j for j in [0, count), v_j = v + j * stride.
 inline void Accumulate(float* acc, float c, const float* p, const float* v, int64_t stride,
                        int count, int64_t d) {
   for (int64_t i = 0; i < d; i += 8) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), _mm256_set1_ps(c));
     for (int j = 0; j < count; ++j) {
-      if (p[j] != 0.0f) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + i), a);
+      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + i), a);
     }
     _mm256_storeu_ps(acc + i, a);
   }
@@ -120,35 +149,35 @@ void RunItem(const Inputs& in, const Item& item) {
     const float* k = k_layer + table[b] * block_floats;
     const float* v = v_layer + table[b] * block_floats;
     for (int r = 0; r < rows; ++r) {
-      if (last[r] < base || first[r] >= base + count) continue;  // nothing visible here
+      // the row's visible positions in this block: [j0, j1)
+      const int j0 = static_cast<int>(std::max<int64_t>(first[r], base) - base);
+      const int j1 = static_cast<int>(std::min<int64_t>(last[r] + 1, base + count) - base);
+      if (j0 >= j1) continue;
+      float* p = scores + j0;
+      const int n = j1 - j0;
+      Scores(q + r * d, k + j0 * position_stride, position_stride, n, d, p);
       float block_max = -INFINITY;
-      for (int j = 0; j < count; ++j) {
-        const int64_t position = base + j;
-        if (position < first[r] || position > last[r]) {
-          scores[j] = -INFINITY;
-        } else {
-          scores[j] = Dot(q + r * d, k + j * position_stride, d);
-          block_max = std::max(block_max, scores[j]);
-        }
-      }
+      for (int j = 0; j < n; ++j) block_max = std::max(block_max, p[j]);
       const float new_max = std::max(running_max[r], block_max);
       const float correction =
           running_max[r] == -INFINITY ? 0.0f : std::exp(running_max[r] - new_max);
-      float block_sum = 0.0f;
+      __m256 sums = _mm256_setzero_ps();
       int j = 0;
-      for (; j + 8 <= count; j += 8) {
-        const __m256 p = jaxinfer::Exp(
-            _mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(new_max)));
-        _mm256_storeu_ps(scores + j, p);
-        block_sum += jaxinfer::Sum(p);
+      for (; j + 8 <= n; j += 8) {
+        const __m256 e =
+            jaxinfer::Exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(new_max)));
+        _mm256_storeu_ps(p + j, e);
+        sums = _mm256_add_ps(sums, e);
       }
-      for (; j < count; ++j) {
-        scores[j] = scores[j] == -INFINITY ? 0.0f : std::exp(scores[j] - new_max);
-        block_sum += scores[j];
+      float block_sum = jaxinfer::Sum(sums);
+      for (; j < n; ++j) {
+        p[j] = std::exp(p[j] - new_max);
+        block_sum += p[j];
       }
       denom[r] = denom[r] * correction + block_sum;
       running_max[r] = new_max;
-      Accumulate(acc + r * d, correction, scores, v, position_stride, count, d);
+      // only visible positions are read from V: the rest of a block may hold stale data
+      Accumulate(acc + r * d, correction, p, v + j0 * position_stride, position_stride, n, d);
     }
   }
   for (int t = 0; t < item.num_tokens; ++t) {

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from cpu_kernels.build import compiler
+from cpu_kernels.matmul.kernel import matmul
 from cpu_kernels.paged_attention.kernel import paged_attention
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.kernel_registry import ModelKernels, default_registry
+from jaxinfer.layers.native_kernels import KernelMatmul
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -28,10 +30,15 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_llm):
-    # "auto" on CPU: "out_in" weights, the C++ attention kernel (where it can be built) and
-    # the reference everywhere else
-    attention = paged_attention if compiler() is not None else ragged_paged_attention_reference
-    expected = ModelKernels(weight_layout="out_in", attention=attention)
+    # "auto" on CPU: "out_in" weights, the C++ attention and matmul kernels (where they can
+    # be built) and the reference everywhere else
+    built = compiler() is not None
+    attention = paged_attention if built else ragged_paged_attention_reference
+    expected = ModelKernels(
+        weight_layout="out_in",
+        attention=attention,
+        matmul=KernelMatmul(matmul) if built else None,
+    )
     assert tiny_llm.engine.runner.kernels == expected
     return tokens(tiny_llm)
 

@@ -185,6 +185,21 @@ void Transpose(const float* x, int64_t m, int64_t k, float* xt, int64_t mp) {
 
 // y[m0 + i, col0 + j] for i < min(8 MV, m - m0), j < NR: the outer products of the weight
 // rows w[j] (K floats each) and the columns m0.. of x^T, summed over k.
+// One step k of a block: acc[j][v] += w[j][k] * x^T[k, 8v : 8v + 8] (`x` = x^T's row k).
+template <int NR, int MV>
+__attribute__((always_inline)) inline void OuterStep(__m256 (&acc)[NR][MV], const float* x,
+                                                     const float* const (&w)[NR], int64_t kk) {
+  __m256 xv[MV];
+#pragma GCC unroll 4
+  for (int v = 0; v < MV; ++v) xv[v] = _mm256_loadu_ps(x + 8 * v);
+#pragma GCC unroll 12
+  for (int j = 0; j < NR; ++j) {
+    const __m256 b = _mm256_broadcast_ss(w[j] + kk);
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) acc[j][v] = _mm256_fmadd_ps(b, xv[v], acc[j][v]);
+  }
+}
+
 template <int NR, int MV, typename W>
 void OuterBlock(const Problem<W>& p, const float* xt, int64_t mp, const float* const* w,
                 int64_t col0, int64_t m0) {
@@ -193,25 +208,26 @@ void OuterBlock(const Problem<W>& p, const float* xt, int64_t mp, const float* c
   for (int j = 0; j < NR; ++j)
 #pragma GCC unroll 4
     for (int v = 0; v < MV; ++v) acc[j][v] = _mm256_setzero_ps();
-  const float* x = xt + m0;
-  // While the first block of rows of x runs, fetch the next weight block (the rows after
-  // these, contiguous for float32 weights) one cache line per 2 steps: the six interleaved
-  // row streams alone read 11-15 GB/s here, 10-20% slower than with this (a prefetch past
-  // the end of the array is harmless: prefetches never fault).
-  const char* next = reinterpret_cast<const char*>(w[NR - 1] + p.k);
-  const int64_t next_steps = std::is_same_v<W, float> && m0 == 0 ? NR * p.k / 8 : 0;
-  for (int64_t kk = 0; kk < p.k; ++kk) {
-    if ((kk & 1) == 0 && kk < next_steps) _mm_prefetch(next + kk * 32, _MM_HINT_T0);
-    __m256 xv[MV];
-#pragma GCC unroll 4
-    for (int v = 0; v < MV; ++v) xv[v] = _mm256_loadu_ps(x + kk * mp + 8 * v);
+  // Locals, so the loop keeps them in registers rather than reloading them through `p`.
+  const int64_t k = p.k;
+  const float* weights[NR];
 #pragma GCC unroll 12
-    for (int j = 0; j < NR; ++j) {
-      const __m256 b = _mm256_broadcast_ss(w[j] + kk);
-#pragma GCC unroll 4
-      for (int v = 0; v < MV; ++v) acc[j][v] = _mm256_fmadd_ps(b, xv[v], acc[j][v]);
-    }
+  for (int j = 0; j < NR; ++j) weights[j] = w[j];
+  // While the first block of rows of x runs, fetch the next weight block (the rows after
+  // these, contiguous for float32 weights) one cache line per 2 steps: the interleaved row
+  // streams alone read 11-15 GB/s here, 10-20% slower than with this (a prefetch past the
+  // end of the array is harmless: prefetches never fault).
+  const char* next = reinterpret_cast<const char*>(weights[NR - 1] + k);
+  const int64_t prefetch_steps =
+      std::is_same_v<W, float> && m0 == 0 ? std::min(k, NR * k / 8) & ~int64_t{1} : 0;
+  const float* x = xt + m0;
+  int64_t kk = 0;
+  for (; kk < prefetch_steps; kk += 2, x += 2 * mp) {
+    _mm_prefetch(next + kk * 32, _MM_HINT_T0);
+    OuterStep<NR, MV>(acc, x, weights, kk);
+    OuterStep<NR, MV>(acc, x + mp, weights, kk + 1);
   }
+  for (; kk < k; ++kk, x += mp) OuterStep<NR, MV>(acc, x, weights, kk);
   alignas(32) float out[NR][8 * MV];
 #pragma GCC unroll 12
   for (int j = 0; j < NR; ++j)

@@ -141,3 +141,13 @@ def cpu_attention(cpu_kernel_dir):
     from cpu_kernels.paged_attention.kernel import load_paged_attention
 
     return load_paged_attention(cpu_kernel_dir)
+
+
+def layer_weights(runner) -> dict:
+    """The runner's decoder-layer parameters: layer 0's (per-layer programs) or all of them
+    stacked [L, ...] (under a scan)."""
+    from flax import nnx
+
+    if runner.layer_execution == "per_layer":
+        return runner.layer_params[0]
+    return nnx.to_pure_dict(runner.state)["layers"]

@@ -12,6 +12,7 @@ from cpu_kernels.build import compiler
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxinfer.model_loader.model_cache import resolve_model
+from tests.conftest import layer_weights
 
 pytestmark = pytest.mark.default_model
 
@@ -136,7 +137,7 @@ def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_di
         max_num_seqs=4,
         max_model_len=128,
     )
-    weights = int8.engine.runner.layer_params[0]
+    weights = layer_weights(int8.engine.runner)
     assert (
         weights["gate_up_proj"].dtype == np.int8
         and int8.engine.runner.top_params["embed"].dtype == np.int8

@@ -257,9 +257,14 @@ def test_kv_cache_is_donated(llm):
 
 
 def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
-    scan = LLM(  # as on accelerators: one program per step, async scheduling
+    # "auto" on CPU: the layers under a scan where the C++ matmul kernel reads their weights
+    # in place, else one program per layer; and one step at a time
+    default = llm.engine.runner.layer_execution
+    assert default == ("scan" if llm.engine.runner.kernels.matmul is not None else "per_layer")
+    assert not llm.engine.config.async_scheduling
+    scan = LLM(  # the other execution, with async scheduling (as on accelerators)
         model=str(tiny_model_dir),
-        layer_execution="scan",
+        layer_execution="per_layer" if default == "scan" else "scan",
         async_scheduling=True,
         max_num_batched_tokens=32,
         max_num_seqs=8,
@@ -267,9 +272,7 @@ def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
         num_kv_blocks=96,
         max_model_len=128,
     )
-    assert scan.engine.runner.layer_execution == "scan"
-    assert llm.engine.runner.layer_execution == "per_layer"  # "auto" on CPU
-    assert not llm.engine.config.async_scheduling  # likewise
+    assert scan.engine.runner.layer_execution != default
     prompts = prompts_of([3, 40, 17, 1])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     ours = llm.generate(prompts, params, use_tqdm=False)

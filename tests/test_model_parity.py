@@ -20,6 +20,7 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.request import Request
 from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
 from jaxinfer.outputs import RequestMetrics
@@ -133,14 +134,16 @@ def model_folder(variant, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(variant), **VARIANTS[variant])
 
 
-# Both executions and both weight layouts (jaxinfer.layers.linear), in the pairs the engine
-# picks by default: scan with "in_out" (accelerators), per_layer with "out_in" (CPU); and the
-# "out_in" projections and attention through the C++ kernels (jaxinfer.layers.native_kernels).
+# Both executions and both weight layouts (jaxinfer.layers.linear): scan with "in_out"
+# (accelerators), per_layer with "out_in" (CPU without the kernels); and the "out_in"
+# projections and attention through the C++ kernels (jaxinfer.layers.native_kernels), per
+# layer and under the scan (the CPU default).
 CPU_KERNEL_VARIANTS = ("qwen2_qkv_bias", "mha_head_dim_32")  # one KV head with biases; MHA
 EXECUTIONS = [
     ("scan", "in_out", "xla"),
     ("per_layer", "out_in", "xla"),
     ("per_layer", "out_in", "cpu"),
+    ("scan", "out_in", "cpu"),  # the CPU default: the kernel reads stacked weights in place
 ]
 
 
@@ -155,7 +158,7 @@ def harness(request, variant, model_folder):
         model_folder,
         layer_execution,
         weight_layout=weight_layout,
-        matmul=request.getfixturevalue("cpu_matmul"),
+        matmul=KernelMatmul(request.getfixturevalue("cpu_matmul")),
         attention=request.getfixturevalue("cpu_attention"),
     )
 

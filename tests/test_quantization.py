@@ -10,7 +10,7 @@ import pytest
 from cpu_kernels.build import compiler
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.quantization import quantize_int8
-from tests.conftest import TINY_OPTIONS
+from tests.conftest import TINY_OPTIONS, layer_weights
 from tests.test_default_model import check_logprobs_close
 
 PROMPTS = ["The quick brown fox", "def f(x):", "hello world, how are you"]
@@ -44,12 +44,12 @@ def generate(llm: LLM):
 @pytest.mark.parametrize(
     "options",
     [
-        {},  # per-layer execution, "out_in" weights (the CPU default), the C++ kernel
-        {"matmul_impl": "xla"},  # the same through XLA's ops
+        {},  # the CPU default: "out_in" weights, the C++ kernel, the layers under a scan
+        {"matmul_impl": "xla"},  # through XLA's ops (per-layer programs)
         {"layer_execution": "scan", "weight_layout": "in_out"},
         {"tensor_parallel_size": 2},
     ],
-    ids=["per_layer-out_in-cpu_kernel", "per_layer-out_in-xla", "scan-in_out", "tp2"],
+    ids=["scan-out_in-cpu_kernel", "per_layer-out_in-xla", "scan-in_out", "tp2"],
 )
 def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, options):
     if not options and compiler() is None:
@@ -57,10 +57,9 @@ def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, op
     llm = LLM(model=str(tiny_model_dir), quantization="int8", **TINY_OPTIONS, **options)
     uses_kernel = llm.engine.runner.kernels.matmul is not None
     assert uses_kernel == (not options)  # "auto" picks it on one CPU device in "out_in" only
-    layer = llm.engine.runner.layer_params[0] if "layer_execution" not in options else None
-    if layer is not None:
-        assert layer["gate_up_proj"].dtype == jnp.int8
-        assert layer["gate_up_proj_scale"].dtype == jnp.float32
+    layer = layer_weights(llm.engine.runner)
+    assert layer["gate_up_proj"].dtype == jnp.int8
+    assert layer["gate_up_proj_scale"].dtype == jnp.float32
     for i, (ours, theirs) in enumerate(zip(generate(llm), generate(tiny_llm), strict=True)):
         check_logprobs_close(ours, theirs, f"prompt {i}")
 

@@ -18,8 +18,9 @@ enqueued while step N runs), on the same engine. Reported per decode step (media
 
 Then, for each batch size, a table of where the decode step's device time goes (embedding,
 layers without attention, attention, LM head, sampler; tools/step_breakdown.py) against the
-roofline of each part, with the sync host time beside it. --breakdown_only skips the engine
-runs and reports the tables with the host time left out.
+roofline of each part, with the sync host time beside it; the parts are timed as per-layer
+programs (on a second engine where the default runs the layers under a scan). --breakdown_only
+skips the engine runs and reports the tables with the host time left out.
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ def main(argv):
             + ", ".join(summary(n, v) for n, v in [("host", host), ("period", period)])
             + f", idle gap ~{gap * 1e3:.2f} ms (period - sync device), successor enqueued "
             f"before the step finished in {overlapped:.0%} of steps"
+        )
+    if llm.engine.config.layer_execution != "per_layer":
+        # the parts are timed one layer program at a time: a second engine, same kernels
+        del llm
+        llm = LLM(
+            quantization=FLAGS.quantization,
+            matmul_impl=FLAGS.matmul_impl,
+            layer_execution="per_layer",
         )
     for batch_size, host in hosts.items():
         print()

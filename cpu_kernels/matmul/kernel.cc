@@ -1,6 +1,7 @@
 // y[M, N] = (x[M, K] . w[N, K]^T) (* scale[N]): float32 activations times "out_in" weights
 // that are float32, or int8 with one float32 scale per output row; for XLA:CPU through the
-// XLA FFI (AVX2 + FMA).
+// XLA FFI (AVX2 + FMA). w may be one layer of stacked weights [L, N, K], read in place (a
+// layer scan passes the whole stack and the index rather than a sliced copy).
 //
 // XLA:CPU runs these products of a decode step (few rows of x against a large weight) well
 // below the machine's rates, and has no fast int8 path at all: converting int8 weights inside
@@ -342,8 +343,12 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem<W>& p) {
 }
 
 // Checks the shapes and sets p.m, p.n; x [..., K], w [..., K], y [M, N].
+// Checks the shapes and sets p.m, p.n and p.w; x [..., K], w [..., K] holding L >= 1
+// stacked weights of y's N rows each (one layer of a stacked model), y [M, N]; the product
+// uses weight `layer`, read in place.
 template <typename W, typename XBuffer, typename WBuffer, typename YBuffer>
-ffi::Error Shape(Problem<W>& p, const XBuffer& x, const WBuffer& w, const YBuffer& y) {
+ffi::Error Shape(Problem<W>& p, const XBuffer& x, const WBuffer& w, const YBuffer& y,
+                 int64_t layer) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   if (x_dims.size() < 1 || w_dims.size() < 1 || x_dims.back() != w_dims.back()) {
@@ -351,17 +356,27 @@ ffi::Error Shape(Problem<W>& p, const XBuffer& x, const WBuffer& w, const YBuffe
   }
   p.k = w_dims.back();
   p.m = p.k == 0 ? 0 : static_cast<int64_t>(x.element_count()) / p.k;
-  p.n = p.k == 0 ? 0 : static_cast<int64_t>(w.element_count()) / p.k;
-  if (static_cast<int64_t>(y.element_count()) != p.m * p.n) {
+  p.n = p.m == 0 ? 0 : static_cast<int64_t>(y.element_count()) / p.m;
+  const int64_t weight = p.n * p.k;
+  if (p.m == 0 || weight == 0) return ffi::Error::Success();  // nothing to compute
+  if (static_cast<int64_t>(y.element_count()) != p.m * p.n ||
+      static_cast<int64_t>(w.element_count()) % weight != 0) {
     return ffi::Error::InvalidArgument("matmul: output size mismatch");
   }
+  if (layer < 0 || layer >= static_cast<int64_t>(w.element_count()) / weight) {
+    return ffi::Error::InvalidArgument("matmul: layer out of range");
+  }
+  p.w += layer * weight;
   return ffi::Error::Success();
 }
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y) {
   Problem<int8_t> p{x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data()};
-  if (ffi::Error error = Shape(p, x, w, *y); error.failure()) return error;
+  if (ffi::Error error = Shape(p, x, w, *y, layer.typed_data()[0]); error.failure()) {
+    return error;
+  }
   if (static_cast<int64_t>(scale.element_count()) != p.n) {
     return ffi::Error::InvalidArgument("matmul: scale must have one value per output row");
   }
@@ -377,9 +392,11 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   Problem<float> p{x.typed_data(), w.typed_data(), nullptr, y->typed_data()};
-  if (ffi::Error error = Shape(p, x, w, *y); error.failure()) return error;
+  if (ffi::Error error = Shape(p, x, w, *y, layer.typed_data()[0]); error.failure()) {
+    return error;
+  }
   return Run(pool, p);
 }
 
@@ -391,6 +408,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
 
@@ -399,6 +417,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [..., K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
 

@@ -4,6 +4,7 @@ scales) on XLA:CPU through the C++ kernel in kernel.cc.
     matmul = load_matmul(build_dir)   # compiles kernel.cc once, registers it
     y = matmul(x, w)                  # float32 w; inside or outside jit
     y = matmul(x, q, scale)           # int8 q
+    y = matmul(x, stacked, layer=i)   # layer i of stacked weights [L, *out, K], in place
 
 T: tokens (rows of x), K: the contracted (input) axis, *out: the weight's output axes.
 """
@@ -25,10 +26,14 @@ F32_TARGET, INT8_TARGET = "jaxinfer_f32_matmul", "jaxinfer_int8_matmul"
 
 def matmul(
     x: jax.Array,  # [T, K] float32
-    w: jax.Array,  # [*out, K] float32, or int8 with `scale`
-    scale: jax.Array | None = None,  # [*out] float32
+    w: jax.Array,  # [*out, K] float32, or int8 with `scale`; [L, *out, K] with `layer`
+    scale: jax.Array | None = None,  # [*out] float32 (one layer's)
+    *,
+    layer: jax.Array | None = None,  # i32[]: which of the L stacked weights
 ) -> jax.Array:  # [T, *out] float32
-    """(x @ w^T) (* scale) through the registered kernel (see load_matmul)."""
+    """(x @ w^T) (* scale) through the registered kernel (see load_matmul). With `layer`, w
+    holds the weights of every layer and the kernel reads layer `layer` in place: under a
+    layer scan, slicing it instead would copy the weight every layer."""
     int8 = w.dtype == jnp.int8
     if (
         x.dtype != jnp.float32
@@ -39,17 +44,18 @@ def matmul(
             "matmul takes float32 x with float32 w, or with int8 w and its scale; got "
             f"{x.dtype}, {w.dtype}, {None if scale is None else scale.dtype}"
         )
-    if x.ndim != 2 or x.shape[1] != w.shape[-1] or (int8 and scale.shape != w.shape[:-1]):
+    out = w.shape[1:-1] if layer is not None else w.shape[:-1]
+    if x.ndim != 2 or x.shape[1] != w.shape[-1] or (int8 and scale.shape != out):
         raise ValueError(
-            f"matmul: x [T, K], w [*out, K], scale [*out]; got {x.shape}, {w.shape}, "
-            f"{None if scale is None else scale.shape}"
+            f"matmul: x [T, K], w [*out, K] ([L, *out, K] with a layer), scale [*out]; got "
+            f"{x.shape}, {w.shape}, {None if scale is None else scale.shape}"
         )
-    out = w.shape[:-1]
     result = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), x.dtype)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     if int8:
-        y = jax.ffi.ffi_call(INT8_TARGET, result)(x, w, scale.astype(jnp.float32))
+        y = jax.ffi.ffi_call(INT8_TARGET, result)(x, w, scale.astype(jnp.float32), index)
     else:
-        y = jax.ffi.ffi_call(F32_TARGET, result)(x, w)
+        y = jax.ffi.ffi_call(F32_TARGET, result)(x, w, index)
     return y.reshape(x.shape[0], *out)  # [T, *out]
 
 

@@ -103,6 +103,10 @@ class LLMEngine:
             build_dir=Path(options.cache_dir) / "cpu_kernels",
         )
         model_kernels = dataclasses.replace(model_kernels, matmul=matmul, attention=attention)
+        if options.layer_execution == "auto" and matmul is not None:
+            # the kernel reads each layer's weights in place under the scan, which then beats
+            # per-layer programs (without it the scan's weight slices are copies)
+            self.config = dataclasses.replace(self.config, layer_execution="scan")
         self.tokenizer = TokenizerWrapper(folder)
         self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
 

@@ -45,7 +45,8 @@ class ModelKernels:
     # the FFN is the reference computed feature-major (linear.gated_ffn_out_in).
     weight_layout: str = IN_OUT
     # Computes the "out_in" projections and LM head instead of XLA: x [T, K] times w [*out, K]
-    # (float, or int8 with scale [*out]) -> [T, *out]; None: XLA (jaxinfer.layers.native_kernels).
+    # (float, or int8 with scale [*out]) -> [T, *out]; under a layer scan w is a
+    # linear.StackedWeight, to be read in place. None: XLA (jaxinfer.layers.native_kernels).
     matmul: Callable | None = None
 
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from cpu_kernels.build import KernelBuildError
 from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.paged_attention.kernel import load_paged_attention
-from jaxinfer.layers.linear import OUT_IN, dense
+from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense, unstacked
 
 IMPLS = ("auto", "xla", "cpu")
 # Rows of x up to which float32 products take the kernel (a step bucket; XLA above).
@@ -83,9 +83,13 @@ class KernelMatmul:
     kernel: Callable
     max_float_rows: int = KERNEL_MAX_FLOAT_ROWS
 
-    def __call__(self, x, w, scale=None):
-        if w.dtype != jnp.int8 and x.shape[0] > self.max_float_rows:
-            return dense(x, w, OUT_IN, scale)
+    def __call__(self, x, w, scale=None):  # w: an array, or a StackedWeight (read in place)
+        stacked = isinstance(w, StackedWeight)
+        weight = w.stacked if stacked else w
+        if weight.dtype != jnp.int8 and x.shape[0] > self.max_float_rows:
+            return dense(x, unstacked(w), OUT_IN, scale)
+        if stacked:
+            return self.kernel(x, w.stacked, scale, layer=w.layer)
         return self.kernel(x, w, scale)
 
 

@@ -20,6 +20,9 @@ from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import (
     IN_OUT,
+    LAYER_PERMUTATIONS,
+    OUT_IN,
+    StackedWeight,
     axes_in_layout,
     dense,
     gated_ffn_out_in,
@@ -176,9 +179,18 @@ class LlamaForCausalLM(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E] before the final norm)
         params = nnx.to_pure_dict(nnx.state(self))
         hidden, residual, cos_sin = embed_tokens(params, batch)
+        layers = params["layers"]
+        # A matmul kernel reads each layer's projections out of the stacked [L, ...] weights
+        # in place; XLA's ops take the scan's slices.
+        in_place = kernels.matmul is not None and kernels.weight_layout == OUT_IN
 
         def layer_step(carry, layer_params):
             hidden, residual, kv_cache, layer = carry
+            if in_place:
+                layer_params = {
+                    name: StackedWeight(a, layer) if name in LAYER_PERMUTATIONS else a[layer]
+                    for name, a in layers.items()
+                }
             hidden, residual, kv_cache = decoder_layer(
                 self.config,
                 layer_params,
@@ -194,7 +206,10 @@ class LlamaForCausalLM(nnx.Module):
             return (hidden, residual, kv_cache, layer + 1), None
 
         (hidden, residual, kv_cache, _), _ = jax.lax.scan(
-            layer_step, (hidden, residual, kv_cache, jnp.int32(0)), params["layers"]
+            layer_step,
+            (hidden, residual, kv_cache, jnp.int32(0)),
+            None if in_place else layers,
+            length=self.config.num_hidden_layers,
         )
         return kv_cache, hidden + residual
 

@@ -74,3 +74,28 @@ def test_cpu_matmul_bench_reports_every_weight():
     out = run("tools/bench_cpu_matmul.py", "--rows=2", "--repeats=1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and " ms |" in line]
     assert [row.split(" | ")[0][2:] for row in rows] == ["gate_up", "down", "qkv", "lm_head"]
+
+
+def test_pallas_sweep_checks_every_configuration_against_the_reference(tmp_path):
+    """tools/tune_pallas.py (the GPU sweep) through Pallas' interpreter: the decode-attention
+    and FFN cases, the defaults plus one configuration each, all agreeing with the reference
+    (the prefill case runs the same attention code)."""
+    output = tmp_path / "tune.json"
+    out = run(
+        "tools/tune_pallas.py",
+        "--interpret",
+        "--shape=smollm2",
+        "--batch=2",
+        "--context=32",
+        "--prefill_len=16",
+        "--max_configs=1",
+        "--cases=decode,ffn",
+        f"--output_json={output}",
+    )
+    rows = json.loads(output.read_text())["rows"]
+    cases = ("decode b2 c32", "gate_up t2", "gate_up t16")
+    assert [(r["case"], r["config"] == "defaults") for r in rows] == [
+        (case, first) for case in cases for first in (True, False)
+    ]
+    assert all(r["max_abs_error"] < 1e-4 and r["ms"] > 0 for r in rows)
+    assert "fastest per case" in out

@@ -44,6 +44,10 @@ flags.DEFINE_list("cases", ["decode", "long_decode", "prefill", "ffn"], "Cases t
 flags.DEFINE_float("budget_s", 150.0, "Start no new configuration after this many seconds.")
 flags.DEFINE_string("output_json", None, "Also write the rows here.")
 flags.DEFINE_integer("block_size", 16, "KV-cache block size.")
+flags.DEFINE_bool(
+    "interpret", False, "Run the kernels through Pallas' interpreter (a CPU check of the sweep)."
+)
+flags.DEFINE_integer("max_configs", None, "Sweep at most this many configurations per case.")
 
 ATTENTION_DECODE = [
     dict(kv_blocks_per_iter=p, launch=LaunchConfig(w, s), num_kv_splits=k)
@@ -71,15 +75,18 @@ def describe(config: dict) -> str:
 
 def main(argv):
     del argv
-    if jax.default_backend() != "gpu":
-        raise SystemExit("tune_pallas.py sweeps compiled GPU kernels; this machine has no GPU")
+    if jax.default_backend() != "gpu" and not FLAGS.interpret:
+        raise SystemExit(
+            "tune_pallas.py sweeps compiled GPU kernels; this machine has no GPU "
+            "(--interpret runs the sweep through Pallas' interpreter, as a check)"
+        )
     cfg = shape(FLAGS.shape)
-    dtype = jnp.bfloat16
+    dtype = jnp.float32 if FLAGS.interpret else jnp.bfloat16  # bfloat16 dots are slow on CPU
     bandwidth = memory_bandwidth()
-    flops = matmul_rate(8192, dtype)
+    flops = matmul_rate(1024 if FLAGS.interpret else 8192, dtype)
     print(
-        f"device: {jax.devices()[0].device_kind}; copy {bandwidth / 1e9:.0f} GB/s, bf16 matmul "
-        f"{flops / 1e12:.0f} TFLOP/s; jax {jax.__version__}"
+        f"device: {jax.devices()[0].device_kind}; copy {bandwidth / 1e9:.0f} GB/s, "
+        f"{jnp.dtype(dtype).name} matmul {flops / 1e12:.1f} TFLOP/s; jax {jax.__version__}"
     )
     begin = time.perf_counter()
     heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -88,6 +95,7 @@ def main(argv):
 
     def sweep(case, configs, make, args, reference, work, unit):
         expected = np.asarray(jax.jit(reference)(*args), np.float32)
+        configs = configs[: FLAGS.max_configs]
         for config in [None, *configs]:  # None: the kernel's defaults
             if time.perf_counter() - begin > FLAGS.budget_s:
                 print(f"budget spent: {case} stops before {describe(config or {})}")
@@ -119,7 +127,12 @@ def main(argv):
             )
 
     itemsize = jnp.dtype(dtype).itemsize
-    attention = lambda config: lambda *a: ragged_paged_attention(*a, sm_scale=scale, **config)  # noqa: E731
+    interpret = dict(interpret=True) if FLAGS.interpret else {}
+    attention = lambda config: (
+        lambda *a: ragged_paged_attention(  # noqa: E731
+            *a, sm_scale=scale, **interpret, **config
+        )
+    )
     reference = lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale)  # noqa: E731
     for case, batch, context in (
         ("decode", FLAGS.batch, FLAGS.context),
@@ -147,7 +160,7 @@ def main(argv):
             sweep(
                 f"gate_up t{tokens}",
                 FFN,
-                lambda config: lambda a, w: gate_up_activation(a, w, **config),
+                lambda config: lambda a, w: gate_up_activation(a, w, **interpret, **config),
                 (x, gate_up),
                 lambda a, w: fused_ffn_reference(a, w, eye),
                 4 * tokens * hidden * inter,

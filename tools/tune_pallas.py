@@ -128,12 +128,13 @@ def main(argv):
 
     itemsize = jnp.dtype(dtype).itemsize
     interpret = dict(interpret=True) if FLAGS.interpret else {}
-    attention = lambda config: (
-        lambda *a: ragged_paged_attention(  # noqa: E731
-            *a, sm_scale=scale, **interpret, **config
-        )
-    )
-    reference = lambda *a: ragged_paged_attention_reference(*a, sm_scale=scale)  # noqa: E731
+
+    def attention(config):
+        return lambda *a: ragged_paged_attention(*a, sm_scale=scale, **interpret, **config)
+
+    def reference(*a):
+        return ragged_paged_attention_reference(*a, sm_scale=scale)
+
     for case, batch, context in (
         ("decode", FLAGS.batch, FLAGS.context),
         ("long_decode", 8, 4 * FLAGS.context),

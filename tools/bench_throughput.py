@@ -22,8 +22,8 @@ jaxinfer's ratio to each peer:
     python tools/bench_throughput.py --baseline=hf,llamacpp
 
 This machine's speed drifts by 10-20% over minutes, which moves one run of each engine apart;
---rounds=N runs jaxinfer and each peer in turn N times and also reports the medians and the
-ratio per round:
+--rounds=N runs jaxinfer, the --compare engine and each peer in turn N times and also reports
+the medians and the ratio per round:
 
     python tools/bench_throughput.py --baseline=hf,llamacpp --rounds=3
 
@@ -35,7 +35,10 @@ reports time to first token and inter-token latency (p50, p99) for each:
 --quantization=int8 runs jaxinfer with weight-only int8. --compare=KEY=VALUE,... runs jaxinfer
 a second time, on a second engine built with those engine options on top, on the same requests
 and prints the ratio (in either mode), e.g. --compare=quantization=int8 (int8 against float32)
-or --compare=weight_layout=in_out.
+or --compare=weight_layout=in_out. With --rounds=N the two engines alternate N times, which is
+the way to A/B an engine option on this noisy machine:
+
+    python tools/bench_throughput.py --compare=async_scheduling=true --rounds=5
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ flags.DEFINE_integer(
     "threads", 2, "CPU threads for torch and llama.cpp (XLA uses the machine's cores)."
 )
 flags.DEFINE_integer(
-    "rounds", 1, "With --baseline: rounds of jaxinfer and each peer in turn; medians reported."
+    "rounds",
+    1,
+    "With --baseline or --compare: rounds of each engine in turn; medians reported.",
 )
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
@@ -322,6 +327,7 @@ def main(argv):
             f"ratio run_batch / LLM.generate: {ours / batch:.2f}x"
         )
     engines = {"jaxinfer": ours}
+    variants = {"jaxinfer": llm}  # the jaxinfer engines each round runs
     if FLAGS.compare:
         other = make_llm(**compared_options())
         theirs = run_jaxinfer(other, prompts, output_lens)
@@ -330,9 +336,10 @@ def main(argv):
             f"tokens/s; ratio to the first run: {ours / theirs:.2f}x (above 1: faster)"
         )
         engines[f"jaxinfer {','.join(FLAGS.compare)}"] = theirs
-        again = run_jaxinfer(llm, prompts, output_lens)
-        print(f"jaxinfer first configuration again: {again:.2f} s")
-        del other
+        variants[f"jaxinfer {','.join(FLAGS.compare)}"] = other
+        if FLAGS.rounds == 1:
+            again = run_jaxinfer(llm, prompts, output_lens)
+            print(f"jaxinfer first configuration again: {again:.2f} s")
     if FLAGS.compare_prefix_caching:
         del llm
         llm = make_llm(enable_prefix_caching=False)
@@ -344,14 +351,14 @@ def main(argv):
         print(f"ratio prefix caching on / off: {without / ours:.2f}x")
     context = max(map(len, prompts)) + max(output_lens) + 16
     peers = {name: make_peer(name, llm, context) for name in FLAGS.baseline}
-    times = {name: [] for name in ["jaxinfer", *peers]}
-    times["jaxinfer"].append(ours)
+    times = {name: [seconds] for name, seconds in engines.items()} | {name: [] for name in peers}
     for round_index in range(FLAGS.rounds):
         if round_index:  # jaxinfer again, then each peer: the machine's drift hits all alike
-            ours = run_jaxinfer(llm, prompts, output_lens)
-            times["jaxinfer"].append(ours)
-            engines["jaxinfer"] = ours
-            print(f"round {round_index + 1}: jaxinfer {ours:.2f} s")
+            for name, engine in variants.items():
+                seconds = run_jaxinfer(engine, prompts, output_lens)
+                times[name].append(seconds)
+                engines[name] = seconds
+                print(f"round {round_index + 1}: {name} {seconds:.2f} s")
         for name, peer in peers.items():
             theirs = peer_throughput(peer, prompts, output_lens)
             times[name].append(theirs)
@@ -359,12 +366,12 @@ def main(argv):
             print(f"{name} ({how}): {theirs:.2f} s, {total / theirs:.1f} output tokens/s")
             for engine, seconds in engines.items():
                 print(f"ratio {engine} / {name}: {theirs / seconds:.2f}x")
-    if FLAGS.rounds > 1 and peers:
+    if FLAGS.rounds > 1 and len(times) > 1:
         median = {name: float(np.median(values)) for name, values in times.items()}
         print(f"over {FLAGS.rounds} alternating rounds (median seconds):")
         for name, seconds in median.items():
             print(f"  {name}: {seconds:.2f} s, {total / seconds:.1f} output tokens/s")
-        for name in peers:
+        for name in [*list(variants)[1:], *peers]:
             per_round = [t / o for t, o in zip(times[name], times["jaxinfer"], strict=True)]
             print(
                 f"  ratio jaxinfer / {name}: {median[name] / median['jaxinfer']:.2f}x of the "

@@ -94,15 +94,43 @@ inline void Scores(const float* q, const float* k, int64_t stride, int count, in
   for (; j < count; ++j) scores[j] = Dot(q, k + j * stride, d);
 }
 
-// acc[0:d] = acc * c + sum_j p[j] * v_j for j in [0, count), v_j = v + j * stride.
+// acc[0:8 NV] = acc * c + sum_j p[j] * v_j[0:8 NV] for j in [0, count), v_j = v + j * stride:
+// NV accumulators in registers, so the FMAs of one position are independent of each other
+// (one accumulator per 8 dims, positions inner, chained every FMA on the one before: 4x the
+// time at head_dim 64).
+template <int NV>
+inline void AccumulateVectors(float* acc, float c, const float* p, const float* v,
+                              int64_t stride, int count) {
+  __m256 a[NV];
+  const __m256 scale = _mm256_set1_ps(c);
+#pragma GCC unroll 8
+  for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), scale);
+  for (int j = 0; j < count; ++j) {
+    const __m256 weight = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) {
+      a[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * stride + 8 * u), a[u]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
+}
+
+// acc[0:d] = acc * c + sum_j p[j] * v_j for j in [0, count), v_j = v + j * stride; d is a
+// multiple of 8, taken 64 dims at a time.
 inline void Accumulate(float* acc, float c, const float* p, const float* v, int64_t stride,
                        int count, int64_t d) {
-  for (int64_t i = 0; i < d; i += 8) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + i), _mm256_set1_ps(c));
-    for (int j = 0; j < count; ++j) {
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + j * stride + i), a);
+  for (int64_t i = 0; i < d; i += 64) {
+    switch (std::min<int64_t>(8, (d - i) / 8)) {
+      case 8: AccumulateVectors<8>(acc + i, c, p, v + i, stride, count); break;
+      case 7: AccumulateVectors<7>(acc + i, c, p, v + i, stride, count); break;
+      case 6: AccumulateVectors<6>(acc + i, c, p, v + i, stride, count); break;
+      case 5: AccumulateVectors<5>(acc + i, c, p, v + i, stride, count); break;
+      case 4: AccumulateVectors<4>(acc + i, c, p, v + i, stride, count); break;
+      case 3: AccumulateVectors<3>(acc + i, c, p, v + i, stride, count); break;
+      case 2: AccumulateVectors<2>(acc + i, c, p, v + i, stride, count); break;
+      default: AccumulateVectors<1>(acc + i, c, p, v + i, stride, count); break;
     }
-    _mm256_storeu_ps(acc + i, a);
   }
 }
 

@@ -95,9 +95,9 @@ inline void Scores(const float* q, const float* k, int64_t stride, int count, in
 }
 
 // acc[0:8 NV] = acc * c + sum_j p[j] * v_j[0:8 NV] for j in [0, count), v_j = v + j * stride:
-// NV accumulators in registers, so the FMAs of one position are independent of each other
-// (one accumulator per 8 dims, positions inner, chained every FMA on the one before: 4x the
-// time at head_dim 64).
+// NV accumulators in registers, so the FMAs of one position are independent of each other.
+// (With one accumulator per 8 dims and the positions inner, every FMA waited on the one
+// before: the whole kernel took 1.3-1.5x as long on decode steps, 1.5x on a prefill.)
 template <int NV>
 inline void AccumulateVectors(float* acc, float c, const float* p, const float* v,
                               int64_t stride, int count) {

@@ -22,6 +22,7 @@ from jaxinfer.engine.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    first_argmax,
     unpack_bitmask,
 )
 from jaxinfer.engine.sampler import SamplerState, sample
@@ -65,6 +66,22 @@ def numpy_min_p(logits, min_p):
         if min_p[r] > 0:
             out[r, probs[r] < min_p[r] * probs[r].max()] = -np.inf
     return out
+
+
+@pytest.mark.parametrize("vocab", [100, 300, 49152, 49155])
+def test_first_argmax_is_numpys_argmax(vocab):
+    """The chunked argmax (whole chunks, then a tail) picks numpy's index: the first maximum,
+    across chunks, inside one, in the tail, and in rows that are all -inf."""
+    rows = 6
+    for trial in range(6):
+        x = RNG.normal(size=(rows, vocab)).astype(np.float32)
+        if trial % 2:
+            x = np.round(x)  # many ties, in many chunks
+        x[1, [7, vocab // 2, vocab - 1]] = 9.0  # a tie between chunks and the tail
+        x[2, vocab - 1] = 9.0  # the maximum alone in the last values
+        x[3, 130:132] = 9.0  # a tie inside one chunk
+        x[4] = -np.inf
+        np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), x.argmax(-1))
 
 
 def test_penalties_match_numpy():

@@ -128,7 +128,7 @@ def sample(
 ) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     processed = process_logits(logits, metadata, state, slots)
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy_ids = first_argmax(processed)
     is_greedy = metadata.temperature == 0
     token_ids = jax.lax.cond(
         jnp.all(is_greedy),

@@ -88,14 +88,20 @@ def process_logits(
         allowed = unpack_bitmask(state.bitmask[slots], vocab)
         return jnp.where((metadata.constrained[:, None] > 0) & ~allowed, -jnp.inf, x)
 
+    uses_bias, uses_penalties, uses_bitmask = _stages_used(metadata)
+    logits = jax.lax.cond(uses_bias, bias, lambda x: x, logits)
+    logits = jax.lax.cond(uses_penalties, penalties, lambda x: x, logits)
+    return jax.lax.cond(uses_bitmask, bitmask, lambda x: x, logits)
+
+
+def _stages_used(metadata: SamplingMetadata) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Whether any row uses the bias, the penalties, the bitmask (bool[] each)."""
     uses_penalties = jnp.any(
         (metadata.repetition_penalty != 1)
         | (metadata.presence_penalty != 0)
         | (metadata.frequency_penalty != 0)
     )
-    logits = jax.lax.cond(jnp.any(metadata.has_bias > 0), bias, lambda x: x, logits)
-    logits = jax.lax.cond(uses_penalties, penalties, lambda x: x, logits)
-    return jax.lax.cond(jnp.any(metadata.constrained > 0), bitmask, lambda x: x, logits)
+    return jnp.any(metadata.has_bias > 0), uses_penalties, jnp.any(metadata.constrained > 0)
 
 
 def draw(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:  # i32[R]
@@ -127,14 +133,22 @@ def sample(
     num_logprobs: int,
 ) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
-    processed = process_logits(logits, metadata, state, slots)
-    greedy_ids = first_argmax(processed)
     is_greedy = metadata.temperature == 0
-    token_ids = jax.lax.cond(
-        jnp.all(is_greedy),
-        lambda: greedy_ids,
-        lambda: jnp.where(is_greedy, greedy_ids, draw(processed, metadata)),
-    )
+
+    def processed_ids(logits):
+        processed = process_logits(logits, metadata, state, slots)
+        greedy_ids = first_argmax(processed)
+        return jax.lax.cond(
+            jnp.all(is_greedy),
+            lambda: greedy_ids,
+            lambda: jnp.where(is_greedy, greedy_ids, draw(processed, metadata)),
+        )
+
+    # Every row greedy with nothing to apply: the argmax of the logits as they are. Without
+    # this branch the processing's conds and the draw's cond, both decided at run time, cost
+    # XLA:CPU 3-4 ms at 32 rows even when neither does anything (0.9-1.1 ms with it).
+    plain = jnp.all(is_greedy) & ~functools.reduce(jnp.logical_or, _stages_used(metadata))
+    token_ids = jax.lax.cond(plain, first_argmax, processed_ids, logits)
     if not num_logprobs:
         return SamplerOutput(token_ids, None, None, None)
     return SamplerOutput(token_ids, *token_logprobs(logits, token_ids, num_logprobs))

@@ -202,6 +202,32 @@ def test_attention_long_contexts_and_sliding_window(attention, sliding_window):
     assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)
 
 
+@pytest.mark.parametrize(
+    ("group", "num_kv_heads", "sliding_window"),
+    [(3, 3, None), (3, 3, 40), (8, 16, None), (1, 2, None)],
+    ids=["smollm2", "window", "heads-split", "mha"],
+)
+def test_attention_many_decodes(attention, group, num_kv_heads, sliding_window):
+    """Enough decodes for the kernel to give each one all its kv heads in one item (in
+    chunks of 64 query heads at most: 8 x 16 heads takes two), with the next block and the
+    next item's first block fetched ahead, beside a prefill chunk that keeps per-head items."""
+    rng = np.random.default_rng(1)
+    context_lens = [int(c) for c in rng.integers(1, 180, size=11)] + [100]
+    q_lens = [1] * 11 + [24]
+    args = attention_batch(
+        q_lens,
+        context_lens,
+        group=group,
+        head_dim=64,
+        block_size=16,
+        dtype=F32,
+        num_kv_heads=num_kv_heads,
+    )
+    kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
+    out = jit(attention, **kwargs)(*args)
+    assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)
+
+
 def test_attention_reads_one_layer_of_the_whole_cache(attention):
     q, kv, *rest = attention_batch([4, 1], [20, 33], group=4, head_dim=64, block_size=16, dtype=F32)
     stacked = jnp.stack([kv * 0.5, kv, kv * 2.0])  # [L, 2, NB, BS, K, D]

@@ -118,13 +118,15 @@ def tiny_llm(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def cpu_kernel_dir(tmp_path_factory):
-    """Where the C++ kernels are built (once per test session)."""
+def cpu_kernel_dir(model_cache_dir):
+    """Where the C++ kernels are built: the engines' own folder under the default cache
+    directory, so a session builds each kernel once (builds are named by a hash of their
+    source, compiler command and jaxlib, and written atomically)."""
     from cpu_kernels.build import compiler
 
     if compiler() is None:
         pytest.skip("no C++ compiler to build the C++ kernels")
-    return tmp_path_factory.mktemp("cpu_kernels")
+    return model_cache_dir / "cpu_kernels"
 
 
 @pytest.fixture(scope="session")

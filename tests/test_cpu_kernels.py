@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels.build import build, compiler
-from cpu_kernels.matmul.kernel import SOURCE, load_matmul, matmul
+from cpu_kernels.matmul.kernel import load_matmul, matmul
 from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
 from jaxinfer.layers.native_kernels import KernelMatmul, select_matmul
@@ -90,10 +90,19 @@ def test_kernel_rejects_wrong_dtypes_and_shapes(kernel):
 
 
 def test_build_is_cached_by_source(tmp_path):
-    first = build(SOURCE, tmp_path)
+    source = tmp_path / "tiny" / "kernel.cc"  # a small source: the caching is the subject
+    source.parent.mkdir()
+    source.write_text('extern "C" int jaxinfer_tiny() { return 1; }\n')
+    out = tmp_path / "build"
+    first = build(source, out)
     mtime = first.stat().st_mtime_ns
-    assert build(SOURCE, tmp_path) == first and first.stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial files left
+    assert build(source, out) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in out.iterdir()] == [first.name]  # no partial files left
+    source.write_text('extern "C" int jaxinfer_tiny() { return 2; }\n')
+    second = build(source, out)
+    assert second != first and sorted(p.name for p in out.iterdir()) == sorted(
+        [first.name, second.name]
+    )
 
 
 SELECT = dict(

@@ -145,8 +145,15 @@ def test_conversion_recovers_weights_config_and_tokenizer(tiny_gguf, tmp_path):
 
 def test_gguf_path_generates_like_the_original_folder(tiny_gguf, tmp_path):
     hf_folder, path, _ = tiny_gguf
+    # Its own cache folder (the conversion is the subject); XLA's ops and the reference
+    # attention, so the engines do not build the C++ kernels into it.
     options = dict(
-        max_num_batched_tokens=16, block_size=8, num_kv_blocks=32, cache_dir=str(tmp_path)
+        max_num_batched_tokens=16,
+        block_size=8,
+        num_kv_blocks=32,
+        cache_dir=str(tmp_path),
+        matmul_impl="xla",
+        attention_impl="reference",
     )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     from_gguf = LLM(model=str(path), **options).generate([[5, 6, 7, 8]], params, use_tqdm=False)

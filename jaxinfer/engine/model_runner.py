@@ -72,7 +72,7 @@ def _scan_step(
     graphdef: nnx.GraphDef,
     kernels: ModelKernels,
     partitioner: Partitioner,
-    arch,
+    logits_fn,  # compute_logits with the model's options bound
     state: nnx.State,
     top_params: dict,
     kv_cache: jax.Array,
@@ -84,16 +84,7 @@ def _scan_step(
     layers under the scan, the LM head."""
     batch = assemble_batch(inputs, block_table, last_tokens)
     kv_cache, hidden = _scan_hidden(graphdef, kernels, partitioner, state, kv_cache, batch)
-    logits = compute_logits(
-        arch,
-        top_params,
-        hidden,
-        batch,
-        partitioner=partitioner,
-        weight_layout=kernels.weight_layout,
-        matmul=kernels.matmul,
-    )
-    return kv_cache, hidden, logits
+    return kv_cache, hidden, logits_fn(top_params, hidden, batch)
 
 
 def _sample_and_record(
@@ -173,15 +164,10 @@ class ModelRunner:
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache
         layout = kernels.weight_layout
-        self._logits = jax.jit(
-            functools.partial(
-                compute_logits,
-                arch,
-                partitioner=part,
-                weight_layout=layout,
-                matmul=kernels.matmul,
-            )
+        logits_fn = functools.partial(
+            compute_logits, arch, partitioner=part, weight_layout=layout, matmul=kernels.matmul
         )
+        self._logits = jax.jit(logits_fn)
         self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part, kernels))
         if self.layer_execution == "scan":
@@ -191,7 +177,7 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
             self._scan_step = jax.jit(
-                functools.partial(_scan_step, graphdef, kernels, part, arch),
+                functools.partial(_scan_step, graphdef, kernels, part, logits_fn),
                 donate_argnames=("kv_cache",),
             )
         else:

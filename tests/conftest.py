@@ -138,6 +138,14 @@ def cpu_matmul(cpu_kernel_dir):
 
 
 @pytest.fixture(scope="session")
+def cpu_gguf_matmul(cpu_kernel_dir):
+    """The C++ kernel for GGUF block weights (cpu_kernels.gguf_matmul), built once per session."""
+    from cpu_kernels.gguf_matmul.kernel import load_gguf_matmul
+
+    return load_gguf_matmul(cpu_kernel_dir)
+
+
+@pytest.fixture(scope="session")
 def cpu_attention(cpu_kernel_dir):
     """The C++ paged attention kernel (cpu_kernels.paged_attention), built once per session."""
     from cpu_kernels.paged_attention.kernel import load_paged_attention

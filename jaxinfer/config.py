@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.layers.native_kernels import check_gguf_mode
 from jaxinfer.layers.native_kernels import check_impl as check_matmul_impl
 from jaxinfer.layers.quantization import check_quantization
 from jaxinfer.models.llama_config import LlamaConfig
@@ -63,6 +64,12 @@ class EngineOptions:
             compiler; XLA:CPU with float32 activations, "out_in" and one device only), "xla"
             (XLA's ops) or "auto" ("cpu" where it runs, else "xla"). The kernel leaves float32
             products of more than 48 rows (prefill chunks) to XLA's GEMM.
+        gguf_weights: "auto", "on" or "off": beside the matmul kernel, also keep the Q4_1 and
+            Q8_0 blocks of the GGUF file the model folder's float32 weights were dequantized
+            from (the default model's), each only if it dequantizes to its weight bit for bit,
+            and multiply steps of up to 3 tokens by those (a quarter of the bytes read,
+            bit-identical products; jaxinfer.layers.native_kernels). "auto": where they can
+            be kept; "on": an error where they cannot.
     """
 
     model: str | None = None
@@ -86,6 +93,7 @@ class EngineOptions:
     weight_layout: str = "auto"
     quantization: str | None = None
     matmul_impl: str = "auto"
+    gguf_weights: str = "auto"
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -121,6 +129,7 @@ class EngineOptions:
             )
         check_quantization(self.quantization)
         check_matmul_impl(self.matmul_impl)
+        check_gguf_mode(self.gguf_weights)
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

@@ -39,6 +39,9 @@ def define_engine_flags() -> None:
     define.DEFINE_string("weight_layout", None, "Projection weights: auto, in_out or out_in.")
     define.DEFINE_string("quantization", None, "Weight-only quantization: int8 (default: none).")
     define.DEFINE_string("matmul_impl", None, "out_in projections: auto, cpu (C++ kernel) or xla.")
+    define.DEFINE_string(
+        "gguf_weights", None, "Exact GGUF blocks for 1-3 token steps: auto/on/off."
+    )
 
 
 def distributed_config_from_flags() -> DistributedConfig:
@@ -73,6 +76,7 @@ def engine_options_from_flags() -> EngineOptions:
         "weight_layout",
         "quantization",
         "matmul_impl",
+        "gguf_weights",
     ]
     values = flags.FLAGS
     return load_engine_options(values.config, **{name: values[name].value for name in names})

@@ -128,6 +128,13 @@ def test_greedy_generation_matches_hf(llm, hf_model, prompts):
             assert token in entry and 5 <= len(entry) <= 6
 
 
+def test_default_engine_keeps_the_gguf_blocks(llm):
+    """The default model's folder keeps its GGUF: with the C++ kernels, steps of 1-3 tokens
+    read its exact Q4_1 and Q8_0 blocks (the tests against HF above then cover them)."""
+    blocks = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed"]
+    assert llm.engine.gguf_weights == (blocks if compiler() is not None else [])
+
+
 def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_dir):
     """Weight-only int8 against the float32 engine, by the rule float32 meets against HF."""
     int8 = LLM(

@@ -53,8 +53,12 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[rest]}.weight"
 
 
-def write_gguf(hf_folder, path) -> dict[str, np.ndarray]:
-    """Writes hf_folder as a GGUF file; returns the weights a faithful converter must recover."""
+def write_gguf(hf_folder, path, quantized=None) -> dict[str, np.ndarray]:
+    """Writes hf_folder as a GGUF file; returns the weights a faithful converter must recover.
+    quantized: {name suffix: GGML type} of the tensors stored quantized (default: Q8_0 for
+    Q8_TENSORS); the rest stay F32."""
+    if quantized is None:
+        quantized = dict.fromkeys(Q8_TENSORS, gguf.GGMLQuantizationType.Q8_0)
     config = json.loads((hf_folder / "config.json").read_text())
     weights = load_file(str(hf_folder / "model.safetensors"))
     tokenizer = json.loads((hf_folder / "tokenizer.json").read_text())
@@ -87,12 +91,14 @@ def write_gguf(hf_folder, path) -> dict[str, np.ndarray]:
             stored = llama_cpp_permute(weight, NUM_HEADS)
         elif name.endswith("k_proj.weight"):
             stored = llama_cpp_permute(weight, NUM_KV_HEADS)
-        if name.endswith(Q8_TENSORS):
-            qtype = gguf.GGMLQuantizationType.Q8_0
+        qtype = next((t for suffix, t in quantized.items() if name.endswith(suffix)), None)
+        if qtype is not None:
             packed = gguf.quants.quantize(stored, qtype)
             writer.add_tensor(gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=qtype)
             roundtrip = gguf.quants.dequantize(packed, qtype).reshape(weight.shape)
-            expected[name] = unpermute_qk(roundtrip, NUM_HEADS) if "q_proj" in name else roundtrip
+            if "q_proj" in name or "k_proj" in name:
+                roundtrip = unpermute_qk(roundtrip, NUM_HEADS if "q_proj" in name else NUM_KV_HEADS)
+            expected[name] = roundtrip
         else:
             writer.add_tensor(gguf_name(name), stored)
             expected[name] = weight

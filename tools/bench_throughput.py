@@ -297,6 +297,8 @@ def main(argv):
         f"({total} output tokens), greedy, ignore_eos"
     )
     print(f"jaxinfer warm-up: {llm.engine.warmup_seconds:.1f} s")
+    blocks = ", ".join(llm.engine.gguf_weights) or "none"
+    print(f"jaxinfer weights with GGUF blocks (steps of 1-3 tokens): {blocks}")
     if FLAGS.single_stream:
         single_stream(llm, prompts)
         return

@@ -40,7 +40,7 @@ def load_seconds(folder: Path, dtype: str, tp: int) -> float:
     config = build_engine_config(EngineOptions(dtype=dtype, tensor_parallel_size=tp), folder)
     partitioner = Partitioner(make_mesh(tp))
     start = time.perf_counter()
-    _, state = load_model(folder, config, partitioner)
+    _, state, _ = load_model(folder, config, partitioner)
     jax.block_until_ready(jax.tree.leaves(state))
     return time.perf_counter() - start
 

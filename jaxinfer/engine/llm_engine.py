@@ -25,9 +25,9 @@ from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
 from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
-from jaxinfer.layers.native_kernels import select_attention, select_matmul
+from jaxinfer.layers.native_kernels import select_attention, select_gguf_kernel, select_matmul
 from jaxinfer.model_loader.load import load_model
-from jaxinfer.model_loader.model_cache import resolve_model
+from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.parallel.host import fetch
 from jaxinfer.parallel.mesh import make_mesh
@@ -102,6 +102,12 @@ class LLMEngine:
             block_size=self.config.cache.block_size,
             build_dir=Path(options.cache_dir) / "cpu_kernels",
         )
+        gguf_kernel = select_gguf_kernel(
+            options.gguf_weights,
+            matmul,
+            options.quantization,
+            Path(options.cache_dir) / "cpu_kernels",
+        )
         model_kernels = dataclasses.replace(model_kernels, matmul=matmul, attention=attention)
         if options.layer_execution == "auto" and matmul is not None:
             # the kernel reads each layer's weights in place under the scan, which then beats
@@ -112,9 +118,17 @@ class LLMEngine:
 
         start = time.perf_counter()
         self.partitioner = Partitioner(make_mesh(self.config.parallel.tensor_parallel_size))
-        graphdef, state = load_model(
-            folder, self.config, self.partitioner, model_kernels.weight_layout
-        )
+        graphdef, state, self.gguf_weights = load_model(
+            folder,
+            self.config,
+            self.partitioner,
+            model_kernels.weight_layout,
+            "off" if gguf_kernel is None else options.gguf_weights,
+            source_gguf(options.model, folder),
+        )  # gguf_weights: the weights kept with GGUF blocks too
+        if self.gguf_weights:
+            matmul = dataclasses.replace(matmul, gguf_kernel=gguf_kernel)
+            model_kernels = dataclasses.replace(model_kernels, matmul=matmul)
         self.load_seconds = time.perf_counter() - start
 
         self.batch_builder = BatchBuilder(self.config)

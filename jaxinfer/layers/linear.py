@@ -129,12 +129,14 @@ def dense(
     layout: str,
     scale: jax.Array | None = None,
     matmul: Callable | None = None,
+    blocks: tuple | None = None,
 ) -> jax.Array:
     """x [T, in] times w ([in, *out] or [*out, in]) -> [T, *out]; `scale` [*out] for an int8
     w (jaxinfer.layers.quantization). `matmul`: a kernel that computes "out_in" products
-    instead of XLA (jaxinfer.layers.native_kernels)."""
+    instead of XLA (jaxinfer.layers.native_kernels), given the weight's GGUF `blocks` where
+    it has them (jaxinfer.layers.gguf_weights)."""
     if layout == OUT_IN and matmul is not None:
-        return matmul(x, w, scale)
+        return matmul(x, w, scale, blocks)
     w = unstacked(w)
     if layout == OUT_IN and scale is not None and x.shape[0] == 1:
         return _int8_one_row(x, w, scale)
@@ -155,13 +157,15 @@ def gated_ffn_out_in(
     gate_up_scale: jax.Array | None = None,  # [2, I] for int8 weights
     down_scale: jax.Array | None = None,  # [E]
     matmul: Callable | None = None,
+    gate_up_blocks: tuple | None = None,  # GGUF blocks (the matmul kernel's)
+    down_blocks: tuple | None = None,
 ) -> jax.Array:  # [T, E]
     """down(silu(x @ W_gate) * (x @ W_up)) on "out_in" weights, feature-major inside: the
     [I, T] activation is never transposed. With a `matmul` kernel the two products run
     through it, token-major."""
     if matmul is not None:
-        h = matmul(x, gate_up, gate_up_scale)  # [T, 2, I]
-        return matmul(jax.nn.silu(h[:, 0]) * h[:, 1], down, down_scale)
+        h = matmul(x, gate_up, gate_up_scale, gate_up_blocks)  # [T, 2, I]
+        return matmul(jax.nn.silu(h[:, 0]) * h[:, 1], down, down_scale, down_blocks)
     gate_up, down = unstacked(gate_up), unstacked(down)
     if gate_up_scale is not None and x.shape[0] == 1:
         h = _int8_row(x[0], gate_up) * gate_up_scale.astype(x.dtype)  # [2, I]
@@ -184,14 +188,16 @@ def lm_logits(
     tied: bool,
     scale: jax.Array | None = None,
     matmul: Callable | None = None,
+    blocks: tuple | None = None,
 ) -> jax.Array:
     """x [N, E] times the LM head -> [N, V]. w is [V, E] when tied (the embedding) or in
     "out_in", else [E, V]; `scale` [V] when w is int8. In "out_in" a `matmul` kernel computes
-    it if given; else a vocabulary-major head runs as W @ x^T, except for a float head and a
-    single row, where the plain matrix-vector product was as fast or faster here."""
+    it if given (with the head's GGUF `blocks` where it has them); else a vocabulary-major
+    head runs as W @ x^T, except for a float head and a single row, where the plain
+    matrix-vector product was as fast or faster here."""
     vocab_major = tied or layout == OUT_IN
     if layout == OUT_IN and matmul is not None:
-        return matmul(x, w, scale)
+        return matmul(x, w, scale, blocks)
     if scale is not None and layout == OUT_IN:
         if x.shape[0] == 1:
             return _int8_one_row(x, w, scale)

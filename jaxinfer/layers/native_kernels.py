@@ -14,6 +14,12 @@ matmul_impl, for the "out_in" projections and LM head (cpu_kernels.matmul):
   32-row step 118 against 132-144 ms) and int8 is what makes it pay: 10.3 against 22.0 ms
   for the float32 layers at 1 row (docs/benchmarks.md).
 
+gguf_weights, beside the matmul kernel (cpu_kernels.gguf_matmul, jaxinfer.layers.gguf_weights):
+where the model folder holds the GGUF file its float32 weights were dequantized from, its
+Q4_1 and Q8_0 blocks are kept too (once checked to dequantize to the same bits), and products
+of up to KERNEL_MAX_BLOCK_ROWS rows read them instead: bit-identical results from a quarter of
+the bytes, for the decode steps of one to three requests, which are bound by reading weights.
+
 attention_impl "cpu" (cpu_kernels.paged_attention): ragged paged attention walking each
 request's blocks with an online softmax, 3-5x faster than the reference on every shape
 measured. "auto" picks it on CPU wherever it runs (head_dim a multiple of 8 up to 256,
@@ -30,15 +36,21 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError
+from cpu_kernels.gguf_matmul.kernel import load_gguf_matmul
 from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.paged_attention.kernel import load_paged_attention
+from jaxinfer.layers.gguf_weights import block_format
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense, unstacked
 
 IMPLS = ("auto", "xla", "cpu")
+GGUF_MODES = ("auto", "on", "off")
 # Rows of x up to which float32 products take the kernel (a step bucket; XLA above).
 # tools/bench_cpu_matmul.py: at 64 rows the two were even on gate_up and qkv and XLA 1.2x
 # faster on down; at 128-512 rows XLA was 1.0-2x faster; at 8-32 rows the kernel 1.3-2x.
 KERNEL_MAX_FLOAT_ROWS = 48
+# Rows of x up to which products take a weight's GGUF blocks, where it has them: the rows the
+# block kernel sums exactly as the float32 kernel (its one-to-three-row path) does.
+KERNEL_MAX_BLOCK_ROWS = 3
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +90,20 @@ def _load(name: str, impl: str, reasons: list[str], loader: Callable, build_dir:
 @dataclasses.dataclass(frozen=True)
 class KernelMatmul:
     """ModelKernels.matmul: `kernel` for int8 weights and for float32 ones of up to
-    `max_float_rows` rows of x, XLA's "out_in" product for longer float32 ones."""
+    `max_float_rows` rows of x, XLA's "out_in" product for longer float32 ones; and
+    `gguf_kernel` (cpu_kernels.gguf_matmul) for up to `max_block_rows` rows of x where the
+    weight has GGUF blocks: the same products, bit for bit, from a quarter of the bytes."""
 
     kernel: Callable
     max_float_rows: int = KERNEL_MAX_FLOAT_ROWS
+    gguf_kernel: Callable | None = None
+    max_block_rows: int = KERNEL_MAX_BLOCK_ROWS
 
-    def __call__(self, x, w, scale=None):  # w: an array, or a StackedWeight (read in place)
+    def __call__(self, x, w, scale=None, blocks=None):
+        """w: an array, or a StackedWeight (read in place); blocks: (qs, scales) or None,
+        each an array or a StackedWeight."""
+        if blocks is not None and self.gguf_kernel and x.shape[0] <= self.max_block_rows:
+            return self._blocks(x, w, *blocks)
         stacked = isinstance(w, StackedWeight)
         weight = w.stacked if stacked else w
         if weight.dtype != jnp.int8 and x.shape[0] > self.max_float_rows:
@@ -91,6 +111,15 @@ class KernelMatmul:
         if stacked:
             return self.kernel(x, w.stacked, scale, layer=w.layer)
         return self.kernel(x, w, scale)
+
+    def _blocks(self, x, w, qs, scales):
+        fmt = block_format(qs.stacked if isinstance(qs, StackedWeight) else qs)
+        out = w.stacked.shape[1:-1] if isinstance(w, StackedWeight) else w.shape[:-1]
+        if isinstance(qs, StackedWeight):
+            y = self.gguf_kernel(fmt, x, qs.stacked, scales.stacked, layer=qs.layer)
+        else:
+            y = self.gguf_kernel(fmt, x, qs, scales)
+        return y.reshape(x.shape[0], *out)  # [T, *out]
 
 
 def select_matmul(
@@ -111,6 +140,38 @@ def select_matmul(
         reasons.append("it takes the 'out_in' weight layout")
     kernel = _load("matmul_impl", impl, reasons, load_matmul, build_dir)
     return None if kernel is None else KernelMatmul(kernel)
+
+
+def select_gguf_kernel(
+    mode: str, matmul: Callable | None, quantization: str | None, build_dir: Path
+) -> Callable | None:
+    """KernelMatmul.gguf_kernel for gguf_weights `mode`, or None. It works beside the matmul
+    kernel (float32 weights, "out_in", one CPU device): "on" where it cannot is a ValueError
+    naming why; "auto" then goes without."""
+    check_gguf_mode(mode)
+    if mode == "off":
+        return None
+    reasons = []
+    if not isinstance(matmul, KernelMatmul):
+        reasons.append("it works beside the matmul kernel, which is not in use (matmul_impl)")
+    if quantization is not None:
+        reasons.append(f"it takes float32 weights, not {quantization}")
+    if reasons:
+        if mode == "on":
+            raise ValueError("gguf_weights 'on' cannot be used here: " + "; ".join(reasons))
+        return None
+    try:
+        return load_gguf_matmul(build_dir)
+    except KernelBuildError as error:
+        if mode == "on":
+            raise
+        logger.warning("C++ kernel for GGUF blocks unavailable (%s)", error)
+        return None
+
+
+def check_gguf_mode(mode: str) -> None:
+    if mode not in GGUF_MODES:
+        raise ValueError(f"gguf_weights must be one of {GGUF_MODES}, got {mode!r}")
 
 
 def select_attention(

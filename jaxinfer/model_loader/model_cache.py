@@ -44,6 +44,16 @@ def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
     return path
 
 
+def source_gguf(model: str | Path | None, folder: Path) -> Path | None:
+    """The GGUF file `folder` (resolve_model's) was converted from, where it is known: a .gguf
+    `model` argument, or the single .gguf file the folder keeps (the default model's)."""
+    if model is not None and Path(model).expanduser().is_file():
+        path = Path(model).expanduser()
+        return path if path.suffix == ".gguf" else None
+    files = sorted(Path(folder).glob("*.gguf"))
+    return files[0] if len(files) == 1 else None
+
+
 def default_model_folder(cache_dir: Path) -> Path:
     target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
     if is_complete(target):

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.layers.gguf_weights import AXES as GGUF_AXES
+from jaxinfer.layers.gguf_weights import blocks_of, is_block_param
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import (
     IN_OUT,
@@ -62,9 +64,11 @@ PARAM_AXES = {
         "gate_up_proj": ("layers", "embed", "gate_up", "mlp"),
         "down_proj": ("layers", "mlp", "embed"),
         **SCALE_AXES["layers"],
+        **GGUF_AXES["layers"],
     },
     "embed_scale": SCALE_AXES["embed_scale"],
     "lm_head_scale": SCALE_AXES["lm_head_scale"],
+    **{name: axes for name, axes in GGUF_AXES.items() if name != "layers"},
 }
 
 
@@ -80,11 +84,19 @@ def _scale_param(shape: tuple[int, ...]) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, jnp.float32))
 
 
+def _declare(module: nnx.Module, arrays: dict) -> None:
+    """Parameters shaped like `arrays` (name -> array), set on `module` (zeros until loaded)."""
+    for name, array in arrays.items():
+        setattr(module, name, nnx.Param(jnp.zeros(array.shape, array.dtype)))
+
+
 class DecoderLayers(nnx.Module):
     """All L decoder layers; every parameter has a leading [L] axis. With int8 quantization
     each projection is int8 with a float32 scale per output channel (`<name>_scale`)."""
 
-    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs, quantization=None):
+    def __init__(
+        self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs, quantization=None, gguf_blocks=None
+    ):
         num_layers, hidden = config.num_hidden_layers, config.hidden_size
         kv_heads, head_dim = config.num_key_value_heads, config.head_dim
         qkv_shape = (kv_heads, config.num_attention_heads // kv_heads + 2, head_dim)
@@ -105,6 +117,7 @@ class DecoderLayers(nnx.Module):
             else:
                 setattr(self, name, _int8_param((num_layers, size_in, *out)))
                 setattr(self, name + SCALE, _scale_param((num_layers, *out)))
+        _declare(self, gguf_blocks or {})
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -115,9 +128,12 @@ class LlamaForCausalLM(nnx.Module):
         dtype=jnp.float32,
         rngs: nnx.Rngs,
         quantization: str | None = None,
+        gguf_blocks: dict | None = None,
     ):
         """quantization "int8": projections and the LM head (the embedding when tied) are
-        int8 with per-output-channel scales (jaxinfer.layers.quantization)."""
+        int8 with per-output-channel scales (jaxinfer.layers.quantization). gguf_blocks: the
+        GGUF blocks kept beside some weights (jaxinfer.layers.gguf_weights; the tree of
+        arrays the parameters are shaped like)."""
         self.config = config
         vocab, hidden = config.vocab_size, config.hidden_size
         tied = config.tie_word_embeddings
@@ -126,7 +142,15 @@ class LlamaForCausalLM(nnx.Module):
             self.embed_scale = _scale_param((vocab,))
         else:
             self.embed = _param(rngs, (vocab, hidden), dtype)  # [V, E]
-        self.layers = DecoderLayers(config, dtype=dtype, rngs=rngs, quantization=quantization)
+        blocks = dict(gguf_blocks or {})
+        self.layers = DecoderLayers(
+            config,
+            dtype=dtype,
+            rngs=rngs,
+            quantization=quantization,
+            gguf_blocks=blocks.pop("layers", None),
+        )
+        _declare(self, blocks)
         self.norm = nnx.Param(jnp.ones((hidden,), dtype))
         if not tied and quantization is not None:
             self.lm_head = _int8_param((hidden, vocab))  # [E, V]
@@ -188,7 +212,9 @@ class LlamaForCausalLM(nnx.Module):
             hidden, residual, kv_cache, layer = carry
             if in_place:
                 layer_params = {
-                    name: StackedWeight(a, layer) if name in LAYER_PERMUTATIONS else a[layer]
+                    name: StackedWeight(a, layer)
+                    if name in LAYER_PERMUTATIONS or is_block_param(name)
+                    else a[layer]
                     for name, a in layers.items()
                 }
             hidden, residual, kv_cache = decoder_layer(
@@ -247,7 +273,9 @@ def decoder_layer(
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
         layout = kernels.weight_layout
         matmul = kernels.matmul
-        qkv = dense(x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE), matmul)  # [T, K, G+2, D]
+        qkv = dense(
+            x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE), matmul, blocks_of(p, "qkv_proj")
+        )  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -268,7 +296,12 @@ def decoder_layer(
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
         hidden = dense(
-            attn.reshape(num_tokens, -1), p["o_proj"], layout, p.get("o_proj" + SCALE), matmul
+            attn.reshape(num_tokens, -1),
+            p["o_proj"],
+            layout,
+            p.get("o_proj" + SCALE),
+            matmul,
+            blocks_of(p, "o_proj"),
         )
         hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
@@ -281,7 +314,14 @@ def decoder_layer(
             hidden = kernels.ffn(x, gate_up, dequantize(p["down_proj"], down_scale, x.dtype))
         else:
             hidden = gated_ffn_out_in(
-                x, p["gate_up_proj"], p["down_proj"], gate_up_scale, down_scale, matmul
+                x,
+                p["gate_up_proj"],
+                p["down_proj"],
+                gate_up_scale,
+                down_scale,
+                matmul,
+                blocks_of(p, "gate_up_proj"),
+                blocks_of(p, "down_proj"),
             )
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
@@ -316,7 +356,8 @@ def lm_head(
         tied = config.tie_word_embeddings
         name = "embed" if tied else "lm_head"
         scale = params.get(name + SCALE)
-        logits = lm_logits(x, params[name], weight_layout, tied, scale, matmul)
+        blocks = blocks_of(params, name)
+        logits = lm_logits(x, params[name], weight_layout, tied, scale, matmul, blocks)
         logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))
@@ -338,21 +379,34 @@ def build_llama(
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
     quantization: str | None = None,
+    gguf_blocks: dict | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (host arrays in the
     loader's layout, or arrays already placed), quantized if asked
     (jaxinfer.layers.quantization), put in `weight_layout` (jaxinfer.layers.linear) and each
     placed on the partitioner's mesh by its logical axes (every device receives only its
-    shards), or on the default device. The module's declared shapes are "in_out"."""
+    shards), or on the default device. The module's declared shapes are "in_out".
+    gguf_blocks: GGUF blocks to keep beside their weights ("out_in" arrays in the tree of
+    jaxinfer.layers.gguf_weights.block_tree)."""
     check_quantization(quantization)
     abstract = nnx.eval_shape(
-        lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0), quantization=quantization)
+        lambda: LlamaForCausalLM(
+            config,
+            dtype=dtype,
+            rngs=nnx.Rngs(0),
+            quantization=quantization,
+            gguf_blocks=gguf_blocks,
+        )
     )
     graphdef, state = nnx.split(abstract)
     values = dict(params)
     if quantization is not None:
         values = quantize_params(values, config.tie_word_embeddings)
     values = to_layout(values, weight_layout)
+    if gguf_blocks:
+        blocks = dict(gguf_blocks)
+        values["layers"] = {**values["layers"], **blocks.pop("layers", {})}
+        values.update(blocks)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )

@@ -1,0 +1,159 @@
+"""A GGUF file's own quantized blocks of a Llama model's projections and embedding, in the
+engine's parameter order ("out_in" rows: QKV fused by KV head, gate then up), for the kernel
+that multiplies them directly (cpu_kernels.gguf_matmul).
+
+The float32 weights the engine loads were dequantized from these very blocks
+(jaxinfer.model_loader.gguf_convert); `verified_blocks` keeps a weight's blocks only if they
+dequantize to the loaded weight bit for bit, so the two are interchangeable.
+
+Layouts (reference: cpu_kernels.gguf_matmul.reference), per weight [*lead, N, K]:
+    Q4_1: qs u8[*lead, N, K / 2], scales f32[*lead, N, K / 32, 2] (d, m)
+    Q8_0: qs i8[*lead, N, K], scales f32[*lead, N, K / 32] (d)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from cpu_kernels.gguf_matmul.reference import BLOCK, FORMATS, dequantize
+from jaxinfer.model_loader.gguf_convert import unpermute_qk
+from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
+from jaxinfer.model_loader.safetensors_loader import fuse_qkv
+from jaxinfer.models.llama_config import LlamaConfig
+
+# Bytes of one block of 32 values in the file: float16 d (and m), then the values.
+_FILE_BLOCK_BYTES = {"Q4_1": 4 + BLOCK // 2, "Q8_0": 2 + BLOCK}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockWeight:
+    fmt: str  # "Q4_1" or "Q8_0"
+    qs: np.ndarray  # [*lead, N, K / 2] u8 or [*lead, N, K] i8
+    scales: np.ndarray  # [*lead, N, K / 32, 2] or [*lead, N, K / 32] float32
+
+    def dequantized(self) -> np.ndarray:  # f32[*lead, N, K]
+        return dequantize(self.fmt, self.qs, self.scales)
+
+
+def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
+    """One GGUF tensor's blocks, rows in the file's order; None for other formats."""
+    fmt = tensor.type_name
+    if fmt not in FORMATS:
+        return None
+    rows = tensor.data.shape[0]
+    raw = np.asarray(tensor.data).reshape(rows, -1, _FILE_BLOCK_BYTES[fmt])
+    halves = np.ascontiguousarray(raw[..., : 4 if fmt == "Q4_1" else 2])
+    scales = halves.view(np.float16).astype(np.float32)  # [N, K / 32, 2] or [N, K / 32, 1]
+    values = np.ascontiguousarray(raw[..., halves.shape[-1] :]).reshape(rows, -1)
+    if fmt == "Q8_0":
+        return BlockWeight(fmt, values.view(np.int8), scales[..., 0])
+    return BlockWeight(fmt, values, scales)
+
+
+def _rows(weights: list[BlockWeight], order: np.ndarray | None = None) -> BlockWeight | None:
+    """The weights' rows concatenated (then taken in `order`); None unless one format."""
+    if any(w is None for w in weights) or len({w.fmt for w in weights}) != 1:
+        return None
+    qs = np.concatenate([w.qs for w in weights])
+    scales = np.concatenate([w.scales for w in weights])
+    if order is not None:
+        qs, scales = qs[order], scales[order]
+    return BlockWeight(weights[0].fmt, qs, scales)
+
+
+def _stack(layers: list[BlockWeight | None]) -> BlockWeight | None:
+    if any(w is None for w in layers) or len({w.fmt for w in layers}) != 1:
+        return None
+    return BlockWeight(
+        layers[0].fmt, np.stack([w.qs for w in layers]), np.stack([w.scales for w in layers])
+    )
+
+
+def _qkv_order(config: LlamaConfig) -> np.ndarray:
+    """Rows of [q; k; v] in the fused "out_in" QKV order [K, G + 2, D] (fuse_qkv applied to
+    row numbers)."""
+    q, kv = config.q_size, config.num_key_value_heads * config.head_dim
+    numbers = np.arange(q + 2 * kv)[None]
+    fused = fuse_qkv(
+        numbers[:, :q],
+        numbers[:, q : q + kv],
+        numbers[:, q + kv :],
+        config.num_key_value_heads,
+        config.head_dim,
+    )
+    return fused.reshape(-1)
+
+
+def load_gguf_blocks(path: Path, config: LlamaConfig) -> dict:
+    """{"layers": {name: BlockWeight [L, N, ...]}, "embed" / "lm_head": BlockWeight} for the
+    weights whose blocks are in a supported format (Q4_1, Q8_0) in every layer."""
+    tensors = read_tensors(path)
+
+    def get(name: str) -> BlockWeight | None:
+        return _blocks(tensors[name]) if name in tensors else None
+
+    def q_rows(layer: int, part: str, heads: int) -> BlockWeight | None:
+        w = get(f"blk.{layer}.attn_{part}.weight")
+        if w is None:
+            return None
+        return BlockWeight(w.fmt, unpermute_qk(w.qs, heads), unpermute_qk(w.scales, heads))
+
+    qkv_order = _qkv_order(config)
+    per_layer: dict[str, list] = {
+        n: [] for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    }
+    for i in range(config.num_hidden_layers):
+        q = q_rows(i, "q", config.num_attention_heads)
+        k = q_rows(i, "k", config.num_key_value_heads)
+        per_layer["qkv_proj"].append(_rows([q, k, get(f"blk.{i}.attn_v.weight")], qkv_order))
+        per_layer["o_proj"].append(get(f"blk.{i}.attn_output.weight"))
+        gate, up = get(f"blk.{i}.ffn_gate.weight"), get(f"blk.{i}.ffn_up.weight")
+        per_layer["gate_up_proj"].append(_rows([gate, up]))
+        per_layer["down_proj"].append(get(f"blk.{i}.ffn_down.weight"))
+    layers = {name: _stack(ws) for name, ws in per_layer.items()}
+    out = {"layers": {name: w for name, w in layers.items() if w is not None}}
+    head = get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
+    if head is not None:
+        out["embed" if config.tie_word_embeddings else "lm_head"] = head
+    return out
+
+
+def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
+    """(the blocks that dequantize bit for bit to their weight in `params`, the names of those
+    that do not). `params`: the "out_in" tree (projections [L, *out, K], the head [V, K])."""
+    kept: dict = {"layers": {}}
+    rejected = []
+    for name, w in blocks["layers"].items():
+        weight = params["layers"][name]  # [L, *out, K]
+        exact = weight.shape[0] == w.qs.shape[0] and all(
+            _same_bits(w_layer.dequantized(), np.asarray(weight[i]).reshape(-1, weight.shape[-1]))
+            for i, w_layer in enumerate(_layers(w))
+        )
+        if exact:
+            kept["layers"][name] = w
+        else:
+            rejected.append(name)
+    for name in ("embed", "lm_head"):
+        if name in blocks:
+            weight = np.asarray(params[name])
+            if _same_bits(blocks[name].dequantized(), weight):
+                kept[name] = blocks[name]
+            else:
+                rejected.append(name)
+    return kept, rejected
+
+
+def _layers(w: BlockWeight):
+    for i in range(w.qs.shape[0]):
+        yield BlockWeight(w.fmt, w.qs[i], w.scales[i])
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.shape == b.shape
+        and b.dtype == np.float32
+        and np.array_equal(a.view(np.uint32), np.ascontiguousarray(b).view(np.uint32))
+    )

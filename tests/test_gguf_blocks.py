@@ -1,0 +1,122 @@
+"""GGUF blocks kept beside the float32 weights (jaxinfer.model_loader.gguf_blocks,
+jaxinfer.layers.gguf_weights): the tensor table against the gguf package's reader, the blocks in
+the engine's row order against the converted weights, and an engine that reads them giving
+bit-identical outputs, on a tiny model written as a GGUF file of Q4_1 projections and a Q8_0
+embedding (its LM head)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from cpu_kernels.build import compiler
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.layers.linear import OUT_IN, to_layout
+from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
+from jaxinfer.model_loader.gguf_tensors import read_tensors
+from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
+from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.llama_config import LlamaConfig
+from tests.conftest import make_tiny_model
+from tests.test_gguf_convert import NUM_KV_HEADS, write_gguf
+
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+QUANTIZED = {
+    **dict.fromkeys(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"), Q4_1),
+    **dict.fromkeys(("gate_proj.weight", "up_proj.weight", "down_proj.weight"), Q4_1),
+    "embed_tokens.weight": Q8_0,
+}
+ALL_BLOCKS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed"]
+needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the kernels")
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    """(GGUF path, its converted folder) of a tiny tied model (every K a multiple of 32)."""
+    hf_folder = make_tiny_model(
+        tmp_path_factory.mktemp("hf"),
+        num_key_value_heads=NUM_KV_HEADS,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
+    write_gguf(hf_folder, path, QUANTIZED)
+    return path, gguf_folder(path, tmp_path_factory.mktemp("cache"))
+
+
+def converted(folder):
+    config = LlamaConfig.from_file(folder / "config.json")
+    return config, to_layout(load_llama_params(folder, config, np.float32), OUT_IN)
+
+
+def test_tensor_table_matches_the_gguf_reader(q4_gguf):
+    path, _ = q4_gguf
+    ours = read_tensors(path)
+    theirs = gguf.GGUFReader(path).tensors
+    assert sorted(ours) == sorted(t.name for t in theirs)
+    for t in theirs:
+        tensor = ours[t.name]
+        assert tensor.type_name == t.tensor_type.name
+        assert tensor.shape == tuple(int(d) for d in reversed(t.shape))
+        assert np.array_equal(np.asarray(tensor.data).ravel(), t.data.view(np.uint8).ravel())
+
+
+def test_blocks_reproduce_the_converted_weights_in_engine_order(q4_gguf):
+    path, folder = q4_gguf
+    assert source_gguf(str(path), folder) == path
+    config, params = converted(folder)
+    blocks = load_gguf_blocks(path, config)
+    kept, rejected = verified_blocks(blocks, params)
+    assert rejected == [] and [*kept["layers"], *kept.keys() - {"layers"}] == ALL_BLOCKS
+    assert {w.fmt for w in kept["layers"].values()} == {"Q4_1"} and kept["embed"].fmt == "Q8_0"
+    layers = config.num_hidden_layers
+    assert kept["layers"]["gate_up_proj"].qs.shape == (layers, 2 * 128, 64 // 2)
+
+
+@pytest.mark.parametrize("name", ["qkv_proj", "down_proj"])
+def test_blocks_that_differ_from_the_weights_are_not_kept(q4_gguf, name):
+    path, folder = q4_gguf
+    config, params = converted(folder)
+    layer = np.array(params["layers"][name])
+    layer[1].reshape(-1)[5] += 1e-3  # one value of layer 1
+    params["layers"] = {**params["layers"], name: layer}
+    kept, rejected = verified_blocks(load_gguf_blocks(path, config), params)
+    assert rejected == [name] and name not in kept["layers"]
+
+
+@needs_compiler
+def test_engine_with_gguf_weights_gives_bit_identical_outputs(q4_gguf, cpu_kernel_dir):
+    path, _ = q4_gguf
+    options = dict(
+        max_num_batched_tokens=8,
+        max_num_seqs=3,
+        block_size=8,
+        num_kv_blocks=32,
+        cache_dir=str(cpu_kernel_dir.parent),  # the session's kernel builds
+        compilation_cache=False,
+        matmul_impl="cpu",
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
+    results = {}
+    for mode in ("on", "off"):
+        llm = LLM(model=str(path), gguf_weights=mode, **options)
+        assert llm.engine.gguf_weights == (ALL_BLOCKS if mode == "on" else [])
+        outputs = llm.generate(prompts[:1], params, use_tqdm=False)
+        outputs += llm.generate(prompts, params, use_tqdm=False)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    assert results["on"] == results["off"]
+
+
+def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
+    tiny_model_dir, model_cache_dir
+):
+    options = dict(model=str(tiny_model_dir), cache_dir=str(model_cache_dir), gguf_weights="on")
+    with pytest.raises(ValueError, match=r"gguf_weights 'on' cannot be used here: .*matmul"):
+        LLM(matmul_impl="xla", **options)
+    if compiler() is not None:
+        with pytest.raises(ValueError, match=r"gguf_weights 'on': .*not converted from a GGUF"):
+            LLM(matmul_impl="cpu", **options)
+    with pytest.raises(ValueError, match="gguf_weights must be one of"):
+        LLM(model=str(tiny_model_dir), gguf_weights="yes")

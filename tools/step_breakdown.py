@@ -20,6 +20,7 @@ from device_rates import matmul_rate, memory_bandwidth, timed
 from jaxinfer import LLM
 from jaxinfer.engine.batch import BatchInputs, SamplingMetadata
 from jaxinfer.engine.sampler import sample
+from jaxinfer.layers.gguf_weights import QS, is_block_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,25 @@ def decode_batch(llm: LLM, batch: int, context: int) -> BatchInputs:
             num_seqs=np.array([batch], np.int32),
         )
     )
+
+
+def uses_gguf_blocks(kernels, batch: int) -> bool:
+    """Whether a step of `batch` tokens multiplies the weights' GGUF blocks where they have
+    them (jaxinfer.layers.gguf_weights) rather than the float weights."""
+    matmul = kernels.matmul
+    return getattr(matmul, "gguf_kernel", None) is not None and batch <= matmul.max_block_rows
+
+
+def weight_bytes(params: dict, blocks: bool) -> int:
+    """Bytes a step reads of these parameters: a weight's GGUF blocks instead of the weight
+    where `blocks` and it has them, the weight otherwise (never both)."""
+    total = 0
+    for name, array in params.items():
+        if is_block_param(name):
+            total += array.nbytes if blocks else 0
+        elif not (blocks and name + QS in params):
+            total += array.nbytes
+    return total
 
 
 def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]:
@@ -112,11 +132,16 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
     slots = jnp.arange(batch, dtype=jnp.int32)
     sampler = jax.jit(lambda x: sample(x, sampling, runner.sampler_state, slots, num_logprobs=0))
 
-    layer_weights = sum(a.nbytes for p in layers for a in jax.tree.leaves(p))
+    blocks = uses_gguf_blocks(kernels, batch)
+    layer_weights = sum(weight_bytes(p, blocks) for p in layers)
     matmul_params = sum(
         a.size for p in layers for k, a in p.items() if k.endswith("_proj")
     )  # per token: 2 FLOPs each
-    head = runner.top_params.get("lm_head", runner.top_params["embed"])
+    head_name = "lm_head" if "lm_head" in runner.top_params else "embed"
+    head = runner.top_params[head_name]
+    head_bytes = weight_bytes(
+        {k: a for k, a in runner.top_params.items() if k.startswith(head_name)}, blocks
+    )
     kv_bytes = batch * context * arch.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
     attn_flops = 4 * batch * context * arch.num_attention_heads * head_dim * arch.num_hidden_layers
     layers_time = timed(all_layers, repeats=repeats)
@@ -130,7 +155,7 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
             2 * batch * matmul_params,
         ),
         Part("attention", attention_time, kv_bytes, attn_flops),
-        Part("LM head", timed(logits, repeats=repeats), head.nbytes, 2 * batch * head.size),
+        Part("LM head", timed(logits, repeats=repeats), head_bytes, 2 * batch * head.size),
         Part(
             "sampler (greedy)",
             timed(sampler, row_logits, repeats=repeats),

@@ -12,9 +12,11 @@ import pytest
 
 from cpu_kernels.build import compiler
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import EngineOptions, build_engine_config
 from jaxinfer.layers.linear import OUT_IN, to_layout
 from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.gguf_tensors import read_tensors
+from jaxinfer.model_loader.load import kept_gguf_blocks
 from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama_config import LlamaConfig
@@ -120,3 +122,14 @@ def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
             LLM(matmul_impl="cpu", **options)
     with pytest.raises(ValueError, match="gguf_weights must be one of"):
         LLM(model=str(tiny_model_dir), gguf_weights="yes")
+
+
+def test_another_models_gguf_keeps_no_blocks(q4_gguf, tiny_model_dir):
+    """The blocks of a GGUF that is not the loaded model's (here: another tiny model's) are
+    never kept: "auto" goes without, "on" is a clear error."""
+    path, _ = q4_gguf
+    config = build_engine_config(EngineOptions(model=str(tiny_model_dir)), tiny_model_dir)
+    params = load_llama_params(tiny_model_dir, config.model.arch, np.float32)
+    assert kept_gguf_blocks(path, config, params, OUT_IN, required=False) is None
+    with pytest.raises(ValueError, match=r"gguf_weights 'on': no GGUF blocks can be kept"):
+        kept_gguf_blocks(path, config, params, OUT_IN, required=True)

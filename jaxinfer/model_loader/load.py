@@ -42,7 +42,7 @@ def load_model(
         params = load_llama_params(folder, arch, np.dtype(dtype), replicas)
     blocks = None
     if gguf_weights != "off":
-        blocks = _gguf_blocks(gguf_file, config, params, weight_layout, gguf_weights == "on")
+        blocks = kept_gguf_blocks(gguf_file, config, params, weight_layout, gguf_weights == "on")
     graphdef, state = build_llama(
         arch,
         params,
@@ -56,8 +56,9 @@ def load_model(
     return graphdef, state, names
 
 
-def _gguf_blocks(path, config, params, weight_layout, required: bool) -> dict | None:
-    """The GGUF file's blocks that dequantize bit for bit to the loaded weights."""
+def kept_gguf_blocks(path, config, params, weight_layout, required: bool) -> dict | None:
+    """The GGUF file's blocks that dequantize bit for bit to the loaded weights ("out_in"
+    arrays by weight), or None where none can be kept (a ValueError if `required`)."""
     reason = None
     if weight_layout != OUT_IN:
         reason = "they need the 'out_in' weight layout"
@@ -67,7 +68,11 @@ def _gguf_blocks(path, config, params, weight_layout, required: bool) -> dict | 
         reason = "the weights are quantized or their KV heads replicated"
     blocks, rejected = None, []
     if reason is None:
-        loaded = load_gguf_blocks(path, config.model.arch)
+        try:
+            loaded = load_gguf_blocks(path, config.model.arch)
+        except (ValueError, IndexError) as error:  # not this model's file, or not a GGUF
+            reason = f"{path.name} does not fit the model ({error})"
+    if reason is None:
         blocks, rejected = verified_blocks(loaded, to_layout(params, OUT_IN))
         if not blocks["layers"] and len(blocks) == 1:
             reason = f"no weight of {path.name} has Q4_1 or Q8_0 blocks equal to the loaded weights"

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxinfer.layers.quantization import LAYER_WEIGHTS
+
 QS, SCALES = "_gguf_qs", "_gguf_scales"
-LAYER_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 HEAD_WEIGHTS = ("embed", "lm_head")  # the LM head: the embedding when tied
 
 # Logical axes of the block arrays: none (replicated).

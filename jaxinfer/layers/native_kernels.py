@@ -71,19 +71,22 @@ def _common_reasons(platform: str, tensor_parallel_size: int, dtype) -> list[str
     return reasons
 
 
-def _load(name: str, impl: str, reasons: list[str], loader: Callable, build_dir: Path):
-    """The kernel from `loader`, or None where "auto" cannot have it; "cpu" where it cannot
-    run is a ValueError naming why (or KernelBuildError when it cannot be built)."""
+def _load(
+    name: str, value: str, required: bool, reasons: list[str], loader: Callable, build_dir: Path
+):
+    """The kernel from `loader`, or None where it cannot be had and is not `required`; where it
+    is (option `name` set to `value`), a ValueError naming why it cannot run, or the
+    KernelBuildError when it cannot be built."""
     if reasons:
-        if impl == "cpu":
-            raise ValueError(f"{name} 'cpu' cannot run here: " + "; ".join(reasons))
+        if required:
+            raise ValueError(f"{name} {value!r} cannot be used here: " + "; ".join(reasons))
         return None
     try:
         return loader(build_dir)
     except KernelBuildError as error:
-        if impl == "cpu":
+        if required:
             raise
-        logger.warning("C++ kernel for %s unavailable (%s); XLA runs it", name, error)
+        logger.warning("C++ kernel for %s unavailable (%s); going without it", name, error)
         return None
 
 
@@ -138,7 +141,7 @@ def select_matmul(
     reasons = _common_reasons(platform, tensor_parallel_size, dtype)
     if weight_layout != OUT_IN:
         reasons.append("it takes the 'out_in' weight layout")
-    kernel = _load("matmul_impl", impl, reasons, load_matmul, build_dir)
+    kernel = _load("matmul_impl", impl, impl == "cpu", reasons, load_matmul, build_dir)
     return None if kernel is None else KernelMatmul(kernel)
 
 
@@ -156,17 +159,7 @@ def select_gguf_kernel(
         reasons.append("it works beside the matmul kernel, which is not in use (matmul_impl)")
     if quantization is not None:
         reasons.append(f"it takes float32 weights, not {quantization}")
-    if reasons:
-        if mode == "on":
-            raise ValueError("gguf_weights 'on' cannot be used here: " + "; ".join(reasons))
-        return None
-    try:
-        return load_gguf_matmul(build_dir)
-    except KernelBuildError as error:
-        if mode == "on":
-            raise
-        logger.warning("C++ kernel for GGUF blocks unavailable (%s)", error)
-        return None
+    return _load("gguf_weights", mode, mode == "on", reasons, load_gguf_matmul, build_dir)
 
 
 def check_gguf_mode(mode: str) -> None:
@@ -194,5 +187,5 @@ def select_attention(
         reasons.append(f"it takes a head_dim that is a multiple of 8 up to 256, not {head_dim}")
     if block_size > 128:
         reasons.append(f"it takes a block_size up to 128, not {block_size}")
-    kernel = _load("attention_impl", impl, reasons, load_paged_attention, build_dir)
+    kernel = _load("attention_impl", impl, impl == "cpu", reasons, load_paged_attention, build_dir)
     return resolved if kernel is None else kernel

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cpu_kernels.gguf_matmul.reference import BLOCK, FORMATS, dequantize
+from jaxinfer.layers.quantization import LAYER_WEIGHTS
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
 from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
@@ -53,9 +54,14 @@ def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
     return BlockWeight(fmt, values, scales)
 
 
+def _one_format(weights: list[BlockWeight | None]) -> bool:
+    """Whether every weight has blocks, all in the same format."""
+    return all(w is not None for w in weights) and len({w.fmt for w in weights}) == 1
+
+
 def _rows(weights: list[BlockWeight], order: np.ndarray | None = None) -> BlockWeight | None:
     """The weights' rows concatenated (then taken in `order`); None unless one format."""
-    if any(w is None for w in weights) or len({w.fmt for w in weights}) != 1:
+    if not _one_format(weights):
         return None
     qs = np.concatenate([w.qs for w in weights])
     scales = np.concatenate([w.scales for w in weights])
@@ -65,7 +71,7 @@ def _rows(weights: list[BlockWeight], order: np.ndarray | None = None) -> BlockW
 
 
 def _stack(layers: list[BlockWeight | None]) -> BlockWeight | None:
-    if any(w is None for w in layers) or len({w.fmt for w in layers}) != 1:
+    if not _one_format(layers):
         return None
     return BlockWeight(
         layers[0].fmt, np.stack([w.qs for w in layers]), np.stack([w.scales for w in layers])
@@ -102,9 +108,7 @@ def load_gguf_blocks(path: Path, config: LlamaConfig) -> dict:
         return BlockWeight(w.fmt, unpermute_qk(w.qs, heads), unpermute_qk(w.scales, heads))
 
     qkv_order = _qkv_order(config)
-    per_layer: dict[str, list] = {
-        n: [] for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    }
+    per_layer: dict[str, list] = {name: [] for name in LAYER_WEIGHTS}
     for i in range(config.num_hidden_layers):
         q = q_rows(i, "q", config.num_attention_heads)
         k = q_rows(i, "k", config.num_key_value_heads)

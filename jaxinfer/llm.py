@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -10,7 +11,7 @@ from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -80,6 +81,8 @@ class LLM:
         try:
             priorities = priority if priority is not None else [0] * len(prompts)
             for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
+                # Only the final outputs are returned: the engine builds nothing else.
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 request = engine.add_request(
                     prompt, params, add_special_tokens=add_special_tokens, priority=rank
                 )

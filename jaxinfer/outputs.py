@@ -54,3 +54,30 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token the
     # top-N ids and the token itself, as for output logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """One DELTA output holding what several consecutive ones of a request reported."""
+    pieces: dict[int, list[CompletionOutput]] = {}
+    for output in outputs:
+        for completion in output.outputs:
+            pieces.setdefault(completion.index, []).append(completion)
+    merged = []
+    for index, parts in sorted(pieces.items()):
+        logprobs = None
+        if parts[0].logprobs is not None:
+            logprobs = [entry for part in parts for entry in part.logprobs]
+        merged.append(
+            CompletionOutput(
+                index=index,
+                text="".join(part.text for part in parts),
+                token_ids=[token for part in parts for token in part.token_ids],
+                logprobs=logprobs,
+                finish_reason=parts[-1].finish_reason,
+                stop_reason=parts[-1].stop_reason,
+            )
+        )
+    prompt_logprobs = next(
+        (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None
+    )
+    return dataclasses.replace(outputs[-1], outputs=merged, prompt_logprobs=prompt_logprobs)

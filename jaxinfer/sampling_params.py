@@ -1,18 +1,36 @@
 """Per-request sampling parameters, with vLLM's (and OpenAI's) names and meaning.
 
 Every field is validated on creation; a value out of range is a ValueError naming the field,
-and an unknown keyword (best_of included) is an error rather than something ignored.
+and an unknown keyword (best_of included) is an error rather than something ignored. The
+ranges keep every value that reaches a float32 or int32 array of the step finite and in range,
+and every per-step host cost bounded (stop strings, bad words).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from collections.abc import Mapping, Sequence
 
 MAX_LOGPROBS = 20  # like OpenAI's top_logprobs limit
 MAX_N = 128
+MIN_TEMPERATURE = 1e-6  # a positive temperature below this would overflow float32 logits
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP_STRINGS = 64  # each is searched for at every step
+MAX_STOP_CHARS = 512  # per stop string: a stream holds back up to this many characters
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 256
+
+
+class RequestOutputKind(enum.Enum):
+    """What the engine reports for a request at each step (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, at every step
+    DELTA = "delta"  # only what is new since the last report (streams)
+    FINAL_ONLY = "final_only"  # one report, when the request finishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,23 +87,25 @@ class SamplingParams:
 
     Args:
         n: independent samples of the same prompt (they share the prompt's KV blocks).
-        temperature: 0 is greedy (argmax); above 0 scales the logits before a random draw.
+        temperature: 0 is greedy (argmax); otherwise in [1e-6, 100], dividing the logits
+            before a random draw.
         top_p: sample from the smallest set of tokens whose probability reaches top_p (0, 1].
-        top_k: sample from the k most likely tokens; 0 or -1 means all.
+        top_k: sample from the k most likely tokens; 0, -1 or k >= the vocabulary means all.
         min_p: drop tokens less likely than min_p times the most likely one, [0, 1].
-        repetition_penalty: > 0; divides positive (multiplies negative) logits of tokens seen
-            in the prompt or the output; 1 is off.
+        repetition_penalty: in [0.01, 100]; divides positive (multiplies negative) logits of
+            tokens seen in the prompt or the output; 1 is off.
         presence_penalty: [-2, 2], subtracted from the logits of tokens in the output.
         frequency_penalty: [-2, 2], times each token's count in the output, subtracted.
         logit_bias: token id -> bias in [-100, 100], added to the logits.
         allowed_token_ids: only these tokens may be sampled.
         bad_words: words that must not be generated (their token sequences are blocked, as
-            vLLM does: the last token of each, after the rest).
+            vLLM does: the last token of each, after the rest); at most 1024 of up to 256
+            characters.
         min_tokens: the end-of-sequence and stop tokens are suppressed until this many tokens
             have been generated.
         max_tokens: most tokens to generate; None runs until a stop or max_model_len.
         stop: strings that end the output; found across token boundaries and left out of
-            the text unless include_stop_str_in_output.
+            the text unless include_stop_str_in_output; at most 64 of up to 512 characters.
         stop_token_ids: tokens that end the output (kept in token_ids, finish_reason "stop").
         include_stop_str_in_output: keep the stop string at the end of the text.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
@@ -96,6 +116,8 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the returned text.
         structured_outputs: constrain the output (json schema, json object, regex, choice,
             Lark grammar).
+        output_kind: what each engine step reports for the request (cumulative outputs,
+            deltas, or only the final output).
     """
 
     n: int = 1
@@ -120,19 +142,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     best_of: None = None  # refused: vLLM v1 dropped it too; use n
 
     def __post_init__(self):
         if self.best_of is not None:
             raise ValueError("best_of is not supported; ask for n samples instead")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        set_("stop_token_ids", tuple(self.stop_token_ids or ()))
+        set_("stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids or ())))
         if isinstance(self.stop, str):
             set_("stop", (self.stop,))
         set_("stop", tuple(self.stop or ()))
-        set_("bad_words", tuple(self.bad_words or ()))
+        set_("bad_words", tuple(dict.fromkeys(self.bad_words or ())))
         if self.allowed_token_ids is not None:
-            set_("allowed_token_ids", tuple(self.allowed_token_ids))
+            set_("allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids)))
         if self.logit_bias is not None:
             try:
                 set_("logit_bias", {int(k): float(v) for k, v in dict(self.logit_bias).items()})
@@ -144,15 +167,23 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _integer("n", self.n, 1, MAX_N)
-        _number("temperature", self.temperature, 0, None)
+        _number("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {self.temperature!r}"
+            )
         _number("top_p", self.top_p, 0, 1)
         if self.top_p <= 0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         _integer("top_k", self.top_k, -1, None)
         _number("min_p", self.min_p, 0, 1)
-        _number("repetition_penalty", self.repetition_penalty, 0, None)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _number(
+            "repetition_penalty",
+            self.repetition_penalty,
+            MIN_REPETITION_PENALTY,
+            MAX_REPETITION_PENALTY,
+        )
         _number("presence_penalty", self.presence_penalty, -2, 2)
         _number("frequency_penalty", self.frequency_penalty, -2, 2)
         for token, bias in (self.logit_bias or {}).items():
@@ -167,6 +198,7 @@ class SamplingParams:
                 _integer("allowed_token_ids entries", token, 0, None)
         if not all(isinstance(w, str) and w for w in self.bad_words):
             raise ValueError("bad_words must be non-empty strings")
+        _bounded_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_BAD_WORD_CHARS)
         _integer("min_tokens", self.min_tokens, 0, None)
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens, 1, None)
@@ -176,6 +208,7 @@ class SamplingParams:
                 )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
+        _bounded_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_CHARS)
         for token in self.stop_token_ids:
             _integer("stop_token_ids entries", token, 0, None)
         if self.seed is not None:
@@ -187,6 +220,8 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise ValueError("structured_outputs must be StructuredOutputsParams or a dict")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -203,10 +238,9 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    @property
-    def top_k_or_all(self) -> int:
-        """top_k with 'all' as 0."""
-        return max(self.top_k, 0)
+    def top_k_or_all(self, vocab_size: int) -> int:
+        """top_k with 'all' (-1, 0 or the whole vocabulary and beyond) as 0."""
+        return self.top_k if 0 < self.top_k < vocab_size else 0
 
 
 def _integer(name: str, value, low: int, high: int | None) -> None:
@@ -220,11 +254,19 @@ def _integer(name: str, value, low: int, high: int | None) -> None:
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
+def _bounded_strings(name: str, values: tuple[str, ...], count: int, chars: int) -> None:
+    if len(values) > count:
+        raise ValueError(f"{name} takes at most {count} strings, got {len(values)}")
+    longest = max(map(len, values), default=0)
+    if longest > chars:
+        raise ValueError(f"{name} strings must be at most {chars} characters, got {longest}")
+
+
 def _number(name: str, value, low: float, high: float | None) -> None:
     if (
         not isinstance(value, int | float)
         or isinstance(value, bool)
-        or math.isnan(value)
+        or (isinstance(value, float) and not math.isfinite(value))
         or value < low
         or (high is not None and value > high)
     ):

@@ -7,6 +7,8 @@ Loads and warms up the engine, then serves /v1/completions, /v1/chat/completions
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import uvicorn
 from absl import app, flags
@@ -20,6 +22,7 @@ from jaxinfer.engine_flags import (
 from jaxinfer.parallel.distributed import initialize
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.guard import HostPolicy
 from jaxinfer.server.metrics import ServerMetrics
 
 FLAGS = flags.FLAGS
@@ -27,11 +30,39 @@ define_engine_flags()
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_string("served_model_name", None, "Model name clients use; default: the folder's.")
-flags.DEFINE_string("api_key", None, "Require `Authorization: Bearer <key>` on the API.")
-flags.DEFINE_integer("max_queued_requests", None, "Unfinished requests beyond which: 503.")
+flags.DEFINE_string(
+    "api_key", None, "Require `Authorization: Bearer <key>` (visible in `ps`: prefer the file)."
+)
+flags.DEFINE_string("api_key_file", None, "File holding the API key (its first line).")
+flags.DEFINE_integer(
+    "max_queued_requests", 1024, "Sequences (prompts x n) held at once; beyond: 503. 0: no limit."
+)
 flags.DEFINE_integer("max_body_bytes", 4 << 20, "Larger request bodies: 413.")
 flags.DEFINE_bool("allow_request_chat_template", False, "Accept chat_template in requests.")
+flags.DEFINE_float("chat_template_timeout", 5.0, "Seconds a request's own chat template gets.")
+flags.DEFINE_list(
+    "allowed_hosts",
+    None,
+    "Host names the server answers besides the loopback ones and --host ('*': any); bound to "
+    "all interfaces it also answers any IP address.",
+)
+flags.DEFINE_float("engine_step_timeout", 60.0, "A step running longer: /health 503, engine dead.")
+flags.DEFINE_float("grammar_timeout", 10.0, "Seconds a structured-output spec may compile.")
+flags.DEFINE_bool(
+    "exit_on_engine_failure", False, "Exit with status 1 when the engine dies or stalls."
+)
 flags.DEFINE_integer("shutdown_timeout", 30, "Seconds in-flight requests get on SIGTERM.")
+
+
+def _api_key() -> str | None:
+    if FLAGS.api_key is not None and FLAGS.api_key_file is not None:
+        raise app.UsageError("give --api_key or --api_key_file, not both")
+    if FLAGS.api_key_file is None:
+        return FLAGS.api_key
+    lines = Path(FLAGS.api_key_file).read_text().splitlines()
+    if not lines or not lines[0].strip():
+        raise app.UsageError(f"{FLAGS.api_key_file} holds no API key")
+    return lines[0].strip()
 
 
 def main(argv):
@@ -44,18 +75,44 @@ def main(argv):
             "request, which the server does not broadcast yet; use jaxinfer.run_batch, whose "
             "processes all read the same input"
         )
+    api_key = _api_key()
     initialize(distributed)
     engine = LLMEngine(engine_options_from_flags())
     name = FLAGS.served_model_name or engine.config.model.path.name
     config = ServerConfig(
         served_model_name=name,
-        api_key=FLAGS.api_key,
-        max_queued_requests=FLAGS.max_queued_requests,
+        api_key=api_key,
+        max_queued_requests=FLAGS.max_queued_requests or None,
         max_body_bytes=FLAGS.max_body_bytes,
         allow_request_chat_template=FLAGS.allow_request_chat_template,
+        chat_template_timeout=FLAGS.chat_template_timeout,
+        host_policy=HostPolicy.for_server(FLAGS.host, FLAGS.allowed_hosts),
+        engine_step_timeout=FLAGS.engine_step_timeout,
     )
     metrics = ServerMetrics(engine)
-    application = build_app(AsyncEngine(engine, metrics.observe_finished), config, metrics)
+    async_engine = AsyncEngine(
+        engine, metrics.observe_finished, grammar_timeout=FLAGS.grammar_timeout
+    )
+    engine_failed = False
+
+    def on_engine_dead() -> None:
+        nonlocal engine_failed
+        if FLAGS.exit_on_engine_failure:
+            logging.error("the engine has failed: shutting down (--exit_on_engine_failure)")
+            engine_failed = True
+            server.should_exit = True
+
+    application = build_app(async_engine, config, metrics, on_engine_dead)
+    # uvicorn stops accepting on SIGTERM and waits for in-flight requests up to the timeout.
+    server = uvicorn.Server(
+        uvicorn.Config(
+            application,
+            host=FLAGS.host,
+            port=FLAGS.port,
+            log_level="warning",
+            timeout_graceful_shutdown=FLAGS.shutdown_timeout,
+        )
+    )
     logging.info(
         "serving %s on http://%s:%d (warm-up %.1f s)",
         name,
@@ -63,14 +120,11 @@ def main(argv):
         FLAGS.port,
         engine.warmup_seconds,
     )
-    # uvicorn stops accepting on SIGTERM and waits for in-flight requests up to the timeout.
-    uvicorn.run(
-        application,
-        host=FLAGS.host,
-        port=FLAGS.port,
-        log_level="warning",
-        timeout_graceful_shutdown=FLAGS.shutdown_timeout,
-    )
+    server.run()
+    if engine_failed:
+        # The engine thread may still be inside a stalled step: do not wait for it.
+        logging.shutdown()
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-
-def _raise_exception(message: str):
-    raise TemplateError(message)
+from jaxinfer import chat_template
 
 
 class TokenizerWrapper:
@@ -28,11 +23,8 @@ class TokenizerWrapper:
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.add_bos_token = bool(config.get("add_bos_token")) and self.bos_token_id is not None
         self.chat_template = config.get("chat_template")
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._env.globals["raise_exception"] = _raise_exception
-        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._env.filters["tojson"] = _tojson
-        self._template = self._env.from_string(self.chat_template) if self.chat_template else None
+        env = chat_template.environment()
+        self._template = env.from_string(self.chat_template) if self.chat_template else None
 
     @property
     def vocab_size(self) -> int:
@@ -42,10 +34,26 @@ class TokenizerWrapper:
         """Token ids of `text`. With add_special_tokens (plain prompts), the tokenizer's own
         post-processor runs and a BOS is prepended when tokenizer_config asks for one; chat
         prompts pass False, since the template already wrote the special tokens as text."""
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
-        return ids
+        return self.encode_many([text], add_special_tokens)[0]
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text. The batch call releases the GIL while it tokenizes (a
+        single `Tokenizer.encode` holds it), so a long input tokenized on a worker thread
+        does not stall the server's event loop or the engine thread."""
+        if not texts:
+            return []
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        result = []
+        for encoding in encodings:
+            ids = encoding.ids
+            if (
+                add_special_tokens
+                and self.add_bos_token
+                and (not ids or ids[0] != self.bos_token_id)
+            ):
+                ids.insert(0, self.bos_token_id)
+            result.append(ids)
+        return result
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -54,26 +62,26 @@ class TokenizerWrapper:
         self,
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        max_chars: int | None = None,
     ) -> str:
-        """Renders the model's chat template (or `chat_template`) in the sandbox; a template
-        that fails raises jinja2's TemplateError (SecurityError when it breaks the sandbox)."""
-        template = self._env.from_string(chat_template) if chat_template else self._template
-        if template is None:
+        """Renders the model's chat template in the sandbox; a template that fails raises
+        jinja2's TemplateError (SecurityError when it breaks the sandbox) or whatever else
+        its code raised, and one producing more than max_chars a ValueError."""
+        if self._template is None:
             raise ValueError("this model has no chat template")
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        variables = self.template_variables(messages, add_generation_prompt)
+        if max_chars is None:
+            return self._template.render(**variables)
+        return chat_template.render_bounded(self._template, variables, max_chars)
 
-
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):
-    """As transformers renders chat templates: plain JSON, no HTML escaping."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    def template_variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        """What a chat template renders from."""
+        return {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
 
 
 def _token_text(value) -> str | None:

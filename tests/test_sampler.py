@@ -13,10 +13,12 @@ from scipy import stats
 from jaxinfer import SamplingParams
 from jaxinfer.engine.batch import SamplingMetadata
 from jaxinfer.engine.constraints import (
+    BadWords,
     RequestConstraints,
     bias_row,
     bitmask_width,
     clear_bits,
+    stop_mask,
 )
 from jaxinfer.engine.logits_processors import (
     apply_min_p,
@@ -141,10 +143,13 @@ def test_bias_row_logit_bias_allowed_and_banned():
 
 
 def test_bad_words_and_min_tokens_rows():
-    constraints = RequestConstraints(
-        matcher=None, bad_word_sequences=[[7], [4, 5, 6]], min_tokens=2, stop_ids=[0, 2]
-    )
     vocab = 40
+    constraints = RequestConstraints(
+        matcher=None,
+        bad_words=BadWords([[7], [4, 5, 6], [8, 5, 6], [9, 6]]),
+        min_tokens=2,
+        stop_mask=stop_mask([0, 2], vocab),
+    )
 
     def allowed(outputs, position):
         mask = np.full((1, bitmask_width(vocab)), -1, np.int32)
@@ -156,6 +161,8 @@ def test_bad_words_and_min_tokens_rows():
     after_prefix = allowed([1, 4, 5], 3)  # "4 5" seen: 6 would complete the bad word
     assert not after_prefix[6] and after_prefix[0] and after_prefix[2]
     assert allowed([4, 1], 2)[6]
+    assert not allowed([3, 9], 2)[6] and allowed([3, 9], 2)[5]  # "9 6"
+    assert not allowed([8, 5], 2)[6]  # two words share their last token
 
 
 def metadata(rows: int, **values) -> SamplingMetadata:

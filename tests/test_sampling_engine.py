@@ -81,7 +81,7 @@ def test_logit_bias_allowed_tokens_and_bad_words(llm):
         (w, seqs)
         for w in candidates
         if w.strip()
-        for seqs in [llm.engine._bad_word_sequences((w,))]
+        for seqs in [llm.engine.input_processor.bad_word_sequences((w,))]
         if any(occurs(s, reference) for s in seqs)
     )
     blocked = (

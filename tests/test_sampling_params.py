@@ -13,6 +13,20 @@ from jaxinfer.sampling_params import StructuredOutputsParams
     [
         (dict(temperature=-1), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e-50), "temperature"),
+        (dict(temperature=101), "temperature"),
+        (dict(repetition_penalty=1e-50), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=float("-inf")), "min_p"),
+        (dict(presence_penalty=float("inf")), "presence_penalty"),
+        (dict(logit_bias={5: float("inf")}), "logit_bias"),
+        (dict(stop=["x"] * 65), "stop takes at most 64"),
+        (dict(stop=["x" * 513]), "stop strings must be at most 512"),
+        (dict(bad_words=[f"w{i}" for i in range(1025)]), "bad_words takes at most 1024"),
+        (dict(bad_words=["w" * 257]), "bad_words strings"),
+        (dict(output_kind="delta"), "output_kind"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(logprobs=21), "logprobs"),
         (dict(prompt_logprobs=-1), "prompt_logprobs"),
@@ -60,5 +74,7 @@ def test_normalization():
     assert params.stop == ("###",)
     assert params.logit_bias == {7: 3.0}
     assert params.structured_outputs == StructuredOutputsParams(choice=("yes", "no"))
-    assert params.top_k_or_all == 0
+    assert params.top_k_or_all(100) == 0
+    assert SamplingParams(top_k=2**40).top_k_or_all(100) == 0  # beyond the vocabulary: all
+    assert SamplingParams(top_k=99).top_k_or_all(100) == 99
     assert not params.uses_penalties and SamplingParams(presence_penalty=0.1).uses_penalties

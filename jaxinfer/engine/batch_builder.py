@@ -191,12 +191,11 @@ class BatchBuilder:
         )
         return PromptLogprobRows(rows, targets, tuple((r, p, n) for r, _, p, n in spans))
 
-    @staticmethod
-    def _sampling_row(sampling: SamplingMetadata, row: int, item: ScheduledRequest) -> None:
+    def _sampling_row(self, sampling: SamplingMetadata, row: int, item: ScheduledRequest) -> None:
         request = item.request
         params = request.sampling_params
         sampling.temperature[row] = params.temperature
-        sampling.top_k[row] = params.top_k_or_all
+        sampling.top_k[row] = params.top_k_or_all(self.vocab_size)
         sampling.top_p[row] = params.top_p
         sampling.min_p[row] = params.min_p
         sampling.repetition_penalty[row] = params.repetition_penalty

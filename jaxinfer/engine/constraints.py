@@ -8,8 +8,10 @@ min_tokens (end-of-sequence and stop tokens blocked until then).
 
 from __future__ import annotations
 
+import collections
 import json
 import re
+import threading
 from pathlib import Path
 
 import llguidance
@@ -49,7 +51,13 @@ def bias_row(params: SamplingParams, vocab_size: int, banned_ids: list[int]) -> 
 
 class GrammarCompiler:
     """Compiles structured-output specs to llguidance matchers, within llguidance's parser
-    limits (lexer fuel, items per step, grammar size), so a hostile spec fails fast."""
+    limits (lexer fuel, items per step, grammar size), so a hostile spec fails fast.
+
+    Thread-safe. Each spec is compiled once into a template matcher (validated, its lexer
+    built by a first mask) kept in a small LRU cache with the errors of invalid specs; each
+    request gets a copy of the template (`deep_copy` shares the compiled grammar)."""
+
+    CACHE_SIZE = 64
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer = llguidance.LLTokenizer(
@@ -58,6 +66,11 @@ class GrammarCompiler:
         # Default limits, but a fifth of the initial lexer fuel: measured here, 1M (the
         # default) let one hostile regex hold the engine for about a second.
         self.limits = llguidance.LLParserLimits(initial_lexer_fuel=200_000)
+        self._cache: collections.OrderedDict[str, llguidance.LLMatcher | str] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars compiled (cache misses), for tests and metrics
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
         texts = [spec.json if isinstance(spec.json, str) else None, spec.regex, spec.grammar]
@@ -82,42 +95,97 @@ class GrammarCompiler:
             )
         return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
-    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher; ValueError (for this request alone) if the spec is invalid."""
+    def template(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The compiled matcher of `spec`, never advanced (copy it to use it); ValueError (for
+        this request alone) if the spec is invalid."""
         grammar = self.grammar(spec)
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+        if cached is None:
+            cached = self._compile(grammar)
+            with self._lock:
+                self.num_compiled += 1
+                self._cache[grammar] = cached
+                while len(self._cache) > self.CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(cached, str):
+            raise ValueError(cached)
+        return cached
+
+    def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """A fresh matcher of its own for one request."""
+        return self.template(spec).deep_copy()
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher | str:
+        """The template matcher, or the error message of an invalid grammar."""
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
         if error and not error.startswith("WARNING"):
-            raise ValueError(f"invalid structured-output spec: {error}")
+            return f"invalid structured-output spec: {error}"
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, limits=self.limits, log_level=0)
         if not matcher.is_error():
             # The first mask builds the lexer; a spec past the limits fails here, at admission.
             scratch = np.zeros((1, bitmask_width(self.tokenizer.vocab_size)), np.int32)
             llguidance.numpy.fill_next_token_bitmask(matcher, scratch, 0)
         if matcher.is_error():
-            raise ValueError(f"invalid structured-output spec: {matcher.get_error()}")
+            return f"invalid structured-output spec: {matcher.get_error()}"
         return matcher
 
 
+class BadWords:
+    """Multi-token bad words as a table: after a word's leading tokens, its last token is
+    blocked. A step looks up each distinct prefix length once, so its cost does not grow with
+    the number of words."""
+
+    def __init__(self, sequences: list[list[int]]):
+        self.by_prefix_length: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for sequence in sequences:
+            if len(sequence) > 1:
+                table = self.by_prefix_length.setdefault(len(sequence) - 1, {})
+                table.setdefault(tuple(sequence[:-1]), []).append(sequence[-1])
+
+    def __bool__(self) -> bool:
+        return bool(self.by_prefix_length)
+
+    def banned_after(self, output_ids: list[int]) -> list[int]:
+        """The tokens that would complete a bad word after `output_ids`."""
+        banned: list[int] = []
+        for length, table in self.by_prefix_length.items():
+            if length <= len(output_ids):
+                banned += table.get(tuple(output_ids[len(output_ids) - length :]), ())
+        return banned
+
+
+def stop_mask(stop_ids: list[int], vocab_size: int) -> np.ndarray:
+    """A bitmask row (i32[W]) allowing every token but `stop_ids`."""
+    row = np.full(bitmask_width(vocab_size), -1, np.int32)
+    clear_bits(row, stop_ids)
+    return row
+
+
 class RequestConstraints:
-    """The per-step constraints of one request (None fields are unused)."""
+    """The per-step constraints of one request (None fields are unused). The bad words and
+    the stop mask are shared by the samples of one request; the matcher is each sample's own.
+    """
 
     def __init__(
         self,
         matcher: llguidance.LLMatcher | None,
-        bad_word_sequences: list[list[int]],
+        bad_words: BadWords | None,
         min_tokens: int,
-        stop_ids: list[int],
+        stop_mask: np.ndarray | None,
     ):
         self.matcher = matcher
-        self.bad_word_sequences = [s for s in bad_word_sequences if len(s) > 1]
+        self.bad_words = bad_words if bad_words else None
         self.min_tokens = min_tokens
-        self.stop_ids = stop_ids
+        self.stop_mask = stop_mask  # i32[W], applied while output_position < min_tokens
 
     @property
     def depends_on_tokens(self) -> bool:
         """True when a step's row depends on the tokens sampled before it (so the step cannot
         be scheduled before they reach the host)."""
-        return self.matcher is not None or bool(self.bad_word_sequences)
+        return self.matcher is not None or self.bad_words is not None
 
     def active(self, output_position: int) -> bool:
         return self.depends_on_tokens or output_position < self.min_tokens
@@ -129,12 +197,10 @@ class RequestConstraints:
         row = bitmask[index]
         if self.matcher is not None:
             llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, index)
-        for sequence in self.bad_word_sequences:
-            prefix = sequence[:-1]
-            if output_ids[len(output_ids) - len(prefix) :] == prefix:
-                clear_bits(row, [sequence[-1]])
-        if output_position < self.min_tokens:
-            clear_bits(row, self.stop_ids)
+        if self.bad_words is not None:
+            clear_bits(row, self.bad_words.banned_after(output_ids))
+        if output_position < self.min_tokens and self.stop_mask is not None:
+            row &= self.stop_mask
 
     def accept(self, token_id: int) -> None:
         if self.matcher is not None:
@@ -151,16 +217,3 @@ class RequestConstraints:
     def finished(self) -> bool:
         """The grammar is complete: nothing more may follow."""
         return self.matcher is not None and self.matcher.is_stopped()
-
-
-def build_constraints(
-    params: SamplingParams,
-    compiler: GrammarCompiler,
-    bad_word_sequences: list[list[int]],
-    stop_ids: list[int],
-) -> RequestConstraints | None:
-    matcher = compiler.matcher(params.structured_outputs) if params.structured_outputs else None
-    constraints = RequestConstraints(matcher, bad_word_sequences, params.min_tokens, stop_ids)
-    if constraints.depends_on_tokens or constraints.min_tokens:
-        return constraints
-    return None

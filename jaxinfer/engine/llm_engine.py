@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import secrets
@@ -14,10 +13,11 @@ import jax
 import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions, build_engine_config
-from jaxinfer.engine import compilation_cache
+from jaxinfer.engine import compilation_cache, output_builder
 from jaxinfer.engine.batch_builder import BatchBuilder, PromptLogprobRows
-from jaxinfer.engine.constraints import GrammarCompiler, bias_row, build_constraints
+from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.parent_request import ParentRequest
@@ -28,11 +28,11 @@ from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
 from jaxinfer.layers.native_kernels import select_attention, select_gguf_kernel, select_matmul
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
-from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.parallel.host import fetch
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,13 @@ class LLMEngine:
             self.config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            folder / "tokenizer.json",
+            arch.vocab_size,
+            self.eos_token_ids,
+            self.scheduler.check_admissible,
+        )
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by id
@@ -159,6 +166,21 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # a step enqueued and not yet processed
 
     # -- requests --------------------------------------------------------------------------
+
+    def prepare_request(
+        self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+    ) -> PreparedRequest:
+        """Tokenizes and checks a request and builds what its samples share (grammar, bias
+        row, bad words); raises ValueError if it could never be served. Thread-safe: the
+        server calls it off the engine thread, so admitting the result costs the step loop
+        almost nothing.
+
+        Args:
+            prompt: text, or token ids used as they are.
+            params: how to sample.
+            add_special_tokens: for text prompts; False for rendered chat templates.
+        """
+        return self.input_processor.prepare(prompt, params, add_special_tokens)
 
     def add_request(
         self,
@@ -181,30 +203,47 @@ class LLMEngine:
             priority: lower is scheduled first and preempted last; FCFS among equals.
             cache_salt: prefix-cache entries are shared only among requests with the same salt.
         """
+        prepared = self.prepare_request(prompt, params, add_special_tokens)
+        return self.add_prepared(prepared, request_id, priority, cache_salt)
+
+    def add_prepared(
+        self,
+        prepared: PreparedRequest,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request | ParentRequest:
+        """Admits a prepared request (see add_request for the arguments)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id is None:
             request_id = self._new_request_id()
         if request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        vocab = self.config.model.arch.vocab_size
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
-            if any(not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params = prepared.params
         if params.n == 1:
-            return self._add_one(request_id, text, token_ids, params, priority, cache_salt)
-        parent = ParentRequest(request_id, text, token_ids, [], [None] * params.n)
+            return self._add_one(request_id, prepared, params, priority, cache_salt)
+        parent = ParentRequest(
+            request_id,
+            prepared.prompt,
+            prepared.prompt_token_ids,
+            [],
+            [None] * params.n,
+            params.output_kind,
+        )
         try:
             for index in range(params.n):
                 child_id = f"{request_id}#{index}"
                 if child_id in self.requests:
                     raise ValueError(f"request id {child_id!r} is already in use")
                 seed = None if params.seed is None else (params.seed + index) % 2**64
-                child_params = dataclasses.replace(params, n=1, seed=seed)
-                child = self._add_one(child_id, text, token_ids, child_params, priority, cache_salt)
+                # The first sample reports the prompt's logprobs; the others need not compute
+                # them, so they may start from the prefix cache.
+                prompt_logprobs = params.prompt_logprobs if index == 0 else None
+                child_params = dataclasses.replace(
+                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
+                )
+                child = self._add_one(child_id, prepared, child_params, priority, cache_salt)
                 child.parent, child.index = parent, index
                 parent.children.append(child)
         except Exception:
@@ -217,40 +256,29 @@ class LLMEngine:
     def _add_one(
         self,
         request_id: str,
-        text: str | None,
-        token_ids: list[int],
+        prepared: PreparedRequest,
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
     ) -> Request:
-        vocab = self.config.model.arch.vocab_size
-        for name, ids in [
-            ("stop_token_ids", params.stop_token_ids),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("logit_bias", (params.logit_bias or {}).keys()),
-        ]:
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} has token ids beyond the vocabulary ({vocab})")
-        bad_words = self._bad_word_sequences(params.bad_words)
-        constraints = build_constraints(
-            params,
-            self._grammar_compiler,
-            bad_words,
-            stop_ids=sorted(set(params.stop_token_ids) | self.eos_token_ids),
+        matcher = prepared.grammar.deep_copy() if prepared.grammar is not None else None
+        constraints = RequestConstraints(
+            matcher, prepared.bad_words, params.min_tokens, prepared.stop_mask
         )
         request = Request(
             request_id=request_id,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=prepared.prompt_token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             seed=params.seed if params.seed is not None else secrets.randbits(64),
             metrics=RequestMetrics(arrival_time=time.time()),
-            prompt=text,
+            prompt=prepared.prompt,
             priority=priority,
             cache_salt=cache_salt,
-            bias=bias_row(params, vocab, [w[0] for w in bad_words if len(w) == 1]),
-            constraints=constraints,
+            bias=prepared.bias,
+            constraints=constraints if constraints.active(0) else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            stop_token_ids=prepared.stop_token_ids,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -258,25 +286,6 @@ class LLMEngine:
             self.tokenizer.tokenizer, params.skip_special_tokens
         )
         return request
-
-    def _bad_word_sequences(self, bad_words: tuple[str, ...]) -> list[list[int]]:
-        """Token sequences of each bad word, as written and after a space (vLLM's rule)."""
-        sequences = []
-        for word in bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
-
-    @functools.cached_property
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """Built on first use (it indexes the whole vocabulary)."""
-        return GrammarCompiler(
-            self.config.model.path / "tokenizer.json",
-            self.config.model.arch.vocab_size,
-            sorted(self.eos_token_ids),
-        )
 
     def _new_request_id(self) -> str:
         while str(self._next_id) in self.requests or str(self._next_id) in self._parents:
@@ -411,17 +420,21 @@ class LLMEngine:
         outputs = []
         parents: dict[str, ParentRequest] = {}
         for request in updated:
-            output = self._request_output(request)
-            if request.parent is None:
-                outputs.append(output)
-            else:  # one output per parent and step, holding every sample so far
-                request.parent.completions[request.index] = output.outputs[0]
-                parents[request.parent.request_id] = request.parent
+            if request.parent is not None:  # one report per parent and step
+                parent = request.parent
+                if output_builder.reports(request):
+                    detokenizer = self._detokenizers[request.request_id]
+                    parent.update(request, output_builder.completion_output(request, detokenizer))
+                parents[parent.request_id] = parent
+            elif output_builder.reports(request):
+                outputs.append(self._request_output(request))
             if request.status.finished:
                 del self.requests[request.request_id]
                 del self._detokenizers[request.request_id]
         for parent in parents.values():
-            outputs.append(parent.output())
+            output = parent.output()
+            if output is not None:
+                outputs.append(output)
             if parent.finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
@@ -477,25 +490,20 @@ class LLMEngine:
         return StepOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _request_output(self, request: Request) -> RequestOutput:
-        finished = request.status.finished
-        completion = CompletionOutput(
-            index=request.index,
-            text=self._detokenizers[request.request_id].text,
-            token_ids=list(request.output_token_ids),
-            logprobs=list(request.logprobs)
-            if request.sampling_params.logprobs is not None
-            else None,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-        )
+        first_report = request.num_reported_tokens == 0
+        detokenizer = self._detokenizers[request.request_id]
+        completion = output_builder.completion_output(request, detokenizer)
+        prompt_logprobs = request.prompt_logprobs
+        if request.sampling_params.output_kind is RequestOutputKind.DELTA and not first_report:
+            prompt_logprobs = None  # reported once, with the first delta
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
-            finished=finished,
+            finished=request.status.finished,
             metrics=request.metrics,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -77,9 +77,15 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # by prompt position
     parent: ParentRequest | None = None  # set for the samples of an n > 1 request
     index: int = 0  # which of the parent's samples
+    stop_token_ids: frozenset[int] | None = None  # default: sampling_params.stop_token_ids
+    # What DELTA outputs have reported so far (output tokens, characters of text).
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -71,9 +71,9 @@ class Scheduler:
         # Rows of the device block table; max_num_seqs is the padding rows' (never handed out).
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
-    def check_admissible(self, request: Request) -> None:
-        """Raises ValueError for a request that could never complete."""
-        prompt_len = request.num_prompt_tokens
+    def check_admissible(self, prompt_len: int, max_tokens: int | None) -> None:
+        """Raises ValueError for a request that could never complete (it reads only the
+        configuration, so any thread may call it)."""
         if prompt_len == 0:
             raise ValueError("the prompt is empty")
         if prompt_len >= self.config.max_model_len:
@@ -81,7 +81,6 @@ class Scheduler:
                 f"the prompt has {prompt_len} tokens; max_model_len is "
                 f"{self.config.max_model_len}, which leaves no room for output"
             )
-        max_tokens = request.sampling_params.max_tokens
         longest = self.config.max_model_len if max_tokens is None else prompt_len + max_tokens
         longest = min(longest, self.config.max_model_len)
         capacity = self.kv.pool.num_blocks - 1
@@ -92,7 +91,7 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        self.check_admissible(request)
+        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.arrival_index = self._arrivals
         self._arrivals += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
@@ -251,7 +250,7 @@ class Scheduler:
             return self._length_status(request)
         if not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if token in request.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.constraints is not None and request.constraints.finished:

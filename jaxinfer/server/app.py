@@ -1,28 +1,26 @@
 """The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
 
 Every request runs as engine requests on the shared step loop; a malformed or unservable
-request gets an OpenAI-style error (400, 404) and touches nothing else.
+request gets an OpenAI-style error (400, 404, 413, 503) and touches nothing else. A
+watchdog (while the app runs under a server) declares the engine dead when a step runs
+longer than `engine_step_timeout`, so no request waits on a stalled loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import hmac
 import importlib.metadata
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import Callable
 
 import fastapi
-import pydantic
-from fastapi.responses import JSONResponse, StreamingResponse
-from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.errors import APIError, error_response, install_error_handlers
+from jaxinfer.server.guard import Guard, HostPolicy
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.protocol import (
     ChatCompletionRequest,
@@ -30,8 +28,14 @@ from jaxinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from jaxinfer.server.serving import OpenAIServing
 
 VERSION = importlib.metadata.version("jaxinfer")
+logger = logging.getLogger(__name__)
+
+
+class EngineStalledError(RuntimeError):
+    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +43,14 @@ class ServerConfig:
     """Args:
     served_model_name: the model id clients name (and /v1/models lists).
     api_key: when set, /v1, /tokenize and /detokenize need `Authorization: Bearer <key>`.
-    max_queued_requests: unfinished requests beyond which new ones get 503.
+    max_queued_requests: sequences (prompts x n) held at once, beyond which new requests get
+        503; None: no limit (batch runs, which bound themselves by their file).
     max_body_bytes: larger request bodies get 413.
-    allow_request_chat_template: accept a `chat_template` in chat requests (rendered in the
-        sandboxed jinja2 environment); refused otherwise.
+    allow_request_chat_template: accept a `chat_template` in chat requests (rendered in a
+        sandboxed child process with chat_template_timeout); refused otherwise.
+    chat_template_timeout: seconds a request's own chat template may take to render.
+    host_policy: which Host headers are answered (None: any).
+    engine_step_timeout: a step running longer makes /health 503 and the engine dead.
     """
 
     served_model_name: str
@@ -50,86 +58,57 @@ class ServerConfig:
     max_queued_requests: int | None = None
     max_body_bytes: int = 4 << 20
     allow_request_chat_template: bool = False
+    chat_template_timeout: float = 5.0
+    host_policy: HostPolicy | None = None
+    engine_step_timeout: float = 60.0
 
-
-class _Guard:
-    """ASGI middleware: the body-size limit (413) and the API key (401), before any parsing."""
-
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
-
-    def __init__(self, app, config: ServerConfig):
-        self.app = app
-        self.config = config
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.config.api_key is not None and scope["path"].startswith(self.PROTECTED):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            expected = f"Bearer {self.config.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return await error_response(401, "invalid or missing API key", "auth_error")(
-                    scope, receive, send
-                )
-        limit = self.config.max_body_bytes
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return await error_response(413, f"body over {limit} bytes", "request_too_large")(
-                scope, receive, send
-            )
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await error_response(413, f"body over {limit} bytes", "request_too_large")(
-                scope, receive, send
-            )
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
+    def __post_init__(self):
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be at least 1")
+        if self.max_body_bytes < 1 or self.engine_step_timeout <= 0:
+            raise ValueError("max_body_bytes and engine_step_timeout must be positive")
 
 
 def build_app(
-    engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics | None = None
+    engine: AsyncEngine,
+    config: ServerConfig,
+    metrics: ServerMetrics | None = None,
+    on_engine_dead: Callable[[], None] | None = None,
 ) -> fastapi.FastAPI:
-    app = fastapi.FastAPI(title="jaxinfer", version=VERSION)
-    app.add_middleware(_Guard, config=config)
-    api = _Api(engine, config)
+    """`on_engine_dead`: called once, on the event loop, when the watchdog finds the engine
+    dead or stalled (the server's --exit_on_engine_failure)."""
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, error: APIError):
-        return error_response(error.status, error.message, error.kind)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        watchdog = asyncio.create_task(_watch(engine, config, on_engine_dead))
+        try:
+            yield
+        finally:
+            watchdog.cancel()
 
-    @app.exception_handler(fastapi.exceptions.RequestValidationError)
-    async def _validation_error(request, error):
-        return error_response(400, _describe(error.errors()), "invalid_request_error")
+    app = fastapi.FastAPI(title="jaxinfer", version=VERSION, lifespan=lifespan)
+    app.add_middleware(
+        Guard,
+        api_key=config.api_key,
+        max_body_bytes=config.max_body_bytes,
+        host_policy=config.host_policy,
+    )
+    install_error_handlers(app)
+    serving = OpenAIServing(
+        engine,
+        config.served_model_name,
+        config.max_queued_requests,
+        config.allow_request_chat_template,
+        config.chat_template_timeout,
+        max_rendered_chars=2 * config.max_body_bytes,
+    )
+    app.state.serving = serving
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return error_response(503, "the engine loop has stopped", "engine_dead")
+        problem = engine_problem(engine, config)
+        if problem is not None:
+            return error_response(503, problem, "engine_dead")
         return fastapi.Response(status_code=200)
 
     @app.get("/version")
@@ -146,7 +125,7 @@ def build_app(
                     "object": "model",
                     "created": 0,
                     "owned_by": "jaxinfer",
-                    "max_model_len": engine.engine.config.model.max_model_len,
+                    "max_model_len": serving.max_model_len,
                 }
             ],
         }
@@ -159,377 +138,70 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        api.check_model(body.model)
-        try:
-            tokens = body.token_ids(api.tokenizer)
-        except (ValueError, TypeError, TemplateError) as error:
-            raise APIError(400, str(error)) from None
-        return {
-            "tokens": tokens,
-            "count": len(tokens),
-            "max_model_len": engine.engine.config.model.max_model_len,
-        }
+        return await serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        api.check_model(body.model)
-        vocab = engine.engine.config.model.arch.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})")
-        return {"prompt": api.tokenizer.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return await serving.detokenize(body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: fastapi.Request):
-        return await api.until_disconnect(request, api.completions(body))
+        return await until_disconnect(request, serving.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
-        return await api.until_disconnect(request, api.chat(body))
+        return await until_disconnect(request, serving.chat(body))
 
     return app
 
 
-def _describe(errors: list[dict]) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-        for e in errors
-    )
+def engine_problem(engine: AsyncEngine, config: ServerConfig) -> str | None:
+    """Why the engine cannot serve, or None."""
+    if not engine.alive:
+        return f"the engine loop has stopped ({engine.error!r})"
+    seconds = engine.step_seconds()
+    if seconds > config.engine_step_timeout:
+        return f"an engine step has run for {seconds:.0f} s (limit {config.engine_step_timeout} s)"
+    return None
 
 
-class _Api:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig):
-        self.engine = engine
-        self.config = config
-        self.tokenizer = engine.engine.tokenizer
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"model {model!r} not found", "not_found_error")
-
-    async def until_disconnect(self, request: fastapi.Request, work):
-        """Runs an endpoint; if the client goes away first, cancels it (which aborts its
-        engine requests). Streams are cancelled by the response itself."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
-            gone.cancel()
-        if task.cancelled():
-            return fastapi.Response(status_code=499)
-        return task.result()
-
-    # -- endpoints -------------------------------------------------------------------------
-
-    async def completions(self, body: CompletionRequest):
-        self.check_model(body.model)
-        try:
-            params = body.sampling_params()
-            prompts = body.prompts()
-        except (ValueError, TypeError, pydantic.ValidationError, TemplateError) as error:
-            raise APIError(400, str(error)) from None
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request_id, [(p, True) for p in prompts], params)
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._completion_chunks(
-                request_id, created, streams, params, include_usage, len(prompts)
-            )
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        finals = await _collect_or_500(streams)
-        choices = [
-            self._completion_choice(p * params.n + c.index, c, params.logprobs is not None)
-            for p, final in enumerate(finals)
-            for c in final.outputs
-        ]
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.config.served_model_name,
-            "choices": choices,
-            "usage": _usage(finals),
-        }
-
-    async def chat(self, body: ChatCompletionRequest):
-        self.check_model(body.model)
-        if body.chat_template is not None and not self.config.allow_request_chat_template:
-            raise APIError(400, "chat_template in a request is not allowed on this server")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                body.conversation(),
-                add_generation_prompt=body.add_generation_prompt,
-                chat_template=body.chat_template,
-            )
-            prompt = self.tokenizer.encode(text, add_special_tokens=False)
-            max_model_len = self.engine.engine.config.model.max_model_len
-            params = body.sampling_params(max_model_len, len(prompt))
-        except (ValueError, TypeError, pydantic.ValidationError, TemplateError) as error:
-            raise APIError(400, str(error)) from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request_id, [(prompt, False)], params)
-        created = int(time.time())
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self._chat_chunks(request_id, created, streams[0], params, include_usage)
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        (final,) = await _collect_or_500(streams)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": self._chat_logprobs(c.token_ids, c.logprobs)}
-                if params.logprobs is not None
-                else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.config.served_model_name,
-            "choices": choices,
-            "usage": _usage([final]),
-        }
-
-    # -- engine ----------------------------------------------------------------------------
-
-    async def _start(self, request_id, prompts, params) -> list[RequestStream]:
-        """Admits every prompt (all or none) and returns their output streams."""
-        limit = self.config.max_queued_requests
-        if limit is not None and self.engine.num_unfinished + len(prompts) > limit:
-            raise APIError(503, f"the server holds {limit} requests; retry later", "overloaded")
-        token_lists = [
-            self.tokenizer.encode(p, add_special_tokens) if isinstance(p, str) else p
-            for p, add_special_tokens in prompts
-        ]
-        max_model_len = self.engine.engine.config.model.max_model_len
-        for tokens in token_lists:
-            if params.max_tokens is not None and len(tokens) + params.max_tokens > max_model_len:
-                raise APIError(
-                    400,
-                    f"the prompt has {len(tokens)} tokens and max_tokens is {params.max_tokens}: "
-                    f"more than max_model_len ({max_model_len})",
-                )
-        streams = []
-        try:
-            for index, tokens in enumerate(token_lists):
-                streams.append(
-                    await self.engine.add_request(f"{request_id}-{index}", tokens, params)
-                )
-        except ValueError as error:
-            for stream in streams:
-                await stream.aclose()
-            raise APIError(400, str(error)) from None
-        except EngineDeadError as error:
-            raise APIError(503, str(error), "engine_dead") from None
-        return streams
-
-    # -- formatting ------------------------------------------------------------------------
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _completion_logprobs(self, token_ids, logprobs) -> dict:
-        return {
-            "tokens": [self._token_text(t) for t in token_ids],
-            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
-            "top_logprobs": [{self._token_text(k): v for k, v in lp.items()} for lp in logprobs],
-        }
-
-    def _chat_logprobs(self, token_ids, logprobs) -> list[dict]:
-        def entry(token_id, value):
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": value, "bytes": list(text.encode())}
-
-        return [
-            {
-                **entry(t, lp[t]),
-                "top_logprobs": [entry(k, v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])],
-            }
-            for t, lp in zip(token_ids, logprobs, strict=True)
-        ]
-
-    def _completion_choice(self, index: int, c: CompletionOutput, with_logprobs: bool) -> dict:
-        return {
-            "index": index,
-            "text": c.text,
-            "logprobs": self._completion_logprobs(c.token_ids, c.logprobs)
-            if with_logprobs
-            else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-
-    async def _completion_chunks(self, request_id, created, streams, params, usage, num):
-        deltas = _Deltas(params)
-        finals: list[RequestOutput | None] = [None] * num
-        async for prompt_index, output in _merge(streams):
-            finals[prompt_index] = output
-            for c in output.outputs:
-                text, token_ids, logprobs = deltas.take((prompt_index, c.index), c)
-                if not text and c.finish_reason is None:
-                    continue
-                yield {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.config.served_model_name,
-                    "choices": [
-                        {
-                            "index": prompt_index * params.n + c.index,
-                            "text": text,
-                            "logprobs": self._completion_logprobs(token_ids, logprobs)
-                            if params.logprobs is not None
-                            else None,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ],
-                }
-        if usage:
-            yield {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.config.served_model_name,
-                "choices": [],
-                "usage": _usage(finals),
-            }
-
-    async def _chat_chunks(self, request_id, created, stream, params, usage):
-        def chunk(choices, **extra):
-            return {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.config.served_model_name,
-                "choices": choices,
-                **extra,
-            }
-
-        yield chunk(
-            [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                for i in range(params.n)
-            ]
-        )
-        deltas = _Deltas(params)
-        final = None
-        async for output in stream:
-            final = output
-            for c in output.outputs:
-                text, token_ids, logprobs = deltas.take(c.index, c)
-                if not text and c.finish_reason is None:
-                    continue
-                yield chunk(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"content": text} if text else {},
-                            "logprobs": {"content": self._chat_logprobs(token_ids, logprobs)}
-                            if params.logprobs is not None
-                            else None,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ]
-                )
-        if usage:
-            yield chunk([], usage=_usage([final]))
+async def _watch(
+    engine: AsyncEngine, config: ServerConfig, on_engine_dead: Callable[[], None] | None
+) -> None:
+    """Declares a stalled engine dead (failing every request in flight) and reports a dead
+    one, once."""
+    interval = min(1.0, config.engine_step_timeout / 4)
+    while True:
+        await asyncio.sleep(interval)
+        problem = engine_problem(engine, config)
+        if problem is None:
+            continue
+        if engine.alive:  # stalled, not dead
+            logger.error("%s: declaring the engine dead", problem)
+            engine.declare_dead(EngineStalledError(problem))
+        if on_engine_dead is not None:
+            on_engine_dead()
+        return
 
 
-class _Deltas:
-    """What each choice has not yet streamed. While a choice runs, the last characters that
-    could still begin a stop string are held back, so streamed text never includes text the
-    final answer trims."""
-
-    def __init__(self, params):
-        self.hold = max((len(s) for s in params.stop), default=1) - 1
-        self.sent: dict = {}  # key -> (characters, tokens)
-
-    def take(self, key, c: CompletionOutput):
-        chars, tokens = self.sent.get(key, (0, 0))
-        end = len(c.text) if c.finish_reason is not None else max(len(c.text) - self.hold, chars)
-        new_tokens = len(c.token_ids)
-        self.sent[key] = (end, new_tokens)
-        logprobs = c.logprobs[tokens:new_tokens] if c.logprobs is not None else None
-        return c.text[chars:end], c.token_ids[tokens:new_tokens], logprobs
-
-
-def _usage(finals) -> dict:
-    prompt = sum(len(f.prompt_token_ids) for f in finals if f is not None)
-    completion = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+async def until_disconnect(request: fastapi.Request, work):
+    """Runs an endpoint; if the client goes away first, cancels it (which ends its engine
+    requests) and waits until it has ended. Streams are ended by the response itself."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        return fastapi.Response(status_code=499)
+    return task.result()
 
 
 async def _disconnected(request: fastapi.Request) -> None:
     """Returns when the client disconnects (the body has been read: nothing else arrives)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _collect_or_500(streams) -> list[RequestOutput]:
-    try:
-        return await _collect(streams)
-    except EngineDeadError as error:
-        raise APIError(500, str(error), "engine_error") from None
-
-
-async def _collect(streams) -> list[RequestOutput]:
-    async def last(stream):
-        final = None
-        async for output in stream:
-            final = output
-        return final
-
-    return list(await asyncio.gather(*(last(s) for s in streams)))
-
-
-async def _merge(streams):
-    """(stream index, output) from every stream as they come."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index, stream):
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-        except EngineDeadError as error:
-            await queue.put((index, error))
-        finally:
-            await queue.put((index, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-                continue
-            if isinstance(item, EngineDeadError):
-                raise item
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _sse(chunks) -> AsyncIterator[str]:
-    try:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-    except EngineDeadError as error:
-        yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'engine_dead'}})}\n\n"
-    yield "data: [DONE]\n\n"

@@ -1,9 +1,12 @@
 """OpenAI-compatible request bodies (pydantic), and their translation to SamplingParams.
 
-Unknown fields are refused (400), never ignored. Beside OpenAI's fields, the vLLM extras a
+Unknown fields are refused (400), never ignored, and so are values the API defines as
+invalid: non-finite numbers, strings that are not valid Unicode (lone surrogates), an empty
+`messages` list, `stream_options` without `stream`. Beside OpenAI's fields, the vLLM extras a
 client may send in `extra_body` are accepted: top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, skip_special_tokens, include_stop_str_in_output, stop_token_ids,
-allowed_token_ids, bad_words, prompt_logprobs, structured_outputs.
+allowed_token_ids, bad_words, prompt_logprobs (returned in non-streamed responses, as vLLM
+does), structured_outputs.
 """
 
 from __future__ import annotations
@@ -12,18 +15,49 @@ from typing import Any, Literal
 
 import pydantic
 
-from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxinfer.sampling_params import (
+    MAX_N,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+
+MAX_PROMPTS = MAX_N  # prompts in one completions request
 
 
 class _Strict(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Body(_Strict):
+    """A request body: every string in it must be valid Unicode."""
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        pending = [data]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(
+                        "strings must be valid Unicode (a lone surrogate was found)"
+                    ) from None
+            elif isinstance(value, dict):
+                pending.extend(value.keys())
+                pending.extend(value.values())
+            elif isinstance(value, list):
+                pending.extend(value)
+        return data
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -48,6 +82,16 @@ class _SamplingFields(_Strict):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    def check_streaming(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available with stream: true")
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (the rest keep their defaults)."""
@@ -98,6 +142,8 @@ class CompletionRequest(_SamplingFields):
             return [list(prompt)]
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"a request takes at most {MAX_PROMPTS} prompts, got {len(prompt)}")
         return list(prompt)
 
     def sampling_params(self) -> SamplingParams:
@@ -105,10 +151,12 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("echo is not supported")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
+        self.check_streaming()
         return SamplingParams(
             max_tokens=self.max_tokens,
             logprobs=self.logprobs,
             best_of=self.best_of,
+            output_kind=self.output_kind,
             **self.sampling_kwargs(),
         )
 
@@ -126,14 +174,21 @@ class ResponseFormat(_Strict):
 
 
 class ChatMessage(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="allow")  # name, tool_call_id, ...: the template's
+    # name, tool_call_id, ...: the template's
+    model_config = pydantic.ConfigDict(extra="allow", allow_inf_nan=False)
 
-    role: str
+    role: str = pydantic.Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = pydantic.Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -153,9 +208,12 @@ class ChatCompletionRequest(_SamplingFields):
             messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
         return messages
 
-    def sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """max_tokens None (neither max_tokens nor max_completion_tokens given) generates up
+        to max_model_len."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        self.check_streaming()
         kwargs = self.sampling_kwargs()
         if self.response_format is not None and self.response_format.type != "text":
             if "structured_outputs" in kwargs:
@@ -168,15 +226,18 @@ class ChatCompletionRequest(_SamplingFields):
                 kwargs["structured_outputs"] = StructuredOutputsParams(
                     json=self.response_format.json_schema.schema_
                 )
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            max_tokens = self.max_completion_tokens
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
+            max_tokens=max_tokens,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            output_kind=self.output_kind,
             **kwargs,
         )
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -195,6 +256,6 @@ class TokenizeRequest(_Strict):
         return tokenizer.encode(text, add_special_tokens=False)
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -1,0 +1,128 @@
+"""Engine outputs as OpenAI response bodies and stream chunks (completions and chat)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.server.async_engine import EngineDeadError
+from jaxinfer.server.errors import error_body
+from jaxinfer.tokenizer import TokenizerWrapper
+
+
+class Formatter:
+    """Args:
+    tokenizer: turns token ids into the text of logprob entries.
+    model: the served model name every body carries.
+    """
+
+    def __init__(self, tokenizer: TokenizerWrapper, model: str):
+        self.tokenizer = tokenizer
+        self.model = model
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, token_ids, logprobs) -> dict:
+        return {
+            "tokens": [self.token_text(t) for t in token_ids],
+            "token_logprobs": [lp[t] for t, lp in zip(token_ids, logprobs, strict=True)],
+            "top_logprobs": [{self.token_text(k): v for k, v in lp.items()} for lp in logprobs],
+        }
+
+    def chat_logprobs(self, token_ids, logprobs) -> list[dict]:
+        def entry(token_id, value):
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return [
+            {
+                **entry(t, lp[t]),
+                "top_logprobs": [entry(k, v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])],
+            }
+            for t, lp in zip(token_ids, logprobs, strict=True)
+        ]
+
+    def prompt_logprobs(self, prompt_logprobs) -> list[dict | None] | None:
+        """vLLM's shape: per prompt token (None for the first), token id -> logprob and text."""
+        if prompt_logprobs is None:
+            return None
+        return [
+            None
+            if top is None
+            else {
+                str(token): {"logprob": value, "decoded_token": self.token_text(token)}
+                for token, value in top.items()
+            }
+            for top in prompt_logprobs
+        ]
+
+    def completion_choice(
+        self, index: int, c: CompletionOutput, with_logprobs: bool, prompt_logprobs=None
+    ) -> dict:
+        choice = {
+            "index": index,
+            "text": c.text,
+            "logprobs": self.completion_logprobs(c.token_ids, c.logprobs)
+            if with_logprobs
+            else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs)
+        return choice
+
+    def chat_choice(self, c: CompletionOutput, with_logprobs: bool) -> dict:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": self.chat_logprobs(c.token_ids, c.logprobs)}
+            if with_logprobs
+            else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def body(self, request_id: str, created: int, kind: str, choices: list, **extra) -> dict:
+        return {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+class Usage:
+    """Token counts of one request, added up as its outputs arrive (deltas or finals)."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._prompts: set[str] = set()
+
+    def add(self, output: RequestOutput) -> None:
+        if output.request_id not in self._prompts:
+            self._prompts.add(output.request_id)
+            self.prompt_tokens += len(output.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def body(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events ending in [DONE]; an engine that dies mid-stream is an error event."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except EngineDeadError as error:
+        yield f"data: {json.dumps(error_body(503, str(error), 'engine_dead'))}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,128 @@
+"""ASGI middleware in front of everything: the Host check, the API key and the body limit,
+each decided before any handler runs or any body is parsed."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import ipaddress
+
+from jaxinfer.server.errors import error_response
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPolicy:
+    """Which Host headers the server answers: a DNS-rebinding page on another site reaches a
+    server on 127.0.0.1 only under its own host name, which is refused.
+
+    Args:
+        names: host names (or addresses) allowed, lower case, without ports.
+        any_address: also allow any IP address (a server bound to all interfaces, reached
+            by address; rebinding needs a name).
+    """
+
+    names: frozenset[str]
+    any_address: bool = False
+
+    @classmethod
+    def for_server(cls, bind_host: str, allowed: list[str] | None) -> HostPolicy | None:
+        """The policy of a server bound to bind_host: `allowed` names (["*"]: any host, no
+        check), or by default the loopback names, the bound address, and any address when
+        bound to all interfaces."""
+        if allowed and "*" in allowed:
+            return None
+        names = {name.lower().strip("[]") for name in allowed or ()}
+        names.update(LOOPBACK_NAMES)
+        names.add(bind_host.lower().strip("[]"))
+        return cls(frozenset(names), any_address=bind_host in ("0.0.0.0", "::", ""))
+
+    def allows(self, host_header: str | None) -> bool:
+        if not host_header:
+            return False
+        host = host_header.strip().lower()
+        if host.startswith("["):  # [v6]:port
+            host = host[1 : host.find("]")] if "]" in host else host[1:]
+        elif host.count(":") == 1:
+            host = host.split(":", 1)[0]
+        if host in self.names:
+            return True
+        if self.any_address:
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                return False
+            return True
+        return False
+
+
+class Guard:
+    """Args:
+    app: the ASGI app it guards.
+    api_key: when set, paths under `protected` need `Authorization: Bearer <key>`.
+    max_body_bytes: a larger body (declared or streamed in chunks) gets 413.
+    host_policy: Host headers answered (None: any).
+    """
+
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body_bytes: int,
+        host_policy: HostPolicy | None,
+    ):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.host_policy = host_policy
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.host_policy is not None:
+            host = headers.get(b"host", b"").decode("latin-1")
+            if not self.host_policy.allows(host):
+                message = f"host {host!r} is not served here (see --allowed_hosts)"
+                return await error_response(400, message, "invalid_request_error")(
+                    scope, receive, send
+                )
+        if self.api_key is not None and scope["path"].startswith(self.PROTECTED):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            expected = f"Bearer {self.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return await error_response(401, "invalid or missing API key", "auth_error")(
+                    scope, receive, send
+                )
+        limit = self.max_body_bytes
+        too_large = error_response(413, f"body over {limit} bytes", "request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await too_large(scope, receive, send)
+        # Read the whole body here (bounded), so a chunked body over the limit is a 413 too,
+        # and hand it on as one message.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await too_large(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,358 @@
+"""The OpenAI endpoints' work: requests in, engine requests on the shared step loop, bodies
+and streams out.
+
+Everything that grows with the input (chat templates, tokenizing, grammars, detokenizing)
+runs off the event loop. A request holds its share of the server's sequence limit and its
+engine requests for exactly as long as its response lives: a failure, a cancel or a client
+that goes away at any point ends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pydantic
+from fastapi.responses import StreamingResponse
+
+from jaxinfer.chat_template import render_isolated
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server.admission import SequenceLimiter, Ticket
+from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxinfer.server.errors import APIError
+from jaxinfer.server.formatting import Formatter, Usage, sse
+from jaxinfer.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+BAD_REQUEST = (ValueError, TypeError, pydantic.ValidationError)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Server-sent events whose engine requests end with the response, however it ends:
+    finished, failed, or abandoned by a client that stopped reading."""
+
+    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]):
+        super().__init__(sse(chunks), media_type="text/event-stream")
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            for generator in (self.body_iterator, self._chunks):
+                # (RuntimeError: still running in its own task, which ends it)
+                with contextlib.suppress(RuntimeError):
+                    await generator.aclose()
+
+
+class _Held:
+    """What one HTTP request holds: its ticket and its engine streams."""
+
+    def __init__(self, ticket: Ticket):
+        self.ticket = ticket
+        self.streams: list[RequestStream] = []
+
+    def release(self) -> None:
+        for stream in self.streams:
+            stream.close()
+        self.ticket.release()
+
+
+class OpenAIServing:
+    """Args:
+    engine: the engine loop.
+    served_model_name: the model id clients name.
+    max_queued_requests: sequences (prompts x n) held at once; None: no limit.
+    allow_request_chat_template: accept `chat_template` in chat requests.
+    chat_template_timeout: seconds a request's own chat template may take to render.
+    max_rendered_chars: the longest text a chat template may produce.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        max_queued_requests: int | None,
+        allow_request_chat_template: bool,
+        chat_template_timeout: float,
+        max_rendered_chars: int,
+    ):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.allow_request_chat_template = allow_request_chat_template
+        self.chat_template_timeout = chat_template_timeout
+        self.max_rendered_chars = max_rendered_chars
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.model.max_model_len
+        self.vocab_size = engine.engine.config.model.arch.vocab_size
+        self.limiter = SequenceLimiter(max_queued_requests)
+        self.formatter = Formatter(self.tokenizer, served_model_name)
+        self._isolated_renders = asyncio.Semaphore(2)  # child processes at once
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"model {model!r} not found", "not_found_error")
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest):
+        self.check_model(body.model)
+        try:
+            params = body.sampling_params()
+            prompts = body.prompts()
+        except BAD_REQUEST as error:
+            raise APIError(400, str(error)) from None
+        held = _Held(self.limiter.take(len(prompts) * params.n))
+        try:
+            request_id = f"cmpl-{uuid.uuid4().hex}"
+            await self._start(held, request_id, prompts, params, add_special_tokens=True)
+            created = int(time.time())
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                chunks = self._completion_chunks(
+                    request_id, created, held.streams, params, include_usage
+                )
+                response, held = EngineStreamingResponse(chunks, held.release), None
+                return response
+            finals = await _finals(held.streams)
+            usage = Usage()
+            choices = []
+            for p, final in enumerate(finals):
+                usage.add(final)
+                choices += [
+                    self.formatter.completion_choice(
+                        p * params.n + c.index,
+                        c,
+                        params.logprobs is not None,
+                        final.prompt_logprobs if c.index == 0 else None,
+                    )
+                    for c in final.outputs
+                ]
+            return self.formatter.body(
+                request_id, created, "text_completion", choices, usage=usage.body()
+            )
+        finally:
+            if held is not None:
+                held.release()
+
+    async def chat(self, body: ChatCompletionRequest):
+        self.check_model(body.model)
+        if body.chat_template is not None and not self.allow_request_chat_template:
+            raise APIError(400, "chat_template in a request is not allowed on this server")
+        try:
+            params = body.sampling_params()
+            conversation = body.conversation()
+        except BAD_REQUEST as error:
+            raise APIError(400, str(error)) from None
+        held = _Held(self.limiter.take(params.n))
+        try:
+            text = await self.render(conversation, body.add_generation_prompt, body.chat_template)
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            await self._start(held, request_id, [text], params, add_special_tokens=False)
+            created = int(time.time())
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                chunks = self._chat_chunks(
+                    request_id, created, held.streams[0], params, include_usage
+                )
+                response, held = EngineStreamingResponse(chunks, held.release), None
+                return response
+            (final,) = await _finals(held.streams)
+            usage = Usage()
+            usage.add(final)
+            choices = [
+                self.formatter.chat_choice(c, params.logprobs is not None) for c in final.outputs
+            ]
+            extra = {"usage": usage.body()}
+            if final.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = self.formatter.prompt_logprobs(final.prompt_logprobs)
+            return self.formatter.body(request_id, created, "chat.completion", choices, **extra)
+        finally:
+            if held is not None:
+                held.release()
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages")
+        text, add_special_tokens = body.prompt, body.add_special_tokens
+        if body.messages is not None:
+            try:
+                conversation = ChatCompletionRequest(messages=body.messages).conversation()
+            except BAD_REQUEST as error:
+                raise APIError(400, str(error)) from None
+            text = await self.render(conversation, body.add_generation_prompt, None)
+            add_special_tokens = False
+        tokens = await self.engine.run_in_worker(self.tokenizer.encode, text, add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        vocab = self.vocab_size
+
+        def work():
+            if body.tokens and (min(body.tokens) < 0 or max(body.tokens) >= vocab):
+                return None
+            return self.tokenizer.decode(body.tokens, skip_special_tokens=False)
+
+        text = await self.engine.run_in_worker(work)
+        if text is None:
+            raise APIError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": text}
+
+    # -- engine ----------------------------------------------------------------------------
+
+    async def render(
+        self, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None
+    ) -> str:
+        """The prompt text of a conversation: the model's template on a worker thread, or the
+        request's own in a bounded child process; any failure of the template is a 400."""
+        try:
+            if chat_template is None:
+                return await self.engine.run_in_worker(
+                    self.tokenizer.apply_chat_template,
+                    conversation,
+                    add_generation_prompt,
+                    self.max_rendered_chars,
+                )
+            variables = self.tokenizer.template_variables(conversation, add_generation_prompt)
+            async with self._isolated_renders:
+                return await render_isolated(
+                    chat_template,
+                    variables,
+                    timeout=self.chat_template_timeout,
+                    max_chars=self.max_rendered_chars,
+                )
+        except Exception as error:  # a template's code may raise anything: its error
+            raise APIError(400, f"the chat template failed: {error}") from None
+
+    async def _start(
+        self,
+        held: _Held,
+        request_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        add_special_tokens: bool,
+    ) -> None:
+        """Prepares and admits every prompt (all or none: `held` closes them on failure)."""
+        try:
+            prepared = [
+                await self.engine.prepare(prompt, params, add_special_tokens) for prompt in prompts
+            ]
+            for request in prepared:
+                length = len(request.prompt_token_ids)
+                if (
+                    params.max_tokens is not None
+                    and length + params.max_tokens > self.max_model_len
+                ):
+                    raise ValueError(
+                        f"the prompt has {length} tokens and max_tokens is {params.max_tokens}: "
+                        f"more than max_model_len ({self.max_model_len})"
+                    )
+            for index, request in enumerate(prepared):
+                held.streams.append(await self.engine.add(f"{request_id}-{index}", request))
+        except EngineDeadError as error:
+            raise APIError(503, str(error), "engine_dead") from None
+        except BAD_REQUEST as error:
+            raise APIError(400, str(error)) from None
+
+    # -- streams ---------------------------------------------------------------------------
+
+    async def _completion_chunks(self, request_id, created, streams, params, include_usage):
+        usage = Usage()
+        async for prompt_index, output in _merge(streams):
+            usage.add(output)
+            for c in output.outputs:
+                if not c.text and c.finish_reason is None:
+                    continue
+                choice = self.formatter.completion_choice(
+                    prompt_index * params.n + c.index, c, params.logprobs is not None
+                )
+                yield self.formatter.body(request_id, created, "text_completion", [choice])
+        if include_usage:
+            yield self.formatter.body(
+                request_id, created, "text_completion", [], usage=usage.body()
+            )
+
+    async def _chat_chunks(self, request_id, created, stream, params, include_usage):
+        def chunk(choices, **extra):
+            return self.formatter.body(
+                request_id, created, "chat.completion.chunk", choices, **extra
+            )
+
+        yield chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(params.n)
+            ]
+        )
+        usage = Usage()
+        async for output in stream:
+            usage.add(output)
+            for c in output.outputs:
+                if not c.text and c.finish_reason is None:
+                    continue
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = {"content": self.formatter.chat_logprobs(c.token_ids, c.logprobs)}
+                yield chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"content": c.text} if c.text else {},
+                            "logprobs": logprobs,
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ]
+                )
+        if include_usage:
+            yield chunk([], usage=usage.body())
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream (FINAL_ONLY requests report only that one)."""
+    try:
+        return list(await asyncio.gather(*(anext(stream) for stream in streams)))
+    except EngineDeadError as error:
+        raise APIError(503, str(error), "engine_dead") from None
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from every stream as they come."""
+    # Bounded: while the reader is slow, each request's outputs wait merged in its channel.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+    done = object()
+
+    async def pump(index, stream):
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+            await queue.put((index, done))
+        except EngineDeadError as error:
+            await queue.put((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            if isinstance(item, EngineDeadError):
+                raise item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

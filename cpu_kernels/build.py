@@ -1,9 +1,13 @@
 """Compiles a kernel's C++ source into a shared library once, and loads it.
 
-The library is named by a hash of the source, the shared headers, the compiler command and the
-jaxlib version, so a changed kernel or a new jaxlib builds anew and an unchanged one is loaded
-from `build_dir`.
-Concurrent builds write to a temporary file and rename it into place.
+The library is named by a hash of the source, the shared headers, the compiler command, the
+compiler's own version and the jaxlib version, so a changed kernel, compiler or jaxlib builds
+anew and an unchanged one is loaded from `build_dir`. Concurrent builds write to a temporary
+file and rename it into place.
+
+The kernels use AVX2 and FMA: on a CPU without them (checked at run time, before anything is
+built or loaded) building is a KernelBuildError, so "auto" options fall back to XLA instead of
+dying on an illegal instruction.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jaxlib
 
 HEADERS = Path(__file__).parent  # common.h, shared by the kernels
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+REQUIRED_CPU_FEATURES = ("avx2", "fma")  # what -mavx2 -mfma let the compiler emit
 
 
 class KernelBuildError(RuntimeError):
@@ -33,13 +38,54 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (/proc/cpuinfo); empty where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def check_cpu() -> None:
+    """KernelBuildError unless this CPU runs what the kernels are compiled to."""
+    missing = [f for f in REQUIRED_CPU_FEATURES if f not in cpu_features()]
+    if missing:
+        raise KernelBuildError(
+            f"the C++ kernels need a CPU with {', '.join(REQUIRED_CPU_FEATURES).upper()}; this "
+            f"one lacks {', '.join(missing).upper()} (or does not report its features)"
+        )
+
+
+def can_build() -> bool:
+    """Whether the kernels can be built and run here (a compiler, and the CPU features)."""
+    try:
+        check_cpu()
+    except KernelBuildError:
+        return False
+    return compiler() is not None
+
+
+@functools.cache
+def compiler_version(cxx: str) -> str:
+    """The compiler's own description of itself (`--version`), part of a build's name."""
+    result = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    return result.stdout + result.stderr
+
+
 def build(source: Path, build_dir: Path) -> Path:
     """The shared library of `source`, compiled into `build_dir` unless already there."""
+    check_cpu()
     cxx = compiler()
     if cxx is None:
         raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
     command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADERS}"]
     digest = hashlib.sha256(" ".join(command).encode() + jaxlib.__version__.encode())
+    digest.update(compiler_version(cxx).encode())
     for path in [source, *sorted(HEADERS.glob("*.h"))]:
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:16]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import subprocess
 import sys
 from datetime import datetime
 
@@ -59,25 +60,22 @@ async def render_isolated(source: str, variables: dict, *, timeout: float, max_c
     """Renders an untrusted template in a child process; ValueError if it fails, runs past
     `timeout` seconds, exceeds the memory limit or produces more than max_chars."""
     request = json.dumps({"template": source, "variables": variables, "max_chars": max_chars})
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-I",
-        "-m",
-        "jaxinfer.chat_template",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
+    # subprocess (a thread waits on it) rather than the event loop's own child processes:
+    # uvloop forks with the interpreter's fork hooks, which JAX warns about.
+    command = [sys.executable, "-I", "-m", "jaxinfer.chat_template"]
     try:
-        output, _ = await asyncio.wait_for(process.communicate(request.encode()), timeout)
-    except TimeoutError:
+        finished = await asyncio.to_thread(
+            subprocess.run,
+            command,
+            input=request.encode(),
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
         raise ValueError(f"the chat template did not render within {timeout} s") from None
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     try:
-        status, value = json.loads(output)
+        status, value = json.loads(finished.stdout)
     except ValueError:
         raise ValueError(
             "the chat template's renderer ended without a result (out of memory?)"

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.build import build, compiler
+from cpu_kernels import build as build_module
+from cpu_kernels.build import KernelBuildError, build, can_build
 from cpu_kernels.matmul.kernel import load_matmul, matmul
 from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
@@ -17,7 +18,9 @@ from jaxinfer.layers.native_kernels import KernelMatmul, select_matmul
 from jaxinfer.layers.quantization import quantize_int8
 from tests.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(
+    not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +106,30 @@ def test_build_is_cached_by_source(tmp_path):
     assert second != first and sorted(p.name for p in out.iterdir()) == sorted(
         [first.name, second.name]
     )
+
+
+def test_build_name_follows_the_compilers_version(tmp_path, monkeypatch):
+    source = tmp_path / "tiny" / "kernel.cc"
+    source.parent.mkdir()
+    source.write_text('extern "C" int jaxinfer_tiny() { return 1; }\n')
+    first = build(source, tmp_path / "build")
+    monkeypatch.setattr(build_module, "compiler_version", lambda cxx: "g++ (another) 99.1")
+    assert build(source, tmp_path / "build") != first  # a new compiler builds anew
+
+
+def test_a_cpu_without_avx2_goes_without_the_kernels(tmp_path, monkeypatch):
+    """The kernels are compiled with -mavx2 -mfma: on a CPU without those, 'auto' falls back to
+    XLA (instead of dying on an illegal instruction) and asking for them is a clear error."""
+    monkeypatch.setattr(build_module, "cpu_features", lambda: frozenset({"sse2", "avx"}))
+    source = tmp_path / "tiny" / "kernel.cc"
+    source.parent.mkdir()
+    source.write_text('extern "C" int jaxinfer_tiny() { return 1; }\n')
+    with pytest.raises(KernelBuildError, match="lacks AVX2, FMA"):
+        build(source, tmp_path / "build")
+    assert not (tmp_path / "build").exists()
+    assert select_matmul("auto", build_dir=tmp_path / "kernels", **SELECT) is None
+    with pytest.raises(KernelBuildError, match="AVX2"):
+        select_matmul("cpu", build_dir=tmp_path / "kernels", **SELECT)
 
 
 SELECT = dict(

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from cpu_kernels.build import compiler
+from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineOptions, build_engine_config
 from jaxinfer.layers.linear import OUT_IN, to_layout
@@ -30,7 +30,7 @@ QUANTIZED = {
     "embed_tokens.weight": Q8_0,
 }
 ALL_BLOCKS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed"]
-needs_compiler = pytest.mark.skipif(compiler() is None, reason="no C++ compiler for the kernels")
+needs_compiler = pytest.mark.skipif(not can_build(), reason="no C++ compiler for the kernels")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
     options = dict(model=str(tiny_model_dir), cache_dir=str(model_cache_dir), gguf_weights="on")
     with pytest.raises(ValueError, match=r"gguf_weights 'on' cannot be used here: .*matmul"):
         LLM(matmul_impl="xla", **options)
-    if compiler() is not None:
+    if can_build():
         with pytest.raises(ValueError, match=r"gguf_weights 'on': .*not converted from a GGUF"):
             LLM(matmul_impl="cpu", **options)
     with pytest.raises(ValueError, match="gguf_weights must be one of"):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import gguf
 import numpy as np
@@ -12,7 +14,13 @@ from tokenizers import Tokenizer
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
-from jaxinfer.model_loader.model_cache import MANIFEST, gguf_folder, is_complete, resolve_model
+from jaxinfer.model_loader.model_cache import (
+    MANIFEST,
+    ensure_folder,
+    gguf_folder,
+    is_complete,
+    resolve_model,
+)
 from tests.conftest import make_tiny_model
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
@@ -194,6 +202,30 @@ def test_corrupt_or_partial_cache_is_rebuilt(tiny_gguf, tmp_path):
     assert not is_complete(folder)
     gguf_folder(path, tmp_path)
     assert is_complete(folder)
+
+
+def test_processes_building_one_folder_build_it_once_and_never_remove_it(tmp_path):
+    """Two servers started together used to both build, the second deleting the complete
+    folder the first was loading. The folder lock serializes them and the one that waited
+    finds the folder complete (flock locks conflict between threads' own opens too)."""
+    target = tmp_path / "models" / "m"
+    builds = []
+
+    def build(out):
+        builds.append(threading.current_thread().name)
+        time.sleep(0.3)
+        (out / "weights.bin").write_bytes(b"w" * 1000)
+
+    threads = [threading.Thread(target=ensure_folder, args=(target, build)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and is_complete(target)
+    inode = (target / "weights.bin").stat().st_ino
+    ensure_folder(target, build)  # complete: kept as it is
+    assert len(builds) == 1 and (target / "weights.bin").stat().st_ino == inode
+    assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]  # no staging
 
 
 def test_bad_model_paths_give_clear_errors(tmp_path):

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.build import compiler
+from cpu_kernels.build import can_build
 from cpu_kernels.gguf_matmul.reference import dequantize, gguf_matmul_reference
 
-pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(
+    not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
+)
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0, lead: tuple[int, ...] = ()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpu_kernels.build import compiler
+from cpu_kernels.build import can_build
 from cpu_kernels.matmul.kernel import matmul
 from cpu_kernels.paged_attention.kernel import paged_attention
 from jaxinfer import LLM, SamplingParams
@@ -32,7 +32,7 @@ def tokens(llm: LLM) -> list[list[int]]:
 def reference_tokens(tiny_llm):
     # "auto" on CPU: "out_in" weights, the C++ attention and matmul kernels (where they can
     # be built) and the reference everywhere else
-    built = compiler() is not None
+    built = can_build()
     attention = paged_attention if built else ragged_paged_attention_reference
     expected = ModelKernels(
         weight_layout="out_in",

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.build import compiler
+from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.quantization import quantize_int8
 from tests.conftest import TINY_OPTIONS, layer_weights
@@ -52,7 +52,7 @@ def generate(llm: LLM):
     ids=["scan-out_in-cpu_kernel", "per_layer-out_in-xla", "scan-in_out", "tp2"],
 )
 def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, options):
-    if not options and compiler() is None:
+    if not options and not can_build():
         pytest.skip("no C++ compiler to build the matmul kernel")
     llm = LLM(model=str(tiny_model_dir), quantization="int8", **TINY_OPTIONS, **options)
     uses_kernel = llm.engine.runner.kernels.matmul is not None

@@ -234,6 +234,28 @@ def test_resume_after_a_kill_gives_one_result_per_custom_id(engine, tiny_model_d
         assert texts[r["custom_id"]] == choice.get("text", choice.get("message", {}).get("content"))
 
 
+def test_overwrite_keeps_the_old_results_until_the_run_ends(engine, tmp_path, monkeypatch):
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(good_lines(2, max_tokens=3)) + "\n")
+    output = tmp_path / "out.jsonl"
+    output.write_text('{"custom_id": "old"}\n')
+    config = BatchJobConfig(output=output, input=source, overwrite=True, show_progress=False)
+
+    async def interrupted(app, items, write, *args):
+        write({"custom_id": "new"})
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("jaxinfer.batch.job.run_items", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_job(config, engine, "tiny")
+    assert output.read_text() == '{"custom_id": "old"}\n'  # an interrupted run replaced nothing
+    summary = run_job(config, engine, "tiny")
+    assert summary.succeeded == 2
+    assert sorted(r["custom_id"] for r in read_records(output)) == ["req-0", "req-1"]
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
 def test_prompts_file_plain_and_jsonl(engine, tmp_path):
     plain = tmp_path / "prompts.txt"
     plain.write_text("Hello there\n\nWhat is a fox?\n")

@@ -255,3 +255,39 @@ def test_greedy_takes_argmax_of_processed_logits_and_seeds_are_row_independent()
         num_logprobs=0,
     )
     assert int(alone.token_ids[0]) == int(mixed.token_ids[1])
+
+
+@pytest.mark.parametrize(
+    ("temperature", "repetition_penalty"),
+    [(1e-6, 1.0), (100.0, 1.0), (1.0, 0.01), (1e-6, 0.01), (1e-6, 100.0), (0.0, 0.01)],
+)
+def test_the_extremes_of_the_ranges_keep_every_mask(temperature, repetition_penalty):
+    """At the edges of what SamplingParams accepts, masked tokens stay impossible (a
+    temperature of 1e-50 turned the -inf masks into NaN, and NaN into any token)."""
+    vocab, rows = 64, 16
+    logits = RNG.normal(scale=30.0, size=(rows, vocab)).astype(np.float32)
+    allowed = np.zeros(vocab, bool)
+    allowed[[3, 17, 40]] = True
+    bias = np.where(allowed, 0.0, -np.inf).astype(np.float32)
+    bitmask = np.full((rows, bitmask_width(vocab)), -1, np.int32)
+    clear_bits(bitmask[0], [17])  # this step's grammar row forbids one of them too
+    state = SamplerState(
+        output_counts=jnp.asarray(np.tile((np.arange(vocab) % 2).astype(np.int32), (rows, 1))),
+        prompt_mask=jnp.ones((rows, vocab), bool),
+        bias=jnp.asarray(np.tile(bias, (rows, 1))),
+        bitmask=jnp.asarray(np.tile(bitmask[0], (rows, 1))),
+    )
+    md = metadata(
+        rows,
+        temperature=temperature,
+        repetition_penalty=repetition_penalty,
+        has_bias=1,
+        constrained=1,
+        top_p=0.9,
+        min_p=0.05,
+        seeds=np.stack([np.arange(rows), np.zeros(rows)], axis=1),
+    )
+    out = sample(jnp.asarray(logits), md, state, jnp.arange(rows, dtype=jnp.int32), num_logprobs=2)
+    tokens = np.asarray(out.token_ids)
+    assert set(tokens.tolist()) <= {3, 40}, tokens
+    assert np.all(np.isfinite(np.asarray(out.sampled_logprobs)))

@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -286,38 +287,151 @@ def test_disconnect_mid_stream_frees_the_request(server, engine):
     assert metric(server, "jaxinfer:kv_cache_usage_perc") == idle
 
 
-def test_engine_failure_ends_streams_with_an_error_and_health_turns_503(tiny_model_dir):
+def _results(url, bodies, timeout=30):
+    """POSTs every (path, body) at once; streams are read to their end. Returns per body
+    (status, json body or the stream's data lines)."""
+
+    async def one(client, path, body):
+        if body.get("stream"):
+            async with client.stream("POST", f"{url}{path}", json=body, timeout=timeout) as r:
+                return r.status_code, [x async for x in r.aiter_lines() if x.startswith("data:")]
+        response = await client.post(f"{url}{path}", json=body, timeout=timeout)
+        return response.status_code, response.json()
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, p, b) for p, b in bodies))
+
+    return asyncio.run(run())
+
+
+def _assert_error_shape(body):
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+
+
+def test_a_failing_step_ends_every_request_in_flight_or_queued(tiny_model_dir):
+    """Fault injection: a step raises while a stream, a non-streamed request and requests
+    still queued for admission are in flight; each ends with an error (none hangs), /health
+    turns 503 and the server reports the dead engine."""
     engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
     async_engine = AsyncEngine(engine)
-    url, server = serve(build_app(async_engine, ServerConfig(served_model_name="tiny")))
-    try:
-        steps = 0
-        real_step = engine.step
+    reported = []
+    app = build_app(
+        async_engine,
+        ServerConfig(served_model_name="tiny"),
+        on_engine_dead=lambda: reported.append(1),
+    )
+    url, server = serve(app)
+    stuck, go = threading.Event(), threading.Event()
+    real_step, steps = engine.step, 0
 
-        def failing_step():
-            nonlocal steps
-            steps += 1
-            if steps > 3:
-                raise RuntimeError("device lost")
+    def failing_step():
+        nonlocal steps
+        steps += 1
+        if steps < 4:
             return real_step()
+        stuck.set()
+        go.wait(30)
+        raise RuntimeError("device lost")
 
+    try:
         engine.step = failing_step
-        body = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
-            events = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: ") :])["error"]["message"]
+        long = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True}
+        in_flight = threading.Thread(
+            target=lambda: results.extend(
+                _results(
+                    url, [("/v1/completions", {**long, "stream": True}), ("/v1/completions", long)]
+                )
+            )
+        )
+        results: list = []
+        in_flight.start()
+        assert stuck.wait(30)
+        queued: list = []
+        later = threading.Thread(
+            target=lambda: queued.extend(
+                _results(
+                    url,
+                    [("/v1/completions", {"prompt": f"{PROMPT} {i}", "n": 2}) for i in range(3)]
+                    + [("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})],
+                )
+            )
+        )
+        later.start()
+        deadline = time.monotonic() + 30
+        while async_engine._commands.qsize() < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert async_engine._commands.qsize() == 4  # admissions waiting behind the step
+        go.set()
+        in_flight.join(40)
+        later.join(40)
+        assert not in_flight.is_alive() and not later.is_alive()  # nothing hangs
+
+        (stream_status, events), (status, body) = results
+        assert stream_status == 200 and events[-1] == "data: [DONE]"
+        _assert_error_shape(json.loads(events[-2][len("data: ") :]))
+        assert status == 503
+        _assert_error_shape(body)
+        assert [status for status, _ in queued] == [503] * 4
+        for _, body in queued:
+            _assert_error_shape(body)
         assert httpx.get(f"{url}/health").status_code == 503
         after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT}, timeout=30)
         assert after.status_code == 503 and after.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while not reported and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reported == [1]  # the server's --exit_on_engine_failure hook, called once
     finally:
+        go.set()
         server.should_exit = True
 
 
-def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir):
+def test_a_stalled_step_fails_requests_and_turns_health_503(tiny_model_dir):
+    """A step that never returns cannot be stopped, but nobody may wait on it: past
+    engine_step_timeout the requests in flight get errors and /health 503."""
+    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
+    async_engine = AsyncEngine(engine)
+    reported = []
+    config = ServerConfig(served_model_name="tiny", engine_step_timeout=1.0)
+    url, server = serve(build_app(async_engine, config, on_engine_dead=lambda: reported.append(1)))
+    release = threading.Event()
+    real_step, steps = engine.step, 0
+
+    def stalling_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            release.wait(60)
+        return real_step()
+
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        engine.step = stalling_step
+        long = {"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True}
+        start = time.monotonic()
+        (stream_status, events), (status, body) = _results(
+            url, [("/v1/completions", {**long, "stream": True}), ("/v1/completions", long)]
+        )
+        assert time.monotonic() - start < 20
+        assert stream_status == 200 and events[-1] == "data: [DONE]"
+        assert "step has run" in json.loads(events[-2][len("data: ") :])["error"]["message"]
+        assert status == 503 and "step has run" in body["error"]["message"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "step has run" in health.json()["error"]["message"]
+        assert reported == [1]
+        assert httpx.post(f"{url}/v1/completions", json=long, timeout=30).status_code == 503
+    finally:
+        release.set()
+        server.should_exit = True
+
+
+def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
     """The real entry point: on SIGTERM it stops accepting, finishes the stream in flight
-    and exits."""
+    and exits. Its API key comes from a file, out of sight of `ps`."""
     port = free_port()
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-from-a-file\n")
     command = [
         sys.executable,
         "-m",
@@ -330,6 +444,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir):
         "--num_kv_blocks=64",
         "--max_num_batched_tokens=32",
         "--served_model_name=tiny",
+        f"--api_key_file={key_file}",
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -341,8 +456,14 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir):
             except httpx.TransportError:
                 time.sleep(0.2)
         body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        headers = {"authorization": "Bearer s3cret-from-a-file"}
+        evil = httpx.get(f"{url}/v1/models", headers={**headers, "host": "evil.example"})
+        assert evil.status_code == 400  # DNS rebinding: only loopback names by default
         chunks = 0
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     chunks += 1

@@ -11,6 +11,7 @@ from typing import Any
 from jaxinfer.batch.output_file import (
     BatchSummary,
     append_record,
+    commit_results,
     open_results,
     refuse_existing,
     summarize,
@@ -33,8 +34,9 @@ class BatchJobConfig:
         sent as `prompt_format` ("chat" or "completion") requests with `sampling` fields.
     summary: where the summary goes; default `<output>.summary.json`.
     resume: keep the records already in `output` and answer only the other lines.
-    overwrite: replace an existing `output` (without it or `resume`, an existing one is an
-        error).
+    overwrite: replace an existing `output` when the run ends (its records go to
+        `<output>.partial` until then, so an interrupted run leaves the old results); without
+        it or `resume`, an existing `output` is an error.
     """
 
     output: Path
@@ -93,7 +95,7 @@ def run_job(config: BatchJobConfig, engine: AsyncEngine, served_model_name: str)
     """Runs the batch; raises BatchIncompleteError (after writing every record it could) if
     the engine stopped before answering every line."""
     items = read_items(config)
-    previous, handle = open_results(
+    previous, handle, written = open_results(
         config.output, config.summary_path, resume=config.resume, overwrite=config.overwrite
     )
     done_ids, done_lines = record_keys(previous)
@@ -111,6 +113,7 @@ def run_job(config: BatchJobConfig, engine: AsyncEngine, served_model_name: str)
         )
     finally:
         handle.close()
+    commit_results(written, config.output)  # (only an interrupted run leaves the old one)
     if result.unanswered:
         raise BatchIncompleteError(
             f"the engine stopped ({engine.error!r}); {result.unanswered} lines have no record: "

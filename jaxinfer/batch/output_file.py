@@ -27,7 +27,11 @@ def refuse_existing(output: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 def open_results(output: Path, summary: Path, *, resume: bool, overwrite: bool):
-    """Returns (the records already there, a file to append to)."""
+    """Returns (the records already there, a file to append to, the path the records go to).
+
+    With `overwrite`, records go to `<output>.partial`, renamed over `output` by
+    `commit_results` when the run ends: an interrupted run leaves the old results intact.
+    """
     refuse_existing(output, resume=resume, overwrite=overwrite)
     summary.unlink(missing_ok=True)
     records: list[dict[str, Any]] = []
@@ -46,11 +50,20 @@ def open_results(output: Path, summary: Path, *, resume: bool, overwrite: bool):
                 raise ValueError(
                     f"{output} line {number} is not a result record: {error}"
                 ) from None
-        handle = output.open("a", encoding="utf-8")
-    else:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        handle = output.open("w", encoding="utf-8")
-    return records, handle
+        return records, output.open("a", encoding="utf-8"), output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    path = partial_path_for(output) if overwrite and output.exists() else output
+    return records, path.open("w", encoding="utf-8"), path
+
+
+def partial_path_for(output: Path) -> Path:
+    return output.with_name(output.name + ".partial")
+
+
+def commit_results(written: Path, output: Path) -> None:
+    """Puts the records written to `written` (open_results') in place as `output`."""
+    if written != output:
+        os.replace(written, output)
 
 
 def append_record(handle, record: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int
+    num_generated_tokens: int  # sampled tokens kept, of every request (finished or not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
+        self.num_generated_tokens = 0
         self._arrivals = 0
         # Rows of the device block table; max_num_seqs is the padding rows' (never handed out).
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
@@ -231,6 +233,7 @@ class Scheduler:
                 finished.append(request)
                 continue
             request.append_output_token(step_output.token_ids[row])
+            self.num_generated_tokens += 1
             if request.constraints is not None:
                 request.constraints.accept(step_output.token_ids[row])
             if step_output.logprobs[row] is not None:
@@ -287,6 +290,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
         )
 
     def abort(self, request: Request) -> None:

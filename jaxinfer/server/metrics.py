@@ -1,7 +1,8 @@
 """Prometheus metrics of the server, vLLM-style names under the `jaxinfer:` prefix.
 
-Request histograms and token counters are fed by finished requests (on the engine thread);
-gauges and the engine's cumulative counters are read from engine.stats() at each scrape.
+Request histograms and the prompt-token counter are fed by finished requests (on the engine
+thread); gauges and the engine's cumulative counters (generated tokens among them) are read
+from engine.stats() at each scrape.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class ServerMetrics:
         self.compilations = counter(
             "compilations_after_warmup", "XLA compilations after warm-up (should stay 0)."
         )
-        self._last = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._last = {"preemptions": 0, "queries": 0, "hits": 0, "generated": 0}
         jax.monitoring.register_event_duration_secs_listener(self._on_compile)
 
     def _on_compile(self, event: str, duration: float, **kwargs) -> None:
@@ -61,7 +62,6 @@ class ServerMetrics:
         """Called once per finished request (on the engine thread)."""
         metrics = output.metrics
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in output.outputs))
         if metrics.time_to_first_token is not None:
             self.ttft.observe(metrics.time_to_first_token)
         if metrics.queue_time is not None:
@@ -81,6 +81,7 @@ class ServerMetrics:
                 ("preemptions", stats.num_preemptions, self.preemptions),
                 ("queries", stats.prefix_cache_queries, self.cache_queries),
                 ("hits", stats.prefix_cache_hits, self.cache_hits),
+                ("generated", stats.num_generated_tokens, self.generation_tokens),
             ]:
                 metric.inc(value - self._last[key])
                 self._last[key] = value

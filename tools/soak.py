@@ -1,0 +1,375 @@
+"""Soak test of the server: a bounded mix of good, bad and badly behaved clients.
+
+    python tools/soak.py --minutes=10
+
+Starts `python -m jaxinfer.serve` (the default model unless --server_args names another) on
+a free loopback port and drives it with --concurrency clients for --minutes: normal chat and
+completion requests (streamed and not), streams dropped after a few tokens, clients that
+time out, invalid bodies and parameters, heavy but valid grammars, n > 1, and the server's
+limits (bodies over the limit). It then checks that:
+
+- every well-formed request that was not abandoned got a 2xx, and every bad one a 4xx;
+- /health answered 200 at every probe (once a second);
+- after the load, nothing is running and the KV cache is back at idle (/metrics);
+- the server's log holds no traceback;
+- the server's RSS at the end is within 10% of its RSS after the first minute.
+
+Prints requests by kind, status counts, p50/p99 latency of each kind and the RSS samples,
+writes them to --output as JSON, and exits 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from absl import app, flags
+
+from jaxinfer.server.background import free_port
+
+FLAGS = flags.FLAGS
+flags.DEFINE_float("minutes", 10.0, "How long the load runs.")
+flags.DEFINE_integer("concurrency", 8, "Clients at once.")
+flags.DEFINE_list("server_args", [], "Extra flags for jaxinfer.serve (e.g. --model=...).")
+flags.DEFINE_string("output", None, "Write the report here as JSON.")
+flags.DEFINE_integer("seed", 0, "Seed of the request mix.")
+flags.DEFINE_float("start_timeout", 900.0, "Seconds the server may take to start.")
+
+TOPICS = ["the sea", "bread", "chess", "volcanoes", "owls", "rain", "trains", "music"]
+HEAVY_SCHEMA = {  # valid, with many alternatives to compile
+    "type": "array",
+    "items": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    f"k{i}_{j}": {"type": "array", "items": {"type": "number"}} for i in range(25)
+                },
+            }
+            for j in range(25)
+        ]
+    },
+}
+
+
+@dataclasses.dataclass
+class Result:
+    kind: str
+    expect: str  # "ok": a 2xx; "bad": a 4xx; "gone": the client gives up, any outcome
+    status: int | None  # None: the client gave up or the connection failed
+    seconds: float
+    detail: str = ""
+
+
+def chat_body(rng: random.Random, **extra) -> dict:
+    topic = rng.choice(TOPICS)
+    return {
+        "messages": [{"role": "user", "content": f"Tell me something about {topic}."}],
+        "max_tokens": rng.randint(8, 48),
+        "temperature": rng.choice([0.0, 0.7, 1.0]),
+        **extra,
+    }
+
+
+def completion_body(rng: random.Random, **extra) -> dict:
+    return {
+        "prompt": f"A short note on {rng.choice(TOPICS)}:",
+        "max_tokens": rng.randint(8, 48),
+        "temperature": rng.choice([0.0, 0.8]),
+        **extra,
+    }
+
+
+async def send(client, kind, expect, path, body=None, content=None, timeout=120.0) -> Result:
+    start = time.perf_counter()
+    try:
+        if content is not None:
+            response = await client.post(
+                path,
+                content=content,
+                headers={"content-type": "application/json"},
+                timeout=timeout,
+            )
+        else:
+            response = await client.post(path, json=body, timeout=timeout)
+    except httpx.TimeoutException:
+        return Result(kind, expect, None, time.perf_counter() - start, "timeout")
+    except httpx.TransportError as error:
+        return Result(kind, expect, None, time.perf_counter() - start, repr(error))
+    detail = "" if response.status_code < 400 else response.text[:200]
+    return Result(kind, expect, response.status_code, time.perf_counter() - start, detail)
+
+
+async def stream(client, kind, path, body, keep_chunks: int | None) -> Result:
+    """Reads a stream to its end (keep_chunks None) or drops it after keep_chunks chunks."""
+    start = time.perf_counter()
+    expect = "ok" if keep_chunks is None else "gone"
+    try:
+        async with client.stream("POST", path, json={**body, "stream": True}, timeout=120) as r:
+            chunks = 0
+            done = False
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    if '"error"' in line:
+                        return Result(kind, expect, 500, time.perf_counter() - start, line[:200])
+                    chunks += 1
+                    if keep_chunks is not None and chunks >= keep_chunks:
+                        return Result(kind, expect, None, time.perf_counter() - start, "dropped")
+            status = r.status_code if done or r.status_code >= 400 else 599
+            return Result(kind, expect, status, time.perf_counter() - start)
+    except httpx.TransportError as error:
+        return Result(kind, expect, None, time.perf_counter() - start, repr(error))
+
+
+def invalid_request(rng: random.Random) -> tuple[str, dict | None, bytes | None]:
+    """(path, json body, raw content) of a request the API must refuse with a 4xx."""
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    user = [{"role": "user", "content": "hi"}]
+    loop = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+    cases = [
+        (completions, None, b'{"prompt": "hi", "max_tokens": 4'),  # truncated JSON
+        (completions, None, b'{"prompt": "hi", "temperature": NaN}'),
+        (completions, None, b'{"prompt": "\\ud800 lone surrogate"}'),
+        (completions, {"prompt": "hi", "frobnicate": 1}, None),
+        (completions, {"prompt": "hi", "temperature": -1}, None),
+        (completions, {"prompt": "hi", "temperature": 1e-50}, None),
+        (completions, {"prompt": "hi", "repetition_penalty": 1e-50}, None),
+        (completions, {"prompt": "hi", "top_p": 0}, None),
+        (completions, {"prompt": "hi", "max_tokens": 10**9}, None),
+        (completions, {"prompt": "hi", "model": "gpt-9"}, None),
+        (completions, {"prompt": "hi", "stop": ["x"] * 100}, None),
+        (completions, {"prompt": "hi", "bad_words": [f"w{i}" for i in range(5000)]}, None),
+        (completions, {"prompt": [[1, 2]] * 200}, None),
+        (completions, {"prompt": "hi", "n": 500}, None),
+        (completions, {"prompt": [10**9]}, None),
+        (chat, {"messages": []}, None),
+        (chat, {"messages": user, "max_completion_tokens": 0}, None),
+        (chat, {"messages": user, "stream_options": {"include_usage": True}}, None),
+        (chat, {"messages": user, "structured_outputs": {"regex": "(unclosed"}}, None),
+        (chat, {"messages": user, "chat_template": "{{ 1 / 0 }}"}, None),
+        (chat, {"messages": user, "chat_template": loop}, None),  # runs past its time limit
+        (completions, None, b'{"prompt": "' + b"x" * (5 << 20) + b'"}'),  # over the body limit
+    ]
+    return rng.choice(cases)
+
+
+async def one_request(client, rng: random.Random) -> Result:
+    kind = rng.choices(
+        [
+            "chat",
+            "completion",
+            "chat_stream",
+            "dropped_stream",
+            "client_timeout",
+            "invalid",
+            "heavy_grammar",
+            "n_samples",
+            "large_top_k",
+            "bad_words",
+        ],
+        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4],
+    )[0]
+    chat, completions = "/v1/chat/completions", "/v1/completions"
+    if kind == "chat":
+        return await send(client, kind, "ok", chat, chat_body(rng))
+    if kind == "completion":
+        return await send(client, kind, "ok", completions, completion_body(rng))
+    if kind == "chat_stream":
+        return await stream(client, kind, chat, chat_body(rng), keep_chunks=None)
+    if kind == "dropped_stream":
+        body = chat_body(rng, max_tokens=200, ignore_eos=True)
+        return await stream(client, kind, chat, body, keep_chunks=rng.randint(1, 4))
+    if kind == "client_timeout":
+        body = completion_body(rng, max_tokens=200, ignore_eos=True)
+        return await send(client, kind, "gone", completions, body, timeout=rng.uniform(0.05, 1.0))
+    if kind == "invalid":
+        path, body, content = invalid_request(rng)
+        return await send(client, kind, "bad", path, body, content)
+    if kind == "heavy_grammar":
+        schema = {**HEAVY_SCHEMA, "maxItems": rng.randint(1, 3)}  # a few distinct specs
+        body = chat_body(
+            rng, response_format={"type": "json_schema", "json_schema": {"schema": schema}}
+        )
+        return await send(client, kind, "ok", chat, body)
+    if kind == "n_samples":
+        return await send(client, kind, "ok", completions, completion_body(rng, n=4))
+    if kind == "large_top_k":
+        return await send(client, kind, "ok", completions, completion_body(rng, top_k=2**31))
+    words = [f"{rng.choice(TOPICS)} {i}" for i in range(1000)]
+    return await send(client, kind, "ok", completions, completion_body(rng, bad_words=words))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+async def drive(url: str, pid: int, seconds: float) -> dict:
+    rng = random.Random(FLAGS.seed)
+    results: list[Result] = []
+    health: collections.Counter = collections.Counter()
+    rss: list[tuple[float, int]] = []
+    start = time.monotonic()
+    stop_at = start + seconds
+    limits = httpx.Limits(max_connections=FLAGS.concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+
+        async def worker(seed):
+            local = random.Random(seed)
+            while time.monotonic() < stop_at:
+                results.append(await one_request(client, local))
+
+        async def monitor():
+            while time.monotonic() < stop_at:
+                try:
+                    status = (await client.get("/health", timeout=10)).status_code
+                except httpx.TransportError:
+                    status = 0
+                health[status] += 1
+                rss.append((time.monotonic() - start, rss_bytes(pid)))
+                await asyncio.sleep(1.0)
+
+        await asyncio.gather(
+            monitor(), *(worker(rng.randrange(2**32)) for _ in range(FLAGS.concurrency))
+        )
+        idle = None
+        for _ in range(60):  # the abandoned requests' aborts reach the engine
+            text = (await client.get("/metrics", timeout=10)).text
+            running = metric(text, "jaxinfer:num_requests_running")
+            waiting = metric(text, "jaxinfer:num_requests_waiting")
+            usage = metric(text, "jaxinfer:kv_cache_usage_perc")
+            idle = {"running": running, "waiting": waiting, "kv_cache_usage": usage}
+            if running == waiting == usage == 0:
+                break
+            await asyncio.sleep(0.5)
+    return {"results": results, "health": dict(health), "rss": rss, "idle": idle}
+
+
+def report(run: dict, log_text: str, seconds: float) -> tuple[dict, list[str]]:
+    results: list[Result] = run["results"]
+    by_kind: dict = {}
+    for kind in sorted({r.kind for r in results}):
+        mine = [r for r in results if r.kind == kind]
+        answered = [r.seconds for r in mine if r.status is not None]
+        by_kind[kind] = {
+            "requests": len(mine),
+            "statuses": dict(collections.Counter(str(r.status) for r in mine)),
+            "p50_s": round(float(np.percentile(answered, 50)), 3) if answered else None,
+            "p99_s": round(float(np.percentile(answered, 99)), 3) if answered else None,
+        }
+    failures = []
+    wrong_ok = [r for r in results if r.expect == "ok" and (r.status is None or r.status >= 300)]
+    wrong_bad = [r for r in results if r.expect == "bad" and not (400 <= (r.status or 0) < 500)]
+    five_xx = [
+        r for r in results if r.status is not None and r.status >= 500 and r.expect != "gone"
+    ]
+    if wrong_ok:
+        failures.append(f"{len(wrong_ok)} well-formed requests failed, e.g. {wrong_ok[0]}")
+    if wrong_bad:
+        failures.append(f"{len(wrong_bad)} bad requests got no 4xx, e.g. {wrong_bad[0]}")
+    if five_xx:
+        failures.append(f"{len(five_xx)} answers were 5xx, e.g. {five_xx[0]}")
+    if set(run["health"]) != {200}:
+        failures.append(f"/health answered {run['health']}")
+    if run["idle"] is None or any(run["idle"].values()):
+        failures.append(f"not idle after the load: {run['idle']}")
+    if "Traceback" in log_text:
+        failures.append("the server's log holds a traceback")
+    rss = run["rss"]
+    after_first_minute = next((b for t, b in rss if t >= 60), rss[-1][1] if rss else 0)
+    final = rss[-1][1] if rss else 0
+    growth = final / after_first_minute - 1 if after_first_minute else 0.0
+    if abs(growth) > 0.10:
+        failures.append(f"RSS moved {growth:+.1%} after the first minute")
+    summary = {
+        "minutes": round(seconds / 60, 2),
+        "concurrency": FLAGS.concurrency,
+        "requests": len(results),
+        "statuses": dict(collections.Counter(str(r.status) for r in results)),
+        "by_kind": by_kind,
+        "health": run["health"],
+        "idle_after_load": run["idle"],
+        "rss_mb": {
+            "after_first_minute": round(after_first_minute / 2**20, 1),
+            "end": round(final / 2**20, 1),
+            "peak": round(max((b for _, b in rss), default=0) / 2**20, 1),
+            "growth": round(growth, 4),
+        },
+        "traceback_in_log": "Traceback" in log_text,
+        "failures": failures,
+    }
+    return summary, failures
+
+
+def main(argv):
+    del argv
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="jaxinfer-soak-")) / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "jaxinfer.serve",
+        f"--port={port}",
+        "--allow_request_chat_template",
+        *FLAGS.server_args,
+    ]
+    print("server:", " ".join(command), f"(log: {log})", flush=True)
+    with log.open("w") as log_file:
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + FLAGS.start_timeout
+        while True:
+            if server.poll() is not None:
+                sys.exit(f"the server exited while starting:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                sys.exit("the server did not start in time")
+            time.sleep(1)
+        seconds = FLAGS.minutes * 60
+        run = asyncio.run(drive(url, server.pid, seconds))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    summary, failures = report(run, log.read_text(), seconds)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if FLAGS.output:
+        Path(FLAGS.output).write_text(text + "\n")
+    if failures:
+        print("FAILED:\n- " + "\n- ".join(failures))
+        sys.exit(1)
+    print("passed")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -99,3 +99,29 @@ def test_pallas_sweep_checks_every_configuration_against_the_reference(tmp_path)
     ]
     assert all(r["max_abs_error"] < 1e-4 and r["ms"] > 0 for r in rows)
     assert "fastest per case" in out
+
+
+def test_soak_runs_and_checks_a_server(tmp_path, tiny_model_dir):
+    """tools/soak.py on the tiny model, for a few seconds (the engine options of
+    test_server's SIGTERM test, whose compiled programs it reuses)."""
+    output = tmp_path / "soak.json"
+    server_args = [
+        f"--model={tiny_model_dir}",
+        "--max_model_len=128",
+        "--max_num_seqs=4",
+        "--block_size=8",
+        "--num_kv_blocks=64",
+        "--max_num_batched_tokens=32",
+    ]
+    run(
+        "tools/soak.py",
+        "--minutes=0.2",
+        "--concurrency=4",
+        f"--server_args={','.join(server_args)}",
+        f"--output={output}",
+    )
+    report = json.loads(output.read_text())
+    assert report["failures"] == [] and report["requests"] > 20
+    assert set(report["health"]) == {"200"}
+    assert report["idle_after_load"] == {"running": 0, "waiting": 0, "kv_cache_usage": 0}
+    assert {"chat", "invalid"} <= set(report["by_kind"])

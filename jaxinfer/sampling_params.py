@@ -8,6 +8,7 @@ and every per-step host cost bounded (stop strings, bad words).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import json
@@ -225,6 +226,18 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` of an n > 1 request: n = 1, the seed + index (when
+        seeded), and prompt logprobs for the first sample only. Not validated again (these
+        were): the engine thread builds up to 128 of them per request."""
+        sample = copy.copy(self)
+        object.__setattr__(sample, "n", 1)
+        if self.seed is not None:
+            object.__setattr__(sample, "seed", (self.seed + index) % 2**64)
+        if index:
+            object.__setattr__(sample, "prompt_logprobs", None)
+        return sample
 
     @property
     def greedy(self) -> bool:

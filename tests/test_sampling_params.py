@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxinfer import SamplingParams
@@ -78,3 +80,16 @@ def test_normalization():
     assert SamplingParams(top_k=2**40).top_k_or_all(100) == 0  # beyond the vocabulary: all
     assert SamplingParams(top_k=99).top_k_or_all(100) == 99
     assert not params.uses_penalties and SamplingParams(presence_penalty=0.1).uses_penalties
+
+
+def test_for_sample_is_the_validated_parameters_of_one_sample():
+    params = SamplingParams(n=3, seed=2**64 - 2, prompt_logprobs=2, allowed_token_ids=[1, 2])
+    for index in range(3):
+        expected = dataclasses.replace(
+            params,
+            n=1,
+            seed=(params.seed + index) % 2**64,
+            prompt_logprobs=2 if index == 0 else None,
+        )
+        assert params.for_sample(index) == expected
+    assert SamplingParams(n=2).for_sample(1).seed is None

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import random
 import signal
 import subprocess
@@ -325,6 +326,7 @@ def report(run: dict, log_text: str, seconds: float) -> tuple[dict, list[str]]:
 
 def main(argv):
     del argv
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="jaxinfer-soak-")) / "server.log"
     command = [

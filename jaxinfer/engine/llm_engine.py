@@ -236,13 +236,9 @@ class LLMEngine:
                 child_id = f"{request_id}#{index}"
                 if child_id in self.requests:
                     raise ValueError(f"request id {child_id!r} is already in use")
-                seed = None if params.seed is None else (params.seed + index) % 2**64
-                # The first sample reports the prompt's logprobs; the others need not compute
-                # them, so they may start from the prefix cache.
-                prompt_logprobs = params.prompt_logprobs if index == 0 else None
-                child_params = dataclasses.replace(
-                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
-                )
+                # (The first sample reports the prompt's logprobs; the others need not
+                # compute them, so they may start from the prefix cache.)
+                child_params = params.for_sample(index)
                 child = self._add_one(child_id, prepared, child_params, priority, cache_salt)
                 child.parent, child.index = parent, index
                 parent.children.append(child)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+import fastapi
+
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.server.async_engine import EngineDeadError
 from jaxinfer.server.errors import error_body
@@ -20,9 +22,14 @@ class Formatter:
     def __init__(self, tokenizer: TokenizerWrapper, model: str):
         self.tokenizer = tokenizer
         self.model = model
+        self._texts: dict[int, str] = {}  # token id -> its text (at most the vocabulary)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
 
     def completion_logprobs(self, token_ids, logprobs) -> dict:
         return {
@@ -61,6 +68,7 @@ class Formatter:
     def completion_choice(
         self, index: int, c: CompletionOutput, with_logprobs: bool, prompt_logprobs=None
     ) -> dict:
+        """`prompt_logprobs`: formatted (`prompt_logprobs()`), or None."""
         choice = {
             "index": index,
             "text": c.text,
@@ -71,7 +79,7 @@ class Formatter:
             "stop_reason": c.stop_reason,
         }
         if prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs
         return choice
 
     def chat_choice(self, c: CompletionOutput, with_logprobs: bool) -> dict:
@@ -94,6 +102,11 @@ class Formatter:
             "choices": choices,
             **extra,
         }
+
+
+def json_response(body: dict) -> fastapi.Response:
+    """A body serialized once, where it was built (a worker thread for large ones)."""
+    return fastapi.Response(json.dumps(body).encode(), media_type="application/json")
 
 
 class Usage:

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import fastapi
 import pydantic
 from fastapi.responses import StreamingResponse
 
@@ -24,7 +25,7 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server.admission import SequenceLimiter, Ticket
 from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from jaxinfer.server.errors import APIError
-from jaxinfer.server.formatting import Formatter, Usage, sse
+from jaxinfer.server.formatting import Formatter, Usage, json_response, sse
 from jaxinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -125,22 +126,26 @@ class OpenAIServing:
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
             finals = await _finals(held.streams)
-            usage = Usage()
-            choices = []
-            for p, final in enumerate(finals):
-                usage.add(final)
-                choices += [
-                    self.formatter.completion_choice(
-                        p * params.n + c.index,
-                        c,
-                        params.logprobs is not None,
-                        final.prompt_logprobs if c.index == 0 else None,
+
+            def build() -> fastapi.Response:  # logprobs can be long: off the event loop
+                usage = Usage()
+                choices = []
+                for p, final in enumerate(finals):
+                    usage.add(final)
+                    prompt_logprobs = self.formatter.prompt_logprobs(final.prompt_logprobs)
+                    choices += [
+                        self.formatter.completion_choice(
+                            p * params.n + c.index, c, params.logprobs is not None, prompt_logprobs
+                        )
+                        for c in final.outputs
+                    ]
+                return json_response(
+                    self.formatter.body(
+                        request_id, created, "text_completion", choices, usage=usage.body()
                     )
-                    for c in final.outputs
-                ]
-            return self.formatter.body(
-                request_id, created, "text_completion", choices, usage=usage.body()
-            )
+                )
+
+            return await self.engine.run_in_worker(build)
         finally:
             if held is not None:
                 held.release()
@@ -168,15 +173,21 @@ class OpenAIServing:
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
             (final,) = await _finals(held.streams)
-            usage = Usage()
-            usage.add(final)
-            choices = [
-                self.formatter.chat_choice(c, params.logprobs is not None) for c in final.outputs
-            ]
-            extra = {"usage": usage.body()}
-            if final.prompt_logprobs is not None:
-                extra["prompt_logprobs"] = self.formatter.prompt_logprobs(final.prompt_logprobs)
-            return self.formatter.body(request_id, created, "chat.completion", choices, **extra)
+
+            def build() -> fastapi.Response:
+                usage = Usage()
+                usage.add(final)
+                choices = [
+                    self.formatter.chat_choice(c, params.logprobs is not None)
+                    for c in final.outputs
+                ]
+                extra = {"usage": usage.body()}
+                if final.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = self.formatter.prompt_logprobs(final.prompt_logprobs)
+                body = self.formatter.body(request_id, created, "chat.completion", choices, **extra)
+                return json_response(body)
+
+            return await self.engine.run_in_worker(build)
         finally:
             if held is not None:
                 held.release()

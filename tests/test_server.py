@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -475,6 +476,47 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
         # uvicorn shuts down gracefully, then re-raises the signal it caught: exit by SIGTERM.
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
         assert b"Traceback" not in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_the_server_exits_non_zero_when_its_engine_fails(tiny_model_dir):
+    """--exit_on_engine_failure, for a supervisor to restart the server: a step timeout far
+    below a step's time (a tiny model's step takes about 0.3 ms here) declares the engine
+    stalled at a step the watchdog finds running."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "jaxinfer.serve",
+        f"--model={tiny_model_dir}",
+        f"--port={port}",
+        "--max_model_len=128",
+        "--max_num_seqs=4",
+        "--block_size=8",
+        "--num_kv_blocks=64",
+        "--max_num_batched_tokens=32",
+        "--engine_step_timeout=0.0001",
+        "--exit_on_engine_failure",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "n": 4}
+        statuses = []
+        with contextlib.suppress(httpx.TransportError):  # until the server has gone
+            for _ in range(100):
+                statuses.append(httpx.post(f"{url}/v1/completions", json=body).status_code)
+        assert set(statuses) <= {200, 503} and 503 in statuses
+        assert process.wait(timeout=60) == 1
+        assert b"shutting down (--exit_on_engine_failure)" in process.stdout.read()
     finally:
         if process.poll() is None:
             process.kill()

@@ -170,7 +170,7 @@ async def _watch(
 ) -> None:
     """Declares a stalled engine dead (failing every request in flight) and reports a dead
     one, once."""
-    interval = min(1.0, config.engine_step_timeout / 4)
+    interval = min(1.0, max(0.01, config.engine_step_timeout / 4))
     while True:
         await asyncio.sleep(interval)
         problem = engine_problem(engine, config)

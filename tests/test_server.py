@@ -427,35 +427,46 @@ def test_a_stalled_step_fails_requests_and_turns_health_503(tiny_model_dir):
         server.should_exit = True
 
 
-def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
-    """The real entry point: on SIGTERM it stops accepting, finishes the stream in flight
-    and exits. Its API key comes from a file, out of sight of `ps`."""
+@contextlib.contextmanager
+def server_process(model_dir, *flags: str):
+    """`python -m jaxinfer.serve` on the tiny model with `flags`, once it answers; yields
+    (process, url) and kills what is left at the end."""
     port = free_port()
-    key_file = tmp_path / "key"
-    key_file.write_text("s3cret-from-a-file\n")
     command = [
         sys.executable,
         "-m",
         "jaxinfer.serve",
-        f"--model={tiny_model_dir}",
+        f"--model={model_dir}",
         f"--port={port}",
         "--max_model_len=128",
         "--max_num_seqs=4",
         "--block_size=8",
         "--num_kv_blocks=64",
         "--max_num_batched_tokens=32",
-        "--served_model_name=tiny",
-        f"--api_key_file={key_file}",
+        *flags,
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = f"http://127.0.0.1:{port}"
         for _ in range(600):
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
+                httpx.get(f"{url}/health")
+                break
             except httpx.TransportError:
                 time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
+    """The real entry point: on SIGTERM it stops accepting, finishes the stream in flight
+    and exits. Its API key comes from a file, out of sight of `ps`."""
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-from-a-file\n")
+    flags = ("--served_model_name=tiny", f"--api_key_file={key_file}")
+    with server_process(tiny_model_dir, *flags) as (process, url):
         body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
         headers = {"authorization": "Bearer s3cret-from-a-file"}
@@ -476,39 +487,14 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
         # uvicorn shuts down gracefully, then re-raises the signal it caught: exit by SIGTERM.
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
         assert b"Traceback" not in process.stdout.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_the_server_exits_non_zero_when_its_engine_fails(tiny_model_dir):
     """--exit_on_engine_failure, for a supervisor to restart the server: a step timeout far
     below a step's time (a tiny model's step takes about 0.3 ms here) declares the engine
     stalled at a step the watchdog finds running."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "jaxinfer.serve",
-        f"--model={tiny_model_dir}",
-        f"--port={port}",
-        "--max_model_len=128",
-        "--max_num_seqs=4",
-        "--block_size=8",
-        "--num_kv_blocks=64",
-        "--max_num_batched_tokens=32",
-        "--engine_step_timeout=0.0001",
-        "--exit_on_engine_failure",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                httpx.get(f"{url}/health")
-                break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    flags = ("--engine_step_timeout=0.0001", "--exit_on_engine_failure")
+    with server_process(tiny_model_dir, *flags) as (process, url):
         body = {"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "n": 4}
         statuses = []
         with contextlib.suppress(httpx.TransportError):  # until the server has gone
@@ -517,6 +503,3 @@ def test_the_server_exits_non_zero_when_its_engine_fails(tiny_model_dir):
         assert set(statuses) <= {200, 503} and 503 in statuses
         assert process.wait(timeout=60) == 1
         assert b"shutting down (--exit_on_engine_failure)" in process.stdout.read()
-    finally:
-        if process.poll() is None:
-            process.kill()

@@ -244,17 +244,6 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
-    def token_ids(self, tokenizer) -> list[int]:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
-        if self.prompt is not None:
-            return tokenizer.encode(self.prompt, self.add_special_tokens)
-        chat = ChatCompletionRequest(messages=self.messages)
-        text = tokenizer.apply_chat_template(
-            chat.conversation(), add_generation_prompt=self.add_generation_prompt
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
-
 
 class DetokenizeRequest(_Body):
     model: str | None = None

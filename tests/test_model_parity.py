@@ -124,35 +124,46 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def model_folder(variant, tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp(variant), **VARIANTS[variant])
-
-
 # Both executions and both weight layouts (jaxinfer.layers.linear): scan with "in_out"
 # (accelerators), per_layer with "out_in" (CPU without the kernels); and the "out_in"
 # projections and attention through the C++ kernels (jaxinfer.layers.native_kernels) under
-# the scan, the CPU default. (Per-layer programs with the kernels run in the engine tests.)
+# the scan, the CPU default, on the one-KV-head and the MHA variants. (Per-layer programs
+# with the kernels run in the engine tests.)
 CPU_KERNEL_VARIANTS = ("qwen2_qkv_bias", "mha_head_dim_32")  # one KV head with biases; MHA
 EXECUTIONS = [
     ("scan", "in_out", "xla"),
     ("per_layer", "out_in", "xla"),
     ("scan", "out_in", "cpu"),  # the CPU default: the kernel reads stacked weights in place
 ]
+CASES = [
+    (variant, execution)
+    for variant in VARIANTS
+    for execution in EXECUTIONS
+    if execution[2] == "xla" or variant in CPU_KERNEL_VARIANTS
+]
 
 
-@pytest.fixture(scope="module", params=EXECUTIONS, ids=["-".join(e) for e in EXECUTIONS])
-def harness(request, variant, model_folder):
-    layer_execution, weight_layout, matmul_impl = request.param
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory):
+    """Each variant's model folder, written once for all its executions."""
+    folders: dict[str, object] = {}
+
+    def folder(variant: str):
+        if variant not in folders:
+            folders[variant] = make_tiny_model(
+                tmp_path_factory.mktemp(variant), **VARIANTS[variant]
+            )
+        return folders[variant]
+
+    return folder
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{v}-{'-'.join(e)}" for v, e in CASES])
+def harness(request, model_folders):
+    variant, (layer_execution, weight_layout, matmul_impl) = request.param
+    model_folder = model_folders(variant)
     if matmul_impl == "xla":
         return Harness(model_folder, layer_execution, weight_layout=weight_layout)
-    if variant not in CPU_KERNEL_VARIANTS:
-        pytest.skip("the C++ kernels are checked on the one-KV-head and the MHA variants")
     return Harness(
         model_folder,
         layer_execution,

@@ -25,5 +25,5 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[llamacpp]'
-	$(PY) tools/bench_throughput.py --baseline hf,llamacpp
-	$(PY) tools/bench_throughput.py --baseline hf,llamacpp --single_stream
+	$(PY) -m tools.bench_throughput --baseline hf,llamacpp
+	$(PY) -m tools.bench_throughput --baseline hf,llamacpp --single_stream

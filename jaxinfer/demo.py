@@ -11,11 +11,10 @@ import time
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config_file import load_engine_options
+from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", None, "Hugging Face folder or .gguf file; default: SmolLM2-135M.")
-flags.DEFINE_string("config", None, "TOML file of engine options (see configs/); flags win.")
+define_engine_flags()
 flags.DEFINE_integer("max_tokens", 96, "Most tokens per completion.")
 flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
 flags.DEFINE_integer("seed", None, "Seed for sampled (temperature > 0) completions.")
@@ -31,7 +30,7 @@ QUESTIONS = [
 def main(argv):
     del argv
     start = time.perf_counter()
-    options = load_engine_options(FLAGS.config, model=FLAGS.model)
+    options = engine_options_from_flags()
     llm = LLM(**dataclasses.asdict(options))
     engine = llm.engine
     print(

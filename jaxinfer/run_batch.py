@@ -19,12 +19,12 @@ import jax
 from absl import app, flags
 
 from jaxinfer.batch.job import BatchIncompleteError, BatchJobConfig, check_paths, run_job
-from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine_flags import (
+from jaxinfer.config.flags import (
     define_engine_flags,
     distributed_config_from_flags,
     engine_options_from_flags,
 )
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.distributed import initialize
 from jaxinfer.server.async_engine import AsyncEngine
 

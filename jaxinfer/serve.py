@@ -1,7 +1,8 @@
 """The OpenAI-compatible server: `python -m jaxinfer.serve` (flags: --help).
 
 Loads and warms up the engine, then serves /v1/completions, /v1/chat/completions, /v1/models,
-/tokenize, /detokenize, /metrics (Prometheus), /health and /version on --host:--port.
+/tokenize, /detokenize, /metrics (Prometheus), /health, /version and /v1/engine (the resolved
+options) on --host:--port.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 import uvicorn
 from absl import app, flags
 
-from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine_flags import (
+from jaxinfer.config.flags import (
     define_engine_flags,
     distributed_config_from_flags,
     engine_options_from_flags,
 )
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.distributed import initialize
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine

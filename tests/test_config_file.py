@@ -1,12 +1,22 @@
-"""Engine options from TOML files, as the entry points read them."""
+"""Engine options from TOML files and command-line flags, both generated from EngineOptions."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from absl import flags
 
-from jaxinfer.config_file import load_engine_options
+from jaxinfer.config import EngineOptions
+from jaxinfer.config.flags import (
+    define_engine_flags,
+    engine_options_from_flags,
+    load_engine_options,
+    parse_overrides,
+)
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -42,3 +52,46 @@ def test_bad_files_are_clear_errors(tmp_path, text, error, message):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         load_engine_options(tmp_path / "nope.toml")
+
+
+def test_every_option_is_a_flag_of_the_server():
+    """The flags are generated from EngineOptions' fields: each shows in --helpfull."""
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.serve", "--helpfull"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    for field in dataclasses.fields(EngineOptions):
+        shown = (f"--{field.name}:", f"--[no]{field.name}:")
+        assert any(flag in result.stdout for flag in shown), field.name
+
+
+def test_generated_flags_override_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[engine]\nmax_num_seqs = 3\nquantization = 'int8'\n")
+    values = flags.FlagValues()
+    define_engine_flags(values)
+    values(["prog", f"--config={path}", "--max_num_seqs=5", "--async_scheduling=false"])
+    options = engine_options_from_flags(values)
+    assert (options.max_num_seqs, options.quantization, options.async_scheduling) == (
+        5,
+        "int8",
+        False,
+    )
+    assert options.block_size == EngineOptions().block_size
+
+
+def test_overrides_are_parsed_with_the_options_types():
+    parsed = parse_overrides(
+        ["max_num_seqs=8", "async_scheduling=true", "quantization=none", "kv_cache_memory_gb=0.5"]
+    )
+    assert parsed == {
+        "max_num_seqs": 8,
+        "async_scheduling": True,
+        "quantization": None,
+        "kv_cache_memory_gb": 0.5,
+    }
+    for bad in ("max_num_seq=8", "max_num_seqs=eight", "async_scheduling=maybe", "dtype"):
+        with pytest.raises(ValueError):
+            parse_overrides([bad])

@@ -11,10 +11,10 @@ import pytest
 
 from cpu_kernels import build as build_module
 from cpu_kernels.build import KernelBuildError, build, can_build
-from cpu_kernels.matmul.kernel import load_matmul, matmul
+from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
-from jaxinfer.layers.native_kernels import KernelMatmul, select_matmul
+from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.layers.quantization import quantize_int8
 from tests.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
 
@@ -117,9 +117,10 @@ def test_build_name_follows_the_compilers_version(tmp_path, monkeypatch):
     assert build(source, tmp_path / "build") != first  # a new compiler builds anew
 
 
-def test_a_cpu_without_avx2_goes_without_the_kernels(tmp_path, monkeypatch):
-    """The kernels are compiled with -mavx2 -mfma: on a CPU without those, 'auto' falls back to
-    XLA (instead of dying on an illegal instruction) and asking for them is a clear error."""
+def test_a_cpu_without_avx2_builds_no_kernel(tmp_path, monkeypatch):
+    """The kernels are compiled with -mavx2 -mfma: on a CPU without those, building one is a
+    clear error (instead of dying on an illegal instruction); tests/test_resolve.py checks
+    that "auto" then goes without them."""
     monkeypatch.setattr(build_module, "cpu_features", lambda: frozenset({"sse2", "avx"}))
     source = tmp_path / "tiny" / "kernel.cc"
     source.parent.mkdir()
@@ -127,31 +128,6 @@ def test_a_cpu_without_avx2_goes_without_the_kernels(tmp_path, monkeypatch):
     with pytest.raises(KernelBuildError, match="lacks AVX2, FMA"):
         build(source, tmp_path / "build")
     assert not (tmp_path / "build").exists()
-    assert select_matmul("auto", build_dir=tmp_path / "kernels", **SELECT) is None
-    with pytest.raises(KernelBuildError, match="AVX2"):
-        select_matmul("cpu", build_dir=tmp_path / "kernels", **SELECT)
-
-
-SELECT = dict(
-    platform="cpu",
-    tensor_parallel_size=1,
-    weight_layout="out_in",
-    dtype=jnp.float32,
-)
-
-
-def test_auto_picks_the_kernel_where_it_runs(cpu_kernel_dir):
-    for impl in ("auto", "cpu"):
-        chosen = select_matmul(impl, build_dir=cpu_kernel_dir, **SELECT)
-        assert isinstance(chosen, KernelMatmul) and chosen.kernel is matmul
-    assert select_matmul("xla", build_dir=cpu_kernel_dir, **SELECT) is None
-    for change in (
-        {"platform": "gpu"},
-        {"tensor_parallel_size": 2},
-        {"weight_layout": "in_out"},
-        {"dtype": jnp.bfloat16},
-    ):
-        assert select_matmul("auto", build_dir=cpu_kernel_dir, **{**SELECT, **change}) is None
 
 
 def test_long_float32_products_stay_on_xla(cpu_kernel_dir):
@@ -167,29 +143,11 @@ def test_long_float32_products_stay_on_xla(cpu_kernel_dir):
         (5, (q, scale), True),
     ):
         x = rng.standard_normal((rows, 40)).astype(np.float32)
-        hlo = jax.jit(chosen).lower(x, *weights).as_text()
+        product = chosen.float32 if len(weights) == 1 else chosen.int8
+        hlo = jax.jit(product).lower(x, *weights).as_text()
         assert ("custom_call" in hlo) == uses_kernel, (rows, len(weights))
         expected = matmul_reference(jnp.asarray(x), *map(jnp.asarray, weights))
-        np.testing.assert_allclose(chosen(x, *weights), expected, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"platform": "gpu"}, "XLA:CPU, not gpu"),
-        ({"tensor_parallel_size": 2}, "one device"),
-        ({"weight_layout": "in_out"}, "'out_in' weight layout"),
-        ({"dtype": jnp.bfloat16}, "float32 activations, not bfloat16"),
-    ],
-)
-def test_cpu_where_it_cannot_run_is_a_clear_error(cpu_kernel_dir, change, message):
-    with pytest.raises(ValueError, match=message):
-        select_matmul("cpu", build_dir=cpu_kernel_dir, **{**SELECT, **change})
-
-
-def test_unknown_impl_is_a_clear_error(cpu_kernel_dir):
-    with pytest.raises(ValueError, match="matmul_impl must be one of"):
-        select_matmul("avx512", build_dir=cpu_kernel_dir, **SELECT)
+        np.testing.assert_allclose(product(x, *weights), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

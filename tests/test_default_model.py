@@ -11,6 +11,7 @@ import transformers
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.layers.weights import Int8
 from jaxinfer.model_loader.model_cache import resolve_model
 from tests.conftest import layer_weights
 
@@ -145,10 +146,9 @@ def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_di
         max_model_len=128,
     )
     weights = layer_weights(int8.engine.runner)
-    assert (
-        weights["gate_up_proj"].dtype == np.int8
-        and int8.engine.runner.top_params["embed"].dtype == np.int8
-    )
+    assert isinstance(weights["gate_up_proj"], Int8)
+    assert weights["gate_up_proj"].q.dtype == np.int8
+    assert isinstance(int8.engine.runner.top_params["embed"], Int8)
     # "auto" runs the int8 projections through the C++ kernel where it can be built.
     assert (int8.engine.runner.kernels.matmul is not None) == can_build()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)

@@ -1,5 +1,5 @@
 """GGUF blocks kept beside the float32 weights (jaxinfer.model_loader.gguf_blocks,
-jaxinfer.layers.gguf_weights): the tensor table against the gguf package's reader, the blocks in
+jaxinfer.layers.weights.GGUFBlocks): the tensor table against the gguf package's reader, the blocks in
 the engine's row order against the converted weights, and an engine that reads them giving
 bit-identical outputs, on a tiny model written as a GGUF file of Q4_1 projections and a Q8_0
 embedding (its LM head)."""
@@ -12,13 +12,16 @@ import pytest
 
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import EngineOptions, build_engine_config
-from jaxinfer.layers.linear import OUT_IN, to_layout
+from jaxinfer.config import EngineOptions
+from jaxinfer.config.configure import configure
+from jaxinfer.layers.linear import OUT_IN
+from jaxinfer.layers.weights import Dense
 from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.gguf_tensors import read_tensors
 from jaxinfer.model_loader.load import kept_gguf_blocks
 from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.llama import as_weights, to_layout
 from jaxinfer.models.llama_config import LlamaConfig
 from tests.conftest import make_tiny_model
 from tests.test_gguf_convert import NUM_KV_HEADS, write_gguf
@@ -49,7 +52,8 @@ def q4_gguf(tmp_path_factory):
 
 def converted(folder):
     config = LlamaConfig.from_file(folder / "config.json")
-    return config, to_layout(load_llama_params(folder, config, np.float32), OUT_IN)
+    params = load_llama_params(folder, config, np.float32)
+    return config, to_layout(as_weights(config, params), OUT_IN)
 
 
 def test_tensor_table_matches_the_gguf_reader(q4_gguf):
@@ -80,9 +84,9 @@ def test_blocks_reproduce_the_converted_weights_in_engine_order(q4_gguf):
 def test_blocks_that_differ_from_the_weights_are_not_kept(q4_gguf, name):
     path, folder = q4_gguf
     config, params = converted(folder)
-    layer = np.array(params["layers"][name])
+    layer = np.array(params["layers"][name].w)
     layer[1].reshape(-1)[5] += 1e-3  # one value of layer 1
-    params["layers"] = {**params["layers"], name: layer}
+    params["layers"] = {**params["layers"], name: Dense(layer, -1)}
     kept, rejected = verified_blocks(load_gguf_blocks(path, config), params)
     assert rejected == [name] and name not in kept["layers"]
 
@@ -118,7 +122,9 @@ def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
     with pytest.raises(ValueError, match=r"gguf_weights 'on' cannot be used here: .*matmul"):
         LLM(matmul_impl="xla", **options)
     if can_build():
-        with pytest.raises(ValueError, match=r"gguf_weights 'on': .*not converted from a GGUF"):
+        with pytest.raises(
+            ValueError, match=r"gguf_weights 'on' cannot be used here: .*not converted from a GGUF"
+        ):
             LLM(matmul_impl="cpu", **options)
     with pytest.raises(ValueError, match="gguf_weights must be one of"):
         LLM(model=str(tiny_model_dir), gguf_weights="yes")
@@ -128,8 +134,9 @@ def test_another_models_gguf_keeps_no_blocks(q4_gguf, tiny_model_dir):
     """The blocks of a GGUF that is not the loaded model's (here: another tiny model's) are
     never kept: "auto" goes without, "on" is a clear error."""
     path, _ = q4_gguf
-    config = build_engine_config(EngineOptions(model=str(tiny_model_dir)), tiny_model_dir)
+    options = EngineOptions(model=str(tiny_model_dir), gguf_weights="off")
+    config, _ = configure(options, tiny_model_dir)
     params = load_llama_params(tiny_model_dir, config.model.arch, np.float32)
-    assert kept_gguf_blocks(path, config, params, OUT_IN, required=False) is None
+    assert kept_gguf_blocks(path, config, params, required=False) is None
     with pytest.raises(ValueError, match=r"gguf_weights 'on': no GGUF blocks can be kept"):
-        kept_gguf_blocks(path, config, params, OUT_IN, required=True)
+        kept_gguf_blocks(path, config, params, required=True)

@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from jaxinfer.config import EngineOptions, build_engine_config
+from jaxinfer.config import EngineOptions
+from jaxinfer.config.configure import configure
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.request import Request
@@ -53,8 +54,12 @@ class Harness:
             max_num_batched_tokens=128,
             max_num_seqs=8,
             tensor_parallel_size=tensor_parallel_size,
+            weight_layout=weight_layout,
+            matmul_impl="xla",
+            attention_impl="reference",
+            gguf_weights="off",
         )
-        self.config = build_engine_config(options, folder)
+        self.config, _ = configure(options, folder)
         arch = self.config.model.arch
         partitioner = Partitioner(make_mesh(tensor_parallel_size))
         params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)

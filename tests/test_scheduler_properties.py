@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from jaxinfer.config import SchedulerConfig, token_buckets
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.engine.scheduler import Scheduler, StepOutput
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.step import StepOutput
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 
@@ -30,7 +31,11 @@ def fake_token(request: Request) -> int:
 def process(scheduler: Scheduler, output) -> None:
     """The stand-in model's results of a step, computed when the step is processed: by then
     every earlier step is, so each request's tokens are those its sample is drawn after."""
-    tokens = [fake_token(item.request) for item in output.scheduled]
+    running = {r.request_id: r for r in scheduler.running}
+    tokens = [
+        fake_token(running[item.request_id]) if item.request_id in running else 0
+        for item in output.scheduled
+    ]  # (rows of requests that left the running set are dropped)
     scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
 
 
@@ -71,13 +76,15 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
         assert sum(item.num_new_tokens for item in output.scheduled) == output.num_scheduled_tokens
         assert len(output.scheduled) <= config.max_num_seqs
         assert all(item.num_new_tokens > 0 for item in output.scheduled)
+        by_id = {r.request_id: r for r in requests}
         for item in output.scheduled:  # what the batch builder will read must be there
-            request = item.request
+            request = by_id[item.request_id]
             assert request.status is RequestStatus.RUNNING, "a preempted request was scheduled"
             assert item.num_computed_tokens + item.num_new_tokens == request.num_computed_tokens
             needed = item.num_computed_tokens + item.num_new_tokens
-            assert len(request.block_ids) * kv.block_size >= needed, "slots missing"
-        ids = [item.request.request_id for item in output.scheduled]
+            assert len(item.block_ids) * kv.block_size >= needed, "blocks missing"
+            assert item.block_ids == tuple(request.block_ids)
+        ids = [item.request_id for item in output.scheduled]
         assert len(set(ids)) == len(ids)
 
 
@@ -220,6 +227,6 @@ def test_priority_orders_admission_and_preemption():
     order = []
     while scheduler.has_unfinished():
         output = scheduler.schedule()
-        order += [item.request.request_id for item in output.scheduled]
+        order += [item.request_id for item in output.scheduled]
         process(scheduler, output)
     assert order == ["urgent", "normal_a", "normal_b", "late_low"]

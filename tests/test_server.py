@@ -71,6 +71,9 @@ def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server}/health").status_code == 200
     assert httpx.get(f"{server}/version").json()["version"]
+    described = httpx.get(f"{server}/v1/engine").json()
+    assert described["resolved"]["dtype"]["value"] == "float32"
+    assert "reason" in described["resolved"]["layer_execution"]
 
 
 def test_completion_matches_offline_greedy(client, offline):

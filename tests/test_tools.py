@@ -25,7 +25,8 @@ def run(*args: str) -> str:
 def test_kernel_bench_compares_every_implementation(tmp_path):
     output = tmp_path / "kernels.json"
     run(
-        "tools/kernel_bench.py",
+        "-m",
+        "tools.kernel_bench",
         "--shapes=smollm2",
         "--batch=2",
         "--context=40",
@@ -56,7 +57,8 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
 def test_decode_roofline_reports_each_batch(tmp_path):
     output = tmp_path / "decode.json"
     run(
-        "tools/decode_roofline.py",
+        "-m",
+        "tools.decode_roofline",
         "--shape=smollm2",
         "--batch_sizes=1,4",
         "--context=48",
@@ -71,7 +73,7 @@ def test_decode_roofline_reports_each_batch(tmp_path):
 def test_cpu_matmul_bench_reports_every_weight():
     if not can_build():
         pytest.skip("no C++ compiler to build the matmul kernel")
-    out = run("tools/bench_cpu_matmul.py", "--rows=2", "--repeats=1")
+    out = run("-m", "tools.bench_cpu_matmul", "--rows=2", "--repeats=1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and " ms |" in line]
     assert [row.split(" | ")[0][2:] for row in rows] == ["gate_up", "down", "qkv", "lm_head"]
 
@@ -82,7 +84,8 @@ def test_pallas_sweep_checks_every_configuration_against_the_reference(tmp_path)
     (the prefill case runs the same attention code)."""
     output = tmp_path / "tune.json"
     out = run(
-        "tools/tune_pallas.py",
+        "-m",
+        "tools.tune_pallas",
         "--interpret",
         "--shape=smollm2",
         "--batch=2",
@@ -114,7 +117,8 @@ def test_soak_runs_and_checks_a_server(tmp_path, tiny_model_dir):
         "--max_num_batched_tokens=32",
     ]
     run(
-        "tools/soak.py",
+        "-m",
+        "tools.soak",
         "--minutes=0.2",
         "--concurrency=4",
         f"--server_args={','.join(server_args)}",

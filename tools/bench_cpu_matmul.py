@@ -1,7 +1,7 @@
 """The C++ matmul kernel (cpu_kernels.matmul) against XLA's "out_in" ops on the default
 model's projection shapes, float32 and int8 weights, same process.
 
-    python tools/bench_cpu_matmul.py --rows=1,8,32,128
+    python -m tools.bench_cpu_matmul --rows=1,8,32,128
 
 For each weight (a layer's gate_up, down and qkv, and the LM head) and each row count: the
 median time of XLA's path (jaxinfer.layers.linear without a kernel) and of the kernel, for
@@ -10,7 +10,6 @@ float32 weights and for int8 weights with per-output-channel scales.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jax
@@ -18,13 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_rates import timed
-
 from cpu_kernels.matmul.kernel import load_matmul
 from jaxinfer.config import EngineOptions
-from jaxinfer.layers.linear import OUT_IN, dense, lm_logits
+from jaxinfer.layers.linear import OUT_IN, lm_logits, xla_dense
 from jaxinfer.layers.quantization import quantize_int8
+from jaxinfer.layers.weights import Dense, Int8
+from tools.device_rates import timed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "8", "32", "128"], "Rows of x (tokens in a step).")
@@ -50,11 +48,12 @@ def main(argv):
         if name == "lm_head":
 
             def xla(x, w, s=None):
-                return lm_logits(x, w, OUT_IN, tied=True, scale=s)
+                weight = Dense(w, -1) if s is None else Int8(w, s, -1)
+                return lm_logits(x, weight, OUT_IN, tied=True)
         else:
 
             def xla(x, w, s=None):
-                return dense(x, w, OUT_IN, s)
+                return xla_dense(x, w, OUT_IN, s)
 
         for rows in map(int, FLAGS.rows):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)

@@ -1,6 +1,6 @@
 """The sampler's cost, and what structured outputs cost per step, on the default model.
 
-    python tools/bench_sampler.py
+    python -m tools.bench_sampler
 
 1. The jitted sampler alone on random logits of the default model's vocabulary, 64 rows:
    all greedy, all random (temperature only), and mixed (temperature, top-k, top-p, min_p,

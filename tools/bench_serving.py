@@ -1,6 +1,6 @@
 """Online serving benchmark, in the manner of `vllm bench serve`.
 
-    python tools/bench_serving.py --max_concurrency=1,8,32 --num_requests=32
+    python -m tools.bench_serving --max_concurrency=1,8,32 --num_requests=32
 
 Starts the server on the default model in this process (or uses --base_url), then sends chat
 prompts as streaming completions, either at a fixed maximum concurrency or with Poisson

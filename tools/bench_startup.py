@@ -1,7 +1,7 @@
 """Server start-up with JAX's persistent compilation cache: the first start (empty cache)
 against the second (the same configuration again).
 
-    python tools/bench_startup.py
+    python -m tools.bench_startup
 
 Starts `python -m jaxinfer.serve` twice with a fresh --compilation_cache_dir, and times each
 from launch until /health answers 200; prints both, their ratio, and the warm-up line of each

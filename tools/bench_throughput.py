@@ -1,6 +1,6 @@
 """Offline throughput: jaxinfer against HF transformers on the same requests, in one process.
 
-    python tools/bench_throughput.py --num_requests=32 --min_output_len=32 --max_output_len=160 \
+    python -m tools.bench_throughput --num_requests=32 --min_output_len=32 --max_output_len=160 \
         --baseline=hf
 
 Requests are chat prompts (or synthetic prompts of --input_len tokens), decoded greedily with
@@ -9,7 +9,7 @@ With --shared_prefix_len=N every chat prompt starts with the same system message
 tokens; --compare_prefix_caching then runs jaxinfer with the prefix cache on and off and
 reports the hit rate and the speed-up:
 
-    python tools/bench_throughput.py --num_requests=64 --shared_prefix_len=512 \
+    python -m tools.bench_throughput --num_requests=64 --shared_prefix_len=512 \
         --min_output_len=16 --max_output_len=64 --compare_prefix_caching
 
 --baseline names the peers run on the same prompts in the same process (tools/peers.py): `hf`
@@ -19,18 +19,18 @@ file the default model comes from, one sequence at a time; `pip install -e '.[ll
 Only the requested tokens are counted for every engine. Prints output tokens per second and
 jaxinfer's ratio to each peer:
 
-    python tools/bench_throughput.py --baseline=hf,llamacpp
+    python -m tools.bench_throughput --baseline=hf,llamacpp
 
 This machine's speed drifts by 10-20% over minutes, which moves one run of each engine apart;
 --rounds=N runs jaxinfer, the --compare engine and each peer in turn N times and also reports
 the medians and the ratio per round:
 
-    python tools/bench_throughput.py --baseline=hf,llamacpp --rounds=3
+    python -m tools.bench_throughput --baseline=hf,llamacpp --rounds=3
 
 --single_stream instead sends --stream_requests requests one at a time to every engine and
 reports time to first token and inter-token latency (p50, p99) for each:
 
-    python tools/bench_throughput.py --single_stream --baseline=hf,llamacpp
+    python -m tools.bench_throughput --single_stream --baseline=hf,llamacpp
 
 --quantization=int8 runs jaxinfer with weight-only int8. --compare=KEY=VALUE,... runs jaxinfer
 a second time, on a second engine built with those engine options on top, on the same requests
@@ -38,23 +38,21 @@ and prints the ratio (in either mode), e.g. --compare=quantization=int8 (int8 ag
 or --compare=weight_layout=in_out. With --rounds=N the two engines alternate N times, which is
 the way to A/B an engine option on this noisy machine:
 
-    python tools/bench_throughput.py --compare=async_scheduling=true --rounds=5
+    python -m tools.bench_throughput --compare=async_scheduling=true --rounds=5
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import HFPeer, LlamaCppPeer, find_gguf
-
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags, parse_overrides
+from tools.peers import HFPeer, LlamaCppPeer, find_gguf
 
 PEERS = ("hf", "llamacpp")
 
@@ -68,12 +66,9 @@ flags.DEFINE_string("gguf", None, "GGUF file for llamacpp (default: the one in t
 flags.DEFINE_bool("single_stream", False, "Measure TTFT and ITL one request at a time instead.")
 flags.DEFINE_integer("stream_requests", 4, "Requests in --single_stream mode.")
 flags.DEFINE_integer("stream_output_len", 128, "Output tokens per request in --single_stream.")
-flags.DEFINE_enum("quantization", None, ["int8"], "jaxinfer weight quantization.")
 flags.DEFINE_list("compare", [], "KEY=VALUE engine options of a second jaxinfer run.")
 
 flags.DEFINE_integer("hf_batch_size", 32, "Static batch size of the HF transformers baseline.")
-flags.DEFINE_integer("max_num_seqs", 64, "jaxinfer max_num_seqs.")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "jaxinfer token budget per step.")
 flags.DEFINE_integer(
     "threads", 2, "CPU threads for torch and llama.cpp (XLA uses the machine's cores)."
 )
@@ -85,7 +80,6 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Also run jaxinfer without prefix caching.")
-flags.DEFINE_float("kv_cache_memory_gb", 1.0, "jaxinfer KV-cache budget.")
 flags.DEFINE_bool(
     "compare_run_batch",
     False,
@@ -97,6 +91,8 @@ flags.DEFINE_bool(
     False,
     "Also run jaxinfer with one step at a time (no async scheduling) on the same engine.",
 )
+
+define_engine_flags()  # jaxinfer's options (--config, --quantization, ...), as the server's
 
 SYSTEM_SENTENCE = (
     "You are a careful assistant for a library of technical manuals; answer briefly, cite the "
@@ -162,7 +158,6 @@ def run_batch_job(llm: LLM, prompts, output_lens) -> float:
     """The workload as an OpenAI Batch file through jaxinfer.batch (token-id prompts)."""
     import json
     import tempfile
-    from pathlib import Path
 
     from jaxinfer.batch.job import BatchJobConfig, run_job
     from jaxinfer.server.async_engine import AsyncEngine
@@ -186,30 +181,18 @@ def run_batch_job(llm: LLM, prompts, output_lens) -> float:
     return summary.wall_seconds
 
 
-def make_llm(enable_prefix_caching: bool = True, **options) -> LLM:
-    return LLM(
-        max_num_seqs=FLAGS.max_num_seqs,
-        max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-        kv_cache_memory_gb=FLAGS.kv_cache_memory_gb,
-        enable_prefix_caching=enable_prefix_caching,
-        **{"quantization": FLAGS.quantization, **options},
-    )
+def make_llm(**overrides) -> LLM:
+    """An engine with the flags' options (over --config), `overrides` on top."""
+    options = dataclasses.replace(engine_options_from_flags(), **overrides)
+    return LLM(**dataclasses.asdict(options))
 
 
 def compared_options() -> dict:
-    """--compare as engine options (values parsed as TOML would: numbers, true/false)."""
-    import tomllib
-
-    options = {}
-    for item in FLAGS.compare:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise app.UsageError(f"--compare takes KEY=VALUE, got {item!r}")
-        try:
-            options[key] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            options[key] = value
-    return options
+    """--compare as engine options, typed as the flags are."""
+    try:
+        return parse_overrides(FLAGS.compare)
+    except ValueError as error:
+        raise app.UsageError(f"--compare: {error}") from None
 
 
 def make_peer(name: str, llm: LLM, context: int):

@@ -1,7 +1,7 @@
 """Writes a model's parameters as an Orbax checkpoint the engine loads straight into sharded
 arrays, and measures load time against the safetensors path.
 
-    python tools/convert_checkpoint.py --output=~/.cache/jaxinfer/models/SmolLM2-orbax
+    python -m tools.convert_checkpoint --output=~/.cache/jaxinfer/models/SmolLM2-orbax
     python -m jaxinfer.run_batch --model=~/.cache/jaxinfer/models/SmolLM2-orbax ...
 
 The output folder holds config.json and the tokenizer files of the source and, instead of
@@ -18,7 +18,8 @@ from pathlib import Path
 import jax
 from absl import app, flags
 
-from jaxinfer.config import EngineOptions, build_engine_config
+from jaxinfer.config import EngineOptions
+from jaxinfer.config.configure import configure
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.orbax_checkpoint import convert
@@ -37,7 +38,8 @@ flags.DEFINE_integer("num_cpu_devices", 0, "On CPU: virtual devices to split int
 
 
 def load_seconds(folder: Path, dtype: str, tp: int) -> float:
-    config = build_engine_config(EngineOptions(dtype=dtype, tensor_parallel_size=tp), folder)
+    options = EngineOptions(dtype=dtype, tensor_parallel_size=tp, gguf_weights="off")
+    config, _ = configure(options, folder)
     partitioner = Partitioner(make_mesh(tp))
     start = time.perf_counter()
     _, state, _ = load_model(folder, config, partitioner)

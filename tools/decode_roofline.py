@@ -1,98 +1,68 @@
 """End-to-end decode-step time of a random-weight model against its memory roofline.
 
-    python tools/decode_roofline.py --shape=llama3_8b --batch_sizes=1,32,128 --context=1024
+    python -m tools.decode_roofline --shape=llama3_8b --batch_sizes=1,32,128 --context=1024
 
 Builds the model of a named shape (jaxinfer.models.shapes) with random weights on the device,
 a KV cache holding --context tokens for every request, and times the jitted step (all layers
 under scan, the LM head on one row per request) on a decode batch: one new token per request.
 The roofline is the bytes a decode step must read (every weight once, plus each request's K/V)
 over the measured device-to-device copy bandwidth; the report gives the step time, that bound
-and their ratio. No checkpoint or tokenizer is needed.
+and their ratio. No checkpoint or tokenizer is needed. Kernels, dtype and weight layout are the
+engine's, resolved from the engine flags (--attention_impl, --dtype, ...).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_rates import memory_bandwidth
-
-from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
+from jaxinfer.config.platform import Platform
+from jaxinfer.config.resolve import resolve
 from jaxinfer.layers.kernel_registry import default_registry
-from jaxinfer.models.llama import LlamaForCausalLM, build_llama
+from jaxinfer.models.llama import build_llama, head_name, random_params
 from jaxinfer.models.shapes import shape
+from tools.decode import decode_batch, read_bytes
+from tools.device_rates import memory_bandwidth
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("shape", "llama3_8b", "Model shape (jaxinfer.models.shapes).")
 flags.DEFINE_list("batch_sizes", ["1", "32", "128"], "Decode batch sizes.")
 flags.DEFINE_integer("context", 1024, "Tokens in each request's context (the new one included).")
-flags.DEFINE_integer("block_size", 16, "KV-cache block size.")
-flags.DEFINE_string("dtype", "auto", "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.")
-flags.DEFINE_string("attention_impl", "auto", "Attention kernel name.")
-flags.DEFINE_string("ffn_impl", "auto", "FFN kernel name.")
-flags.DEFINE_string("norm_impl", "auto", "Add + RMSNorm kernel name.")
 flags.DEFINE_integer("steps", 10, "Timed steps per batch size (after two warm-up steps).")
 flags.DEFINE_string("output_json", None, "Also write the rows here.")
 
 
-def decode_batch(batch: int, context: int, block_size: int, vocab: int) -> BatchInputs:
-    blocks_per = -(-context // block_size)
-    tables = 1 + np.arange(batch * blocks_per, dtype=np.int32).reshape(batch, blocks_per)
-    last = context - 1
-    rng = np.random.default_rng(0)
-    return BatchInputs(
-        token_ids=rng.integers(0, vocab, batch).astype(np.int32),
-        positions=np.full(batch, last, np.int32),
-        slot_mapping=(tables[:, last // block_size] * block_size + last % block_size),
-        block_tables=tables,
-        seq_lens=np.full(batch, context, np.int32),
-        query_start_loc=np.arange(batch + 1, dtype=np.int32),
-        logits_indices=np.arange(batch, dtype=np.int32),
-        num_seqs=np.array([batch], np.int32),
-    )
-
-
-def weight_bytes(state: nnx.State, tied: bool) -> int:
-    """Bytes a decode step reads of the parameters: everything but the embedding table (only
-    B rows of it are read), unless it is also the LM head."""
-    params = nnx.to_pure_dict(state)
-    total = sum(a.nbytes for a in jax.tree.leaves(params["layers"]))
-    total += params["norm"].nbytes
-    total += params["embed"].nbytes if tied else params["lm_head"].nbytes
-    return total
+define_engine_flags()
 
 
 def main(argv):
     del argv
     cfg = shape(FLAGS.shape)
-    gpu = jax.default_backend() == "gpu"
-    dtype = {"auto": jnp.bfloat16 if gpu else jnp.float32}.get(FLAGS.dtype) or jnp.dtype(
-        FLAGS.dtype
+    options = engine_options_from_flags()
+    resolution = resolve(
+        options, Platform.detect(options.cache_dir), cfg, default_registry(), gguf_source=None
     )
-    kernels = default_registry().resolve(
-        FLAGS.attention_impl, FLAGS.ffn_impl, FLAGS.norm_impl, platform=jax.default_backend()
-    )
+    kernels, resolved = resolution.kernels, resolution.options
+    dtype = resolved.jnp_dtype
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-    block_size, context = FLAGS.block_size, FLAGS.context
+    block_size, context = options.block_size, FLAGS.context
     bandwidth = memory_bandwidth()
 
     start = time.perf_counter()
-    model = LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-    params = nnx.to_pure_dict(nnx.state(model))
-    del model
-    params.pop("rope_cache")
-    graphdef, state = build_llama(cfg, params, dtype, weight_layout=kernels.weight_layout)
+    params = random_params(cfg, dtype)
+    graphdef, state = build_llama(
+        cfg, params, dtype, weight_layout=kernels.weight_layout, quantization=options.quantization
+    )
     del params
-    weights = weight_bytes(state, cfg.tie_word_embeddings)
+    tree = nnx.to_pure_dict(state)  # all but the embedding table (B rows of it are read)
+    weights = read_bytes([tree["layers"], tree["norm"], tree[head_name(cfg)]])
     num_blocks = 1 + max(batch_sizes) * -(-context // block_size)
     kv_shape = (
         cfg.num_hidden_layers,
@@ -107,7 +77,7 @@ def main(argv):
         f"{FLAGS.shape} ({jnp.dtype(dtype).name}) on {jax.devices()[0].device_kind}: weights "
         f"{weights / 1e9:.2f} GB, KV cache {kv_cache.nbytes / 1e9:.2f} GB, built in "
         f"{time.perf_counter() - start:.1f} s; memory bandwidth {bandwidth / 1e9:.0f} GB/s; "
-        f"kernels {FLAGS.attention_impl}/{FLAGS.ffn_impl}/{FLAGS.norm_impl}"
+        f"kernels {resolved.attention}/{resolved.ffn}/{resolved.norm}/{resolved.matmul}"
     )
 
     def step(state, kv_cache, batch):
@@ -157,7 +127,7 @@ def main(argv):
             memory_gb_s=bandwidth / 1e9,
             weights_gb=weights / 1e9,
             dtype=jnp.dtype(dtype).name,
-            kernels=[FLAGS.attention_impl, FLAGS.ffn_impl, FLAGS.norm_impl],
+            resolved={k: v["value"] for k, v in resolved.describe().items()},
         )
         Path(FLAGS.output_json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 

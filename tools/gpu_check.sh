@@ -40,10 +40,10 @@ stage() {  # stage NAME SECONDS COMMAND...
 cat "$out/gpu_env.txt"
 
 stage gpu_kernel_tests 180 $python -m pytest -q -p no:cacheprovider tests/test_kernels.py
-stage kernel_bench 90 $python tools/kernel_bench.py --shapes=smollm2,llama3_8b \
+stage kernel_bench 90 $python -m tools.kernel_bench --shapes=smollm2,llama3_8b \
     --output_json="$out/kernel_bench.json"
-stage tune_pallas 120 $python tools/tune_pallas.py --shape=llama3_8b --budget_s=90 \
+stage tune_pallas 120 $python -m tools.tune_pallas --shape=llama3_8b --budget_s=90 \
     --output_json="$out/tune_pallas.json"
-stage decode_roofline 100 $python tools/decode_roofline.py --shape=llama3_8b \
+stage decode_roofline 100 $python -m tools.decode_roofline --shape=llama3_8b \
     --batch_sizes=1,32,128 --context=1024 --output_json="$out/decode_roofline.json"
 exit $status

@@ -1,7 +1,7 @@
 """Every registered kernel implementation on the same inputs: time and error against the
 reference, and on a GPU the share of the device's measured ceilings.
 
-    python tools/kernel_bench.py --shapes=smollm2,llama3_8b --output_json=kernels.json
+    python -m tools.kernel_bench --shapes=smollm2,llama3_8b --output_json=kernels.json
 
 Cases per model shape (random inputs): decode attention (--batch requests of one new token at
 --context), prefill attention (one request of --prefill_len tokens), the FFN at --batch and
@@ -15,7 +15,6 @@ the default sizes there are small; the C++ attention kernel ("cpu") runs compile
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -23,15 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_inputs import attention_inputs
-from device_rates import matmul_rate, memory_bandwidth, timed
-
 from cpu_kernels.build import KernelBuildError
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import default_registry
 from jaxinfer.models.shapes import shape
+from tools.bench_inputs import attention_inputs
+from tools.device_rates import matmul_rate, memory_bandwidth, timed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["smollm2", "llama3_8b"], "Model shapes (jaxinfer.models.shapes).")

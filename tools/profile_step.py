@@ -1,6 +1,6 @@
 """Per-step host time, device time and the device's idle gap, for the default model.
 
-    python tools/profile_step.py --batch_sizes=1,32 --output_len=64
+    python -m tools.profile_step --batch_sizes=1,32 --output_len=64
 
 For each batch size, B identical-length chat requests decode together (greedy, ignore_eos),
 once with one step at a time (sync) and once with async scheduling (step N+1 scheduled and
@@ -27,17 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
-from pathlib import Path
 
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_breakdown import table
-
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.llm_engine import StepTiming
+from tools.step_breakdown import table
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch_sizes", ["1", "32"], "Concurrent requests.")

@@ -1,6 +1,6 @@
 """Soak test of the server: a bounded mix of good, bad and badly behaved clients.
 
-    python tools/soak.py --minutes=10
+    python -m tools.soak --minutes=10
 
 Starts `python -m jaxinfer.serve` (the default model unless --server_args names another) on
 a free loopback port and drives it with --concurrency clients for --minutes: normal chat and

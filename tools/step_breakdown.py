@@ -14,13 +14,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from device_rates import matmul_rate, memory_bandwidth, timed
 
 from jaxinfer import LLM
-from jaxinfer.engine.batch import BatchInputs, SamplingMetadata
+from jaxinfer.engine.batch import SamplingMetadata
 from jaxinfer.engine.sampler import sample
-from jaxinfer.layers.gguf_weights import QS, is_block_param
+from jaxinfer.layers.weights import is_weight
+from jaxinfer.models.llama import head_name
+from tools.decode import decode_batch, read_bytes, uses_gguf_blocks
+from tools.device_rates import matmul_rate, memory_bandwidth, timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,73 +38,34 @@ class Part:
         return "memory" if self.bytes_read / bandwidth >= self.flops / flop_rate else "compute"
 
 
-def decode_batch(llm: LLM, batch: int, context: int) -> BatchInputs:
-    """B requests of `context` tokens each, one new token apiece, on blocks 1.. of the cache."""
-    config = llm.engine.config
-    block_size = config.cache.block_size
-    blocks_per = -(-context // block_size)
-    if 1 + batch * blocks_per > config.cache.num_blocks:
-        raise ValueError("the KV cache is too small for this batch and context")
-    tables = np.zeros((batch, config.max_blocks_per_request), np.int32)
-    tables[:, :blocks_per] = 1 + np.arange(batch * blocks_per).reshape(batch, blocks_per)
-    last = context - 1
-    rng = np.random.default_rng(0)
-    return jax.device_put(
-        BatchInputs(
-            token_ids=rng.integers(0, config.model.arch.vocab_size, batch).astype(np.int32),
-            positions=np.full(batch, last, np.int32),
-            slot_mapping=tables[:, last // block_size] * block_size + last % block_size,
-            block_tables=tables,
-            seq_lens=np.full(batch, context, np.int32),
-            query_start_loc=np.arange(batch + 1, dtype=np.int32),
-            logits_indices=np.arange(batch, dtype=np.int32),
-            num_seqs=np.array([batch], np.int32),
-        )
-    )
-
-
-def uses_gguf_blocks(kernels, batch: int) -> bool:
-    """Whether a step of `batch` tokens multiplies the weights' GGUF blocks where they have
-    them (jaxinfer.layers.gguf_weights) rather than the float weights."""
-    matmul = kernels.matmul
-    return getattr(matmul, "gguf_kernel", None) is not None and batch <= matmul.max_block_rows
-
-
-def weight_bytes(params: dict, blocks: bool) -> int:
-    """Bytes a step reads of these parameters: a weight's GGUF blocks instead of the weight
-    where `blocks` and it has them, the weight otherwise (never both)."""
-    total = 0
-    for name, array in params.items():
-        if is_block_param(name):
-            total += array.nbytes if blocks else 0
-        elif not (blocks and name + QS in params):
-            total += array.nbytes
-    return total
-
-
 def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]:
     runner = llm.engine.runner
     if runner.layer_execution != "per_layer":
         raise ValueError("the breakdown times per-layer execution (the CPU default)")
-    arch = llm.engine.config.model.arch
-    inputs = decode_batch(llm, batch, context)
+    config = llm.engine.config
+    arch = config.model.arch
+    if 1 + batch * -(-context // config.cache.block_size) > config.cache.num_blocks:
+        raise ValueError("the KV cache is too small for this batch and context")
+    inputs = jax.device_put(
+        decode_batch(
+            batch, context, config.cache.block_size, arch.vocab_size, config.max_blocks_per_request
+        )
+    )
     kernels = runner.kernels
     layers = runner.layer_params
     itemsize = jnp.dtype(llm.engine.config.model.dtype).itemsize
     head_dim, kv_heads = arch.head_dim, arch.num_key_value_heads
 
     def embed():
-        return runner._embed(runner.top_params, inputs)
+        return runner.run_embedding(inputs)
 
     hidden, residual, cos_sin = embed()
 
     def all_layers():
         h, r = hidden, residual
-        for params, layer in zip(layers, runner.layer_ids, strict=True):
-            h, r, runner.kv_cache = runner._layer(
-                params, h, r, runner.kv_cache, layer, inputs, cos_sin
-            )
-        return runner._add(h, r)
+        for index in range(len(layers)):
+            h, r = runner.run_layer(index, h, r, inputs, cos_sin)
+        return runner.run_final_add(h, r)
 
     q = jax.random.normal(jax.random.key(0), (batch, arch.num_attention_heads, head_dim))
     attention = jax.jit(
@@ -125,7 +87,7 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
     final = all_layers()
 
     def logits():
-        return runner._logits(runner.top_params, final, inputs)
+        return runner.run_logits(final, inputs)
 
     row_logits = logits()
     sampling = jax.device_put(SamplingMetadata.neutral(batch))
@@ -133,15 +95,11 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
     sampler = jax.jit(lambda x: sample(x, sampling, runner.sampler_state, slots, num_logprobs=0))
 
     blocks = uses_gguf_blocks(kernels, batch)
-    layer_weights = sum(weight_bytes(p, blocks) for p in layers)
+    layer_weights = sum(read_bytes(p, blocks) for p in layers)
     matmul_params = sum(
-        a.size for p in layers for k, a in p.items() if k.endswith("_proj")
+        w.size for p in layers for w in p.values() if is_weight(w)
     )  # per token: 2 FLOPs each
-    head_name = "lm_head" if "lm_head" in runner.top_params else "embed"
-    head = runner.top_params[head_name]
-    head_bytes = weight_bytes(
-        {k: a for k, a in runner.top_params.items() if k.startswith(head_name)}, blocks
-    )
+    head_bytes = read_bytes(runner.top_params[head_name(arch)], blocks)
     kv_bytes = batch * context * arch.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
     attn_flops = 4 * batch * context * arch.num_attention_heads * head_dim * arch.num_hidden_layers
     layers_time = timed(all_layers, repeats=repeats)
@@ -155,7 +113,12 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
             2 * batch * matmul_params,
         ),
         Part("attention", attention_time, kv_bytes, attn_flops),
-        Part("LM head", timed(logits, repeats=repeats), head_bytes, 2 * batch * head.size),
+        Part(
+            "LM head",
+            timed(logits, repeats=repeats),
+            head_bytes,
+            2 * batch * arch.vocab_size * arch.hidden_size,
+        ),
         Part(
             "sampler (greedy)",
             timed(sampler, row_logits, repeats=repeats),

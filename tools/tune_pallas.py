@@ -1,6 +1,6 @@
 """Sweep the Pallas kernels' tile sizes, warps and pipeline stages on a GPU.
 
-    python tools/tune_pallas.py --shape=llama3_8b --budget_s=150 --output_json=tune.json
+    python -m tools.tune_pallas --shape=llama3_8b --budget_s=150 --output_json=tune.json
 
 Cases (random bfloat16 inputs): decode attention (--batch requests of one token at --context,
 and a long-context one: 8 requests at 4x --context), prefill attention (one request of
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -24,16 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_inputs import attention_inputs
-from device_rates import matmul_rate, memory_bandwidth, timed
-
 from jaxinfer.models.shapes import shape
 from pallas_kernels.fused_ffn.kernel import gate_up_activation
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.gpu_lowering import LaunchConfig
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tools.bench_inputs import attention_inputs
+from tools.device_rates import matmul_rate, memory_bandwidth, timed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("shape", "llama3_8b", "Model shape (jaxinfer.models.shapes).")

@@ -9,10 +9,10 @@ import secrets
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
-from jaxinfer.config import EngineConfig, EngineOptions, build_engine_config
+from jaxinfer.config import EngineOptions
+from jaxinfer.config.configure import configure
 from jaxinfer.engine import compilation_cache, output_builder
 from jaxinfer.engine.batch_builder import BatchBuilder, PromptLogprobRows
 from jaxinfer.engine.constraints import RequestConstraints
@@ -24,8 +24,7 @@ from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
-from jaxinfer.layers.kernel_registry import KernelRegistry, default_registry
-from jaxinfer.layers.native_kernels import select_attention, select_gguf_kernel, select_matmul
+from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
 from jaxinfer.outputs import RequestMetrics, RequestOutput
@@ -68,70 +67,23 @@ class LLMEngine:
     def __init__(self, options: EngineOptions, kernels: KernelRegistry | None = None):
         """`kernels`: where options.attention_impl, ffn_impl and norm_impl are looked up
         (default: the built-in implementations)."""
-        registry = kernels if kernels is not None else default_registry()
-        model_kernels = registry.resolve(
-            options.attention_impl,
-            options.ffn_impl,
-            options.norm_impl,
-            platform=jax.default_backend(),
-            tensor_parallel_size=options.tensor_parallel_size,
-            weight_layout=options.weight_layout,
-        )
-        if options.compilation_cache:
-            compilation_cache.enable(
-                Path(options.compilation_cache_dir or Path(options.cache_dir) / "xla")
-            )
         folder = resolve_model(options.model, Path(options.cache_dir))
-        self.config: EngineConfig = build_engine_config(options, folder)
+        gguf_source = source_gguf(options.model, folder)
+        self.config, model_kernels = configure(options, folder, kernels, gguf_source)
+        resolved = self.config.resolved
+        if resolved.compilation_cache_dir is not None:
+            compilation_cache.enable(Path(resolved.compilation_cache_dir))
         arch = self.config.model.arch
-        matmul = select_matmul(
-            options.matmul_impl,
-            platform=jax.default_backend(),
-            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
-            weight_layout=model_kernels.weight_layout,
-            dtype=self.config.model.dtype,
-            build_dir=Path(options.cache_dir) / "cpu_kernels",
-        )
-        attention = select_attention(
-            options.attention_impl,
-            model_kernels.attention,
-            platform=jax.default_backend(),
-            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
-            dtype=self.config.model.dtype,
-            head_dim=arch.head_dim,
-            block_size=self.config.cache.block_size,
-            build_dir=Path(options.cache_dir) / "cpu_kernels",
-        )
-        gguf_kernel = select_gguf_kernel(
-            options.gguf_weights,
-            matmul,
-            options.quantization,
-            Path(options.cache_dir) / "cpu_kernels",
-        )
-        model_kernels = dataclasses.replace(model_kernels, matmul=matmul, attention=attention)
-        if options.layer_execution == "auto" and matmul is not None:
-            # the kernel reads each layer's weights in place under the scan, which then beats
-            # per-layer programs (without it the scan's weight slices are copies)
-            self.config = dataclasses.replace(self.config, layer_execution="scan")
         self.tokenizer = TokenizerWrapper(folder)
         self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
 
-        start = time.perf_counter()
         self.partitioner = Partitioner(make_mesh(self.config.parallel.tensor_parallel_size))
         graphdef, state, self.gguf_weights = load_model(
-            folder,
-            self.config,
-            self.partitioner,
-            model_kernels.weight_layout,
-            "off" if gguf_kernel is None else options.gguf_weights,
-            source_gguf(options.model, folder),
+            folder, self.config, self.partitioner, gguf_source if resolved.gguf_blocks else None
         )  # gguf_weights: the weights kept with GGUF blocks too
-        if self.gguf_weights:
-            matmul = dataclasses.replace(matmul, gguf_kernel=gguf_kernel)
-            model_kernels = dataclasses.replace(model_kernels, matmul=matmul)
-        self.load_seconds = time.perf_counter() - start
 
         self.batch_builder = BatchBuilder(self.config)
+        logger.info("engine: %s", json.dumps(self.describe()))
         self.runner = ModelRunner(self.config, graphdef, state, model_kernels, self.partitioner)
         with compilation_cache.CompileCounter() as counter:
             self.warmup_seconds = self.runner.warmup(self.batch_builder)
@@ -313,6 +265,23 @@ class LLMEngine:
         self._in_flight = None
         return self.kv_cache_manager.pool.reset_cache()
 
+    def describe(self) -> dict:
+        """What the engine runs: the model, its sizes, and every option as resolved (with why,
+        where "auto" chose); logged at start-up, returned by the server's GET /v1/engine."""
+        config = self.config
+        return {
+            "model": str(config.model.path),
+            "max_model_len": config.model.max_model_len,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "block_size": config.cache.block_size,
+            "num_kv_blocks": config.cache.num_blocks,
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "quantization": config.model.quantization,
+            "gguf_block_weights": list(self.gguf_weights),
+            "resolved": config.resolved.describe(),
+        }
+
     def stats(self) -> SchedulerStats:
         """Running and waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
         return self.scheduler.stats()
@@ -452,15 +421,16 @@ class LLMEngine:
             valid = request.status is RequestStatus.RUNNING and request.epoch == item.epoch
             for j in range(count):
                 if valid and position + j == len(request.prompt_logprobs):
-                    top = dict(
-                        zip(
-                            top_ids[offset + j, :wanted].tolist(),
-                            top_logprobs[offset + j, :wanted].tolist(),
-                            strict=True,
+                    row = offset + j
+                    request.prompt_logprobs.append(
+                        _top_logprobs(
+                            top_ids[row],
+                            top_logprobs[row],
+                            wanted,
+                            request.prompt_token_ids[position + j],
+                            chosen[row],
                         )
                     )
-                    top[request.prompt_token_ids[position + j]] = float(chosen[offset + j])
-                    request.prompt_logprobs.append(top)
             offset += count
 
     def _to_step_output(
@@ -474,15 +444,13 @@ class LLMEngine:
             wanted = item.request.sampling_params.logprobs
             if wanted is None or not item.samples:
                 continue
-            top = dict(
-                zip(
-                    host.top_ids[row, :wanted].tolist(),
-                    host.top_logprobs[row, :wanted].tolist(),
-                    strict=True,
-                )
+            logprobs[row] = _top_logprobs(
+                host.top_ids[row],
+                host.top_logprobs[row],
+                wanted,
+                token_ids[row],
+                host.sampled_logprobs[row],
             )
-            top[token_ids[row]] = float(host.sampled_logprobs[row])
-            logprobs[row] = top
         return StepOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _request_output(self, request: Request) -> RequestOutput:
@@ -501,6 +469,14 @@ class LLMEngine:
             metrics=request.metrics,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _top_logprobs(ids, logprobs, count: int, token: int, token_logprob) -> dict[int, float]:
+    """The `count` most likely tokens' logprobs (rows of the sampler's top ids and logprobs)
+    and the chosen token's, by token id."""
+    top = dict(zip(ids[:count].tolist(), logprobs[:count].tolist(), strict=True))
+    top[token] = float(token_logprob)
+    return top
 
 
 def _generation_eos_ids(folder: Path) -> list[int]:

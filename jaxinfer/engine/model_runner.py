@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, StepInputs
@@ -36,15 +37,7 @@ from jaxinfer.engine.device_inputs import (
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.layers.linear import axes_in_layout
-from jaxinfer.models.llama import (
-    PARAM_AXES,
-    compute_logits,
-    decoder_layer,
-    embed_tokens,
-    lm_head,
-    param_axes,
-)
+from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import MAX_LOGPROBS
@@ -116,6 +109,12 @@ def _prompt_logprobs(
     return token_logprobs(logits, targets, MAX_LOGPROBS)
 
 
+def _layer_of(stacked: jax.Array, layer: int, partitioner: Partitioner) -> jax.Array:
+    """Layer `layer` of a stacked [L, ...] array in its own buffer, split as the stack is."""
+    spec = stacked.sharding.spec[1:]  # without the [L] axis
+    return jax.device_put(stacked[layer], NamedSharding(partitioner.mesh, PartitionSpec(*spec)))
+
+
 class ModelRunner:
     """Runs the model over one batch in one of two ways (EngineOptions.layer_execution):
 
@@ -124,8 +123,8 @@ class ModelRunner:
     - "per_layer": the same decoder layer compiled once per bucket and called for each layer
       with that layer's own weight buffers, between an embedding and a head program. On
       XLA:CPU the scan form copies every layer's weights out of the stacked arrays before each
-      matmul (a profile of the default model at 32 tokens: 32 ms of a 200 ms step); this form
-      has no such copy and ran the 32-token step in 160-170 ms instead of 200-215 ms.
+      XLA matmul; this form has no such copy. (With the C++ matmul kernel, which reads the
+      stacked weights in place, the scan has no copy either; jaxinfer.config.resolve.)
 
     Either way compile time does not grow with depth, and the KV cache
     [L, 2, NB, BS, K, D] is donated and updated in place.
@@ -181,13 +180,8 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
         else:
-            axes = param_axes(stacked, axes_in_layout(PARAM_AXES, layout)["layers"])
             self.layer_params = [
-                jax.tree.map(
-                    lambda a, ax, i=i: part.place(a[i], ax[1:]),  # without the [L] axis
-                    stacked,
-                    axes,
-                )
+                jax.tree.map(lambda a, i=i: _layer_of(a, i, part), stacked)
                 for i in range(arch.num_hidden_layers)
             ]
             del stacked
@@ -233,14 +227,44 @@ class ModelRunner:
         if self.layer_execution == "scan":
             self.kv_cache, hidden = self._scan_hidden(self.state, self.kv_cache, batch)
             return hidden
-        hidden, residual, cos_sin = self._embed(self.top_params, batch)
-        kv_cache = self.kv_cache
-        for params, layer in zip(self.layer_params, self.layer_ids, strict=True):
-            hidden, residual, kv_cache = self._layer(
-                params, hidden, residual, kv_cache, layer, batch, cos_sin
-            )
-        self.kv_cache = kv_cache
+        hidden, residual, cos_sin = self.run_embedding(batch)
+        for index in range(len(self.layer_params)):
+            hidden, residual = self.run_layer(index, hidden, residual, batch, cos_sin)
+        return self.run_final_add(hidden, residual)
+
+    # The per-layer programs one at a time (per_layer execution), for tools that time them.
+
+    def run_embedding(self, batch: BatchInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(hidden [T, E], residual [T, E], cos_sin f32[T, 2, D / 2]) before the first layer."""
+        return self._embed(self.top_params, batch)
+
+    def run_layer(
+        self,
+        index: int,
+        hidden: jax.Array,
+        residual: jax.Array,
+        batch: BatchInputs,
+        cos_sin: jax.Array,
+    ) -> tuple[jax.Array, jax.Array]:  # (hidden, residual) after layer `index`
+        """Decoder layer `index`, writing its K/V into the cache."""
+        hidden, residual, self.kv_cache = self._layer(
+            self.layer_params[index],
+            hidden,
+            residual,
+            self.kv_cache,
+            self.layer_ids[index],
+            batch,
+            cos_sin,
+        )
+        return hidden, residual
+
+    def run_final_add(self, hidden: jax.Array, residual: jax.Array) -> jax.Array:
+        """The residual stream after the last layer (before the final norm)."""
         return self._add(hidden, residual)
+
+    def run_logits(self, hidden: jax.Array, batch: BatchInputs) -> jax.Array:
+        """The final norm and LM head on each request's sampled row -> f32[R, V]."""
+        return self._logits(self.top_params, hidden, batch)
 
     def prompt_logprobs(
         self, hidden: jax.Array, rows: np.ndarray, targets: np.ndarray
@@ -264,10 +288,10 @@ class ModelRunner:
         """Enqueues one step: the per-slot rows that changed, the model and the sampler. Returns
         at once; the result stays on the device until fetched.
 
-        The step's host arrays go straight into the jitted programs, which transfer them:
-        a separate `jax.device_put` of the ~20 small arrays took 1.5 ms a step here, and each
-        extra program dispatch 0.3-0.8 ms. The "scan" step is two programs (the model with its
-        batch assembly, then the sampler with the bookkeeping of what it sampled)."""
+        The step's host arrays go straight into the jitted programs, which transfer them
+        (a separate `jax.device_put` of the ~20 small arrays, or another program dispatch,
+        costs more). The "scan" step is two programs (the model with its batch assembly, then
+        the sampler with the bookkeeping of what it sampled)."""
         self.apply_updates(step.updates)
         inputs = step.inputs
         if self.layer_execution == "scan":

@@ -10,8 +10,8 @@ Three kinds, each with the signature of its pure-JAX reference:
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
 for attention, "cpu" (the C++ kernel of cpu_kernels.paged_attention, which the engine builds
-and registers before use; jaxinfer.layers.native_kernels, where "auto" also picks it on CPU).
-"auto" picks "pallas" on one GPU and "reference" elsewhere (also under tensor parallelism). Research code registers its own
+and registers before use). What "auto" picks is settled in jaxinfer.config.resolve. Research
+code registers its own
 function under a new name on a registry it passes to the engine (`LLM(kernels=registry,
 attention_impl="mine")`); the model calls whatever is selected inside the same jitted step.
 """
@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable
 
 from cpu_kernels.paged_attention.kernel import paged_attention
-from jaxinfer.layers.linear import IN_OUT, OUT_IN, check_layout
+from jaxinfer.layers.linear import IN_OUT
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
@@ -75,52 +75,6 @@ class KernelRegistry:
                 f"no {kind} kernel named {name!r}; registered: {['auto', *sorted(impls)]}"
             )
         return impls[name]
-
-    def resolve(
-        self,
-        attention: str,
-        ffn: str,
-        norm: str,
-        *,
-        platform: str,
-        tensor_parallel_size: int = 1,
-        weight_layout: str = "auto",
-    ) -> ModelKernels:
-        """The implementations the names select ("auto": "pallas" on one GPU, else
-        "reference"). XLA cannot split a compiled Pallas call over a mesh, so "pallas" with
-        tensor parallelism is refused until the kernels run under shard_map.
-
-        weight_layout "auto" is "out_in" on CPU when the FFN is the built-in reference (its
-        feature-major form is what runs there), else "in_out"; "out_in" with any other FFN is
-        refused, as that FFN takes "in_out" weights."""
-
-        def pick(kind: str, name: str) -> Callable:
-            if name == "auto":
-                single_gpu = platform == "gpu" and tensor_parallel_size == 1
-                name = "pallas" if single_gpu else "reference"
-            if name == "pallas" and tensor_parallel_size > 1:
-                raise ValueError(
-                    f"{kind} kernel 'pallas' does not run under tensor parallelism yet "
-                    f"(tensor_parallel_size={tensor_parallel_size}): use 'reference' or 'auto'"
-                )
-            return self.get(kind, name)
-
-        ffn_fn = pick("ffn", ffn)
-        reference_ffn = ffn_fn is fused_ffn_reference
-        if weight_layout == "auto":
-            weight_layout = OUT_IN if platform == "cpu" and reference_ffn else IN_OUT
-        check_layout(weight_layout)
-        if weight_layout == OUT_IN and not reference_ffn:
-            raise ValueError(
-                f"weight_layout 'out_in' runs the reference FFN; ffn_impl {ffn!r} takes "
-                "'in_out' weights: use weight_layout 'in_out' or 'auto'"
-            )
-        return ModelKernels(
-            attention=pick("attention", attention),
-            ffn=ffn_fn,
-            add_rms_norm=pick("norm", norm),
-            weight_layout=weight_layout,
-        )
 
 
 def default_registry() -> KernelRegistry:

@@ -28,16 +28,6 @@ IN_OUT = "in_out"
 OUT_IN = "out_in"
 LAYOUTS = (IN_OUT, OUT_IN)
 
-# For each projection of a decoder layer (without the [L] axis): its "out_in" axes as a
-# permutation of its "in_out" axes. The contracted input axis is always first in "in_out".
-LAYER_PERMUTATIONS = {
-    "qkv_proj": (1, 2, 3, 0),  # [E, K, G + 2, D] -> [K, G + 2, D, E]
-    "o_proj": (1, 0),  # [H * D, E] -> [E, H * D]
-    "gate_up_proj": (1, 2, 0),  # [E, 2, I] -> [2, I, E]
-    "down_proj": (1, 0),  # [I, E] -> [E, I]
-}
-TOP_PERMUTATIONS = {"lm_head": (1, 0)}  # [E, V] -> [V, E] (a tied head is the [V, E] embedding)
-
 
 @dataclasses.dataclass(frozen=True)
 class StackedWeight:
@@ -55,41 +45,6 @@ class StackedWeight:
 def unstacked(w):
     """w itself, or the layer a StackedWeight names (sliced)."""
     return w.get() if isinstance(w, StackedWeight) else w
-
-
-def _permute(tree: dict, permutations: dict, leading: int, fn) -> dict:
-    """Applies fn(value, permutation) to the entries that have a permutation; `leading` axes
-    (the stacked [L] axis) stay in front."""
-    out = dict(tree)
-    for name, perm in permutations.items():
-        if name in out:
-            full = tuple(range(leading)) + tuple(leading + p for p in perm)
-            out[name] = fn(out[name], full)
-    return out
-
-
-def to_layout(params: dict, layout: str) -> dict:
-    """The loader's parameter tree ("in_out", layers stacked [L, ...]) in `layout`."""
-    check_layout(layout)
-    if layout == IN_OUT:
-        return params
-    out = _permute(params, TOP_PERMUTATIONS, 0, lambda a, p: a.transpose(p))
-    out["layers"] = _permute(params["layers"], LAYER_PERMUTATIONS, 1, lambda a, p: a.transpose(p))
-    return out
-
-
-def axes_in_layout(axes: dict, layout: str) -> dict:
-    """PARAM_AXES (logical axes of the "in_out" tree) for the tree in `layout`."""
-    check_layout(layout)
-    if layout == IN_OUT:
-        return axes
-
-    def reorder(names, perm):
-        return tuple(names[i] for i in perm)
-
-    out = _permute(axes, TOP_PERMUTATIONS, 0, reorder)
-    out["layers"] = _permute(axes["layers"], LAYER_PERMUTATIONS, 1, reorder)
-    return out
 
 
 def check_layout(layout: str) -> None:
@@ -123,20 +78,9 @@ def _int8_one_row(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     return (_int8_row(x[0], w) * scale.astype(x.dtype))[None]
 
 
-def dense(
-    x: jax.Array,
-    w: jax.Array,
-    layout: str,
-    scale: jax.Array | None = None,
-    matmul: Callable | None = None,
-    blocks: tuple | None = None,
-) -> jax.Array:
-    """x [T, in] times w ([in, *out] or [*out, in]) -> [T, *out]; `scale` [*out] for an int8
-    w (jaxinfer.layers.quantization). `matmul`: a kernel that computes "out_in" products
-    instead of XLA (jaxinfer.layers.native_kernels), given the weight's GGUF `blocks` where
-    it has them (jaxinfer.layers.gguf_weights)."""
-    if layout == OUT_IN and matmul is not None:
-        return matmul(x, w, scale, blocks)
+def xla_dense(x: jax.Array, w: jax.Array, layout: str, scale: jax.Array | None = None):
+    """x [T, in] times w ([in, *out] or [*out, in]) -> [T, *out] with XLA's ops; `scale`
+    [*out] for an int8 w (jaxinfer.layers.quantization)."""
     w = unstacked(w)
     if layout == OUT_IN and scale is not None and x.shape[0] == 1:
         return _int8_one_row(x, w, scale)
@@ -150,22 +94,14 @@ def dense(
     return jnp.moveaxis(y, -1, 0)
 
 
-def gated_ffn_out_in(
-    x: jax.Array,  # [T, E]
-    gate_up: jax.Array,  # [2, I, E]
-    down: jax.Array,  # [E, I]
-    gate_up_scale: jax.Array | None = None,  # [2, I] for int8 weights
-    down_scale: jax.Array | None = None,  # [E]
-    matmul: Callable | None = None,
-    gate_up_blocks: tuple | None = None,  # GGUF blocks (the matmul kernel's)
-    down_blocks: tuple | None = None,
-) -> jax.Array:  # [T, E]
-    """down(silu(x @ W_gate) * (x @ W_up)) on "out_in" weights, feature-major inside: the
-    [I, T] activation is never transposed. With a `matmul` kernel the two products run
-    through it, token-major."""
+def gated_ffn_out_in(x: jax.Array, gate_up, down, matmul: Callable | None = None) -> jax.Array:
+    """down(silu(x @ W_gate) * (x @ W_up)) on "out_in" weights (jaxinfer.layers.weights:
+    gate_up [2, I, E], down [E, I]) -> [T, E], feature-major inside: the [I, T] activation is
+    never transposed. With a `matmul` kernel the two products run through it, token-major."""
     if matmul is not None:
-        h = matmul(x, gate_up, gate_up_scale, gate_up_blocks)  # [T, 2, I]
-        return matmul(jax.nn.silu(h[:, 0]) * h[:, 1], down, down_scale, down_blocks)
+        h = gate_up.project(x, OUT_IN, matmul)  # [T, 2, I]
+        return down.project(jax.nn.silu(h[:, 0]) * h[:, 1], OUT_IN, matmul)
+    (gate_up, gate_up_scale), (down, down_scale) = gate_up.scaled(), down.scaled()
     gate_up, down = unstacked(gate_up), unstacked(down)
     if gate_up_scale is not None and x.shape[0] == 1:
         h = _int8_row(x[0], gate_up) * gate_up_scale.astype(x.dtype)  # [2, I]
@@ -181,23 +117,15 @@ def gated_ffn_out_in(
     return y.T
 
 
-def lm_logits(
-    x: jax.Array,
-    w: jax.Array,
-    layout: str,
-    tied: bool,
-    scale: jax.Array | None = None,
-    matmul: Callable | None = None,
-    blocks: tuple | None = None,
-) -> jax.Array:
-    """x [N, E] times the LM head -> [N, V]. w is [V, E] when tied (the embedding) or in
-    "out_in", else [E, V]; `scale` [V] when w is int8. In "out_in" a `matmul` kernel computes
-    it if given (with the head's GGUF `blocks` where it has them); else a vocabulary-major
-    head runs as W @ x^T, except for a float head and a single row, where the plain
-    matrix-vector product was as fast or faster here."""
+def lm_logits(x: jax.Array, head, layout: str, tied: bool, matmul: Callable | None = None):
+    """x [N, E] times the LM head (jaxinfer.layers.weights) -> [N, V]. The head is [V, E] when
+    tied (the embedding) or in "out_in", else [E, V]. In "out_in" a `matmul` kernel computes
+    it if given; else a vocabulary-major head runs as W @ x^T, except for a float head and a
+    single row, where the plain matrix-vector product was as fast or faster."""
     vocab_major = tied or layout == OUT_IN
     if layout == OUT_IN and matmul is not None:
-        return matmul(x, w, scale, blocks)
+        return head.project(x, OUT_IN, matmul)
+    w, scale = head.scaled()
     if scale is not None and layout == OUT_IN:
         if x.shape[0] == 1:
             return _int8_one_row(x, w, scale)

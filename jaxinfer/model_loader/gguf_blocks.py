@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from cpu_kernels.gguf_matmul.reference import BLOCK, FORMATS, dequantize
-from jaxinfer.layers.quantization import LAYER_WEIGHTS
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
 from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
+from jaxinfer.models.llama import LAYER_PROJECTIONS
 from jaxinfer.models.llama_config import LlamaConfig
 
 # Bytes of one block of 32 values in the file: float16 d (and m), then the values.
@@ -108,7 +108,7 @@ def load_gguf_blocks(path: Path, config: LlamaConfig) -> dict:
         return BlockWeight(w.fmt, unpermute_qk(w.qs, heads), unpermute_qk(w.scales, heads))
 
     qkv_order = _qkv_order(config)
-    per_layer: dict[str, list] = {name: [] for name in LAYER_WEIGHTS}
+    per_layer: dict[str, list] = {name: [] for name in LAYER_PROJECTIONS}
     for i in range(config.num_hidden_layers):
         q = q_rows(i, "q", config.num_attention_heads)
         k = q_rows(i, "k", config.num_key_value_heads)
@@ -127,11 +127,12 @@ def load_gguf_blocks(path: Path, config: LlamaConfig) -> dict:
 
 def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
     """(the blocks that dequantize bit for bit to their weight in `params`, the names of those
-    that do not). `params`: the "out_in" tree (projections [L, *out, K], the head [V, K])."""
+    that do not). `params`: the "out_in" tree of weights (projections [L, *out, K], the head
+    [V, K]; jaxinfer.layers.weights.Dense)."""
     kept: dict = {"layers": {}}
     rejected = []
     for name, w in blocks["layers"].items():
-        weight = params["layers"][name]  # [L, *out, K]
+        weight = params["layers"][name].w  # [L, *out, K]
         exact = weight.shape[0] == w.qs.shape[0] and all(
             _same_bits(w_layer.dequantized(), np.asarray(weight[i]).reshape(-1, weight.shape[-1]))
             for i, w_layer in enumerate(_layers(w))
@@ -142,7 +143,7 @@ def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
             rejected.append(name)
     for name in ("embed", "lm_head"):
         if name in blocks:
-            weight = np.asarray(params[name])
+            weight = np.asarray(params[name].w)
             if _same_bits(blocks[name].dequantized(), weight):
                 kept[name] = blocks[name]
             else:

@@ -10,12 +10,11 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.layers.gguf_weights import block_tree
-from jaxinfer.layers.linear import IN_OUT, OUT_IN, to_layout
+from jaxinfer.layers.linear import OUT_IN
 from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
-from jaxinfer.models.llama import PARAM_AXES, build_llama
+from jaxinfer.models.llama import PARAM_AXES, as_weights, build_llama, to_layout
 from jaxinfer.parallel.sharding import Partitioner
 
 logger = logging.getLogger(__name__)
@@ -25,15 +24,14 @@ def load_model(
     folder: Path,
     config: EngineConfig,
     partitioner: Partitioner,
-    weight_layout: str = IN_OUT,
-    gguf_weights: str = "off",
     gguf_file: Path | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State, list[str]]:
     """(graph, state, the weights kept with GGUF blocks). The checkpoint is read in the
-    loader's "in_out" layout, quantized if the config says so, then put in `weight_layout`.
-    gguf_weights "auto" or "on": keep the blocks of `gguf_file` (the GGUF the folder was
-    converted from) beside the weights they reproduce exactly ("out_in" only; "on": an error
-    where none can be kept)."""
+    loader's "in_out" layout, quantized if the config says so, then put in the resolved
+    weight layout. gguf_file: the GGUF the folder was converted from, whose blocks are kept
+    beside the weights they reproduce exactly, when the resolved options keep GGUF blocks
+    (finding none is an error where they were required)."""
+    weight_layout = config.resolved.weight_layout
     arch, dtype = config.model.arch, config.model.dtype
     replicas = config.parallel.kv_replicas
     if is_orbax_folder(folder):
@@ -41,8 +39,9 @@ def load_model(
     else:
         params = load_llama_params(folder, arch, np.dtype(dtype), replicas)
     blocks = None
-    if gguf_weights != "off":
-        blocks = kept_gguf_blocks(gguf_file, config, params, weight_layout, gguf_weights == "on")
+    if gguf_file is not None:
+        required = config.resolved.gguf_blocks_required
+        blocks = kept_gguf_blocks(gguf_file, config, params, required)
     graphdef, state = build_llama(
         arch,
         params,
@@ -50,30 +49,24 @@ def load_model(
         partitioner,
         weight_layout,
         config.model.quantization,
-        None if blocks is None else block_tree(blocks),
+        blocks,
     )
     names = [] if blocks is None else [*blocks["layers"], *(n for n in blocks if n != "layers")]
     return graphdef, state, names
 
 
-def kept_gguf_blocks(path, config, params, weight_layout, required: bool) -> dict | None:
+def kept_gguf_blocks(path: Path, config: EngineConfig, params: dict, required: bool):
     """The GGUF file's blocks that dequantize bit for bit to the loaded weights ("out_in"
-    arrays by weight), or None where none can be kept (a ValueError if `required`)."""
+    arrays by weight), or None where none can be kept (a ValueError if `required`). Whether
+    blocks are wanted at all was settled by jaxinfer.config.resolve."""
     reason = None
-    if weight_layout != OUT_IN:
-        reason = "they need the 'out_in' weight layout"
-    elif path is None:
-        reason = "the model was not converted from a GGUF file (or its folder does not keep it)"
-    elif config.model.quantization is not None or config.parallel.kv_replicas != 1:
-        reason = "the weights are quantized or their KV heads replicated"
-    blocks, rejected = None, []
+    try:
+        loaded = load_gguf_blocks(path, config.model.arch)
+    except (ValueError, IndexError) as error:  # not this model's file, or not a GGUF
+        reason = f"{path.name} does not fit the model ({error})"
     if reason is None:
-        try:
-            loaded = load_gguf_blocks(path, config.model.arch)
-        except (ValueError, IndexError) as error:  # not this model's file, or not a GGUF
-            reason = f"{path.name} does not fit the model ({error})"
-    if reason is None:
-        blocks, rejected = verified_blocks(loaded, to_layout(params, OUT_IN))
+        out_in = to_layout(as_weights(config.model.arch, params), OUT_IN)
+        blocks, rejected = verified_blocks(loaded, out_in)
         if not blocks["layers"] and len(blocks) == 1:
             reason = f"no weight of {path.name} has Q4_1 or Q8_0 blocks equal to the loaded weights"
     if reason is not None:

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxinfer.config import EngineOptions, build_engine_config
+from jaxinfer.config import EngineOptions, model_arch
+from jaxinfer.config.resolve import DTYPES
 from jaxinfer.model_loader.safetensors_loader import load_llama_params, replicate_kv
 from jaxinfer.parallel.sharding import Partitioner
 
@@ -51,8 +52,8 @@ COPIED = (
 
 def convert(source: Path, output: Path, dtype: str) -> None:
     """Writes `source` (a Hugging Face folder) as a converted folder `output`."""
-    config = build_engine_config(EngineOptions(model=str(source), dtype=dtype), source)
-    params = load_llama_params(source, config.model.arch, np.dtype(config.model.dtype))
+    arch = model_arch(EngineOptions(model=str(source)), source)
+    params = load_llama_params(source, arch, np.dtype(DTYPES[dtype]))
     if output.exists():
         raise FileExistsError(f"{output} exists")
     output.mkdir(parents=True)

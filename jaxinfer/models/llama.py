@@ -14,32 +14,15 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxinfer.engine.batch import BatchInputs
-from jaxinfer.layers.gguf_weights import AXES as GGUF_AXES
-from jaxinfer.layers.gguf_weights import blocks_of, is_block_param
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.layers.linear import (
-    IN_OUT,
-    LAYER_PERMUTATIONS,
-    OUT_IN,
-    StackedWeight,
-    axes_in_layout,
-    dense,
-    gated_ffn_out_in,
-    lm_logits,
-    to_layout,
-)
-from jaxinfer.layers.quantization import (
-    SCALE,
-    SCALE_AXES,
-    check_quantization,
-    dequantize,
-    dequantize_rows,
-    quantize_params,
-)
+from jaxinfer.layers.linear import IN_OUT, OUT_IN, gated_ffn_out_in, lm_logits
+from jaxinfer.layers.quantization import quantize
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
+from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.add_rms_norm.reference import rms_norm
@@ -47,9 +30,10 @@ from pallas_kernels.ragged_paged_attention.reference import write_kv_reference
 
 REFERENCE_KERNELS = ModelKernels()
 
-# Each parameter's logical axes (jaxinfer.parallel.sharding maps them onto the mesh).
-# QKV is fused grouped by KV head, [.., K, G + 2, D] with G = H / K query heads then the key
-# and the value, so splitting K keeps each head's Q, K and V on one device.
+# The loader's parameter tree ("in_out", layers stacked [L, ...]): each array's logical axes
+# (jaxinfer.parallel.sharding maps them onto the mesh). QKV is fused grouped by KV head,
+# [.., K, G + 2, D] with G = H / K query heads then the key and the value, so splitting K keeps
+# each head's Q, K and V on one device.
 PARAM_AXES = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -63,111 +47,101 @@ PARAM_AXES = {
         "o_proj": ("layers", "q_heads_x_dim", "embed"),
         "gate_up_proj": ("layers", "embed", "gate_up", "mlp"),
         "down_proj": ("layers", "mlp", "embed"),
-        **SCALE_AXES["layers"],
-        **GGUF_AXES["layers"],
     },
-    "embed_scale": SCALE_AXES["embed_scale"],
-    "lm_head_scale": SCALE_AXES["lm_head_scale"],
-    **{name: axes for name, axes in GGUF_AXES.items() if name != "layers"},
 }
 
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, scale: float = 0.02) -> nnx.Param:
-    return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
-
-
-def _int8_param(shape: tuple[int, ...]) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, jnp.int8))
+# The projections of a decoder layer, each with its input (contracted) axis in the loader's
+# "in_out" layout, counted from the end: [L, E, K, G + 2, D], [L, H * D, E], [L, E, 2, I],
+# [L, I, E].
+LAYER_PROJECTIONS = {"qkv_proj": -4, "o_proj": -2, "gate_up_proj": -3, "down_proj": -2}
 
 
-def _scale_param(shape: tuple[int, ...]) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, jnp.float32))
+def as_weights(config: LlamaConfig, params: dict) -> dict:
+    """The loader's tree with every projection (and the LM head; the embedding, which is the
+    head when tied) as a jaxinfer.layers.weights.Dense."""
+    out = dict(params)
+    out["layers"] = {
+        name: Dense(a, LAYER_PROJECTIONS[name]) if name in LAYER_PROJECTIONS else a
+        for name, a in params["layers"].items()
+    }
+    out["embed"] = Dense(params["embed"], -1)  # [V, E]
+    if not config.tie_word_embeddings:
+        out["lm_head"] = Dense(params["lm_head"], -2)  # [E, V]
+    return out
 
 
-def _declare(module: nnx.Module, arrays: dict) -> None:
-    """Parameters shaped like `arrays` (name -> array), set on `module` (zeros until loaded)."""
-    for name, array in arrays.items():
-        setattr(module, name, nnx.Param(jnp.zeros(array.shape, array.dtype)))
+def weight_axes(tree: dict, axes: dict = PARAM_AXES) -> dict:
+    """The logical axes of each array of a parameter tree in the "in_out" layout (the same
+    tree, each array replaced by its axes, each weight by its format's axes)."""
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            out[name] = weight_axes(value, axes[name])
+        elif is_weight(value):
+            out[name] = value.axes(axes[name])
+        else:
+            out[name] = axes[name]
+    return out
 
 
-class DecoderLayers(nnx.Module):
-    """All L decoder layers; every parameter has a leading [L] axis. With int8 quantization
-    each projection is int8 with a float32 scale per output channel (`<name>_scale`)."""
+def head_name(config: LlamaConfig) -> str:
+    return "embed" if config.tie_word_embeddings else "lm_head"
 
-    def __init__(
-        self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs, quantization=None, gguf_blocks=None
-    ):
-        num_layers, hidden = config.num_hidden_layers, config.hidden_size
-        kv_heads, head_dim = config.num_key_value_heads, config.head_dim
-        qkv_shape = (kv_heads, config.num_attention_heads // kv_heads + 2, head_dim)
-        inter = config.intermediate_size
-        self.input_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
-        self.post_attention_norm = nnx.Param(jnp.ones((num_layers, hidden), dtype))
-        if config.attention_bias:
-            self.qkv_bias = _param(rngs, (num_layers, *qkv_shape), dtype)  # [L, K, G+2, D]
-        shapes = {  # (input axis size, output shape)
-            "qkv_proj": (hidden, qkv_shape),  # [L, E, K, G+2, D]
-            "o_proj": (config.q_size, (hidden,)),  # [L, H*D, E]
-            "gate_up_proj": (hidden, (2, inter)),  # [L, E, 2, I]
-            "down_proj": (inter, (hidden,)),  # [L, I, E]
-        }
-        for name, (size_in, out) in shapes.items():
-            if quantization is None:
-                setattr(self, name, _param(rngs, (num_layers, size_in, *out), dtype))
-            else:
-                setattr(self, name, _int8_param((num_layers, size_in, *out)))
-                setattr(self, name + SCALE, _scale_param((num_layers, *out)))
-        _declare(self, gguf_blocks or {})
+
+def _map_weights(fn, tree: dict) -> dict:
+    """fn applied to every weight of a tree (of arrays or of axes)."""
+    return jax.tree.map(lambda x: fn(x) if is_weight(x) else x, tree, is_leaf=is_weight)
+
+
+def to_layout(tree: dict, layout: str) -> dict:
+    """A tree of "in_out" weights (or of their axes) in `layout` (jaxinfer.layers.linear)."""
+    return tree if layout == IN_OUT else _map_weights(lambda w: w.to_out_in(), tree)
+
+
+def quantize_weights(config: LlamaConfig, tree: dict) -> dict:
+    """Every projection and the LM head (the embedding when tied) as int8."""
+    out = dict(tree)
+    out["layers"] = {
+        name: quantize(w) if name in LAYER_PROJECTIONS else w for name, w in tree["layers"].items()
+    }
+    head = head_name(config)
+    out[head] = quantize(tree[head])
+    return out
+
+
+def with_gguf_blocks(tree: dict, blocks: dict, axes: bool = False) -> dict:
+    """The "out_in" tree with the weights named in `blocks` ({"layers": {name: BlockWeight},
+    "embed" / "lm_head": BlockWeight}) as GGUFBlocks; `axes`: for the tree of axes."""
+
+    def attach(weight, block):
+        if axes:
+            return GGUFBlocks(weight.w, (), ())
+        return GGUFBlocks(weight.w, block.qs, block.scales)
+
+    out = dict(tree)
+    out["layers"] = dict(tree["layers"])
+    for name, block in blocks.get("layers", {}).items():
+        out["layers"][name] = attach(tree["layers"][name], block)
+    for name, block in blocks.items():
+        if name != "layers":
+            out[name] = attach(tree[name], block)
+    return out
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(
-        self,
-        config: LlamaConfig,
-        *,
-        dtype=jnp.float32,
-        rngs: nnx.Rngs,
-        quantization: str | None = None,
-        gguf_blocks: dict | None = None,
-    ):
-        """quantization "int8": projections and the LM head (the embedding when tied) are
-        int8 with per-output-channel scales (jaxinfer.layers.quantization). gguf_blocks: the
-        GGUF blocks kept beside some weights (jaxinfer.layers.gguf_weights; the tree of
-        arrays the parameters are shaped like)."""
+    """The model: its parameters (a tree of arrays and jaxinfer.layers.weights, placed) as
+    nnx.Params, and the forward pass over them."""
+
+    def __init__(self, config: LlamaConfig, params: dict):
         self.config = config
-        vocab, hidden = config.vocab_size, config.hidden_size
-        tied = config.tie_word_embeddings
-        if quantization is not None and tied:
-            self.embed = _int8_param((vocab, hidden))  # [V, E]
-            self.embed_scale = _scale_param((vocab,))
-        else:
-            self.embed = _param(rngs, (vocab, hidden), dtype)  # [V, E]
-        blocks = dict(gguf_blocks or {})
-        self.layers = DecoderLayers(
-            config,
-            dtype=dtype,
-            rngs=rngs,
-            quantization=quantization,
-            gguf_blocks=blocks.pop("layers", None),
-        )
-        _declare(self, blocks)
-        self.norm = nnx.Param(jnp.ones((hidden,), dtype))
-        if not tied and quantization is not None:
-            self.lm_head = _int8_param((hidden, vocab))  # [E, V]
-            self.lm_head_scale = _scale_param((vocab,))
-        elif not tied:
-            self.lm_head = _param(rngs, (hidden, vocab), dtype)  # [E, V]
-        # Static (not a Param): rebuilt from the config, never loaded or sharded.
-        self.rope_cache = nnx.Variable(
-            jnp.asarray(
-                cos_sin_cache(
-                    config.max_position_embeddings,
-                    config.head_dim,
-                    config.rope_theta,
-                    config.rope_scaling,
-                )
-            )
-        )  # f32[max_positions, 2, D / 2]
+        for name, value in params.items():
+            if name == "layers":
+                self.layers = _Params(value)
+            elif name == "rope_cache":
+                # Static (not a Param): rebuilt from the config, never loaded.
+                self.rope_cache = nnx.Variable(value)  # f32[max_positions, 2, D / 2]
+            else:
+                setattr(self, name, nnx.Param(value))
 
     def __call__(
         self,
@@ -212,10 +186,8 @@ class LlamaForCausalLM(nnx.Module):
             hidden, residual, kv_cache, layer = carry
             if in_place:
                 layer_params = {
-                    name: StackedWeight(a, layer)
-                    if name in LAYER_PERMUTATIONS or is_block_param(name)
-                    else a[layer]
-                    for name, a in layers.items()
+                    name: w.in_place(layer) if is_weight(w) else w[layer]
+                    for name, w in layers.items()
                 }
             hidden, residual, kv_cache = decoder_layer(
                 self.config,
@@ -240,11 +212,17 @@ class LlamaForCausalLM(nnx.Module):
         return kv_cache, hidden + residual
 
 
+class _Params(nnx.Module):
+    def __init__(self, params: dict):
+        for name, value in params.items():
+            setattr(self, name, nnx.Param(value))
+
+
 def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(hidden [T, E], residual [T, E] zeros, cos_sin f32[T, 2, D / 2]) of the step's tokens:
     the residual stream before the first layer is hidden + residual."""
     dtype = params["norm"].dtype
-    hidden = dequantize_rows(params["embed"], params.get("embed" + SCALE), batch.token_ids, dtype)
+    hidden = params["embed"].rows(batch.token_ids, dtype)
     return hidden, jnp.zeros_like(hidden), params["rope_cache"][batch.positions]
 
 
@@ -271,11 +249,7 @@ def decoder_layer(
 
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
-        layout = kernels.weight_layout
-        matmul = kernels.matmul
-        qkv = dense(
-            x, p["qkv_proj"], layout, p.get("qkv_proj" + SCALE), matmul, blocks_of(p, "qkv_proj")
-        )  # [T, K, G+2, D]
+        qkv = dense(x, p["qkv_proj"], kernels)  # [T, K, G+2, D]
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -295,34 +269,17 @@ def decoder_layer(
             layer=layer,
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
-        hidden = dense(
-            attn.reshape(num_tokens, -1),
-            p["o_proj"],
-            layout,
-            p.get("o_proj" + SCALE),
-            matmul,
-            blocks_of(p, "o_proj"),
-        )
+        hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], kernels)
         hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
         x, residual = kernels.add_rms_norm(
             hidden, residual, p["post_attention_norm"], eps=cfg.rms_norm_eps
         )
-        gate_up_scale, down_scale = p.get("gate_up_proj" + SCALE), p.get("down_proj" + SCALE)
-        if layout == IN_OUT:  # the kernel takes float weights
-            gate_up = dequantize(p["gate_up_proj"], gate_up_scale, x.dtype)
-            hidden = kernels.ffn(x, gate_up, dequantize(p["down_proj"], down_scale, x.dtype))
+        if kernels.weight_layout == IN_OUT:  # the kernel takes float weights
+            gate_up = p["gate_up_proj"].dequantized(x.dtype)
+            hidden = kernels.ffn(x, gate_up, p["down_proj"].dequantized(x.dtype))
         else:
-            hidden = gated_ffn_out_in(
-                x,
-                p["gate_up_proj"],
-                p["down_proj"],
-                gate_up_scale,
-                down_scale,
-                matmul,
-                blocks_of(p, "gate_up_proj"),
-                blocks_of(p, "down_proj"),
-            )
+            hidden = gated_ffn_out_in(x, p["gate_up_proj"], p["down_proj"], kernels.matmul)
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
 
@@ -353,23 +310,42 @@ def lm_head(
     an "out_in" head, see ModelKernels)."""
     with jax.named_scope("lm_head"):
         x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
-        tied = config.tie_word_embeddings
-        name = "embed" if tied else "lm_head"
-        scale = params.get(name + SCALE)
-        blocks = blocks_of(params, name)
-        logits = lm_logits(x, params[name], weight_layout, tied, scale, matmul, blocks)
+        head = params[head_name(config)]
+        logits = lm_logits(x, head, weight_layout, config.tie_word_embeddings, matmul)
         logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))
         return logits
 
 
-def param_axes(params: dict, axes: dict = PARAM_AXES) -> dict:
-    """The logical axes of each array in a parameter tree (from PARAM_AXES)."""
-    return {
-        name: param_axes(value, axes[name]) if isinstance(value, dict) else axes[name]
-        for name, value in params.items()
+def random_params(config: LlamaConfig, dtype, seed: int = 0) -> dict:
+    """A loader-shaped tree of random weights (benchmarks of shapes with no checkpoint)."""
+    rng = np.random.default_rng(seed)
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    kv, head_dim = config.num_key_value_heads, config.head_dim
+    qkv = (kv, config.num_attention_heads // kv + 2, head_dim)
+    inter, vocab = config.intermediate_size, config.vocab_size
+
+    def normal(*shape):
+        return (0.02 * rng.standard_normal(shape, np.float32)).astype(dtype)
+
+    params = {
+        "embed": normal(vocab, hidden),
+        "norm": np.ones(hidden, dtype),
+        "layers": {
+            "input_norm": np.ones((layers, hidden), dtype),
+            "post_attention_norm": np.ones((layers, hidden), dtype),
+            "qkv_proj": normal(layers, hidden, *qkv),
+            "o_proj": normal(layers, config.q_size, hidden),
+            "gate_up_proj": normal(layers, hidden, 2, inter),
+            "down_proj": normal(layers, inter, hidden),
+        },
     }
+    if config.attention_bias:
+        params["layers"]["qkv_bias"] = normal(layers, *qkv)
+    if not config.tie_word_embeddings:
+        params["lm_head"] = normal(hidden, vocab)
+    return params
 
 
 def build_llama(
@@ -381,39 +357,26 @@ def build_llama(
     quantization: str | None = None,
     gguf_blocks: dict | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Split graph and state of a model whose parameters are `params` (host arrays in the
-    loader's layout, or arrays already placed), quantized if asked
-    (jaxinfer.layers.quantization), put in `weight_layout` (jaxinfer.layers.linear) and each
-    placed on the partitioner's mesh by its logical axes (every device receives only its
-    shards), or on the default device. The module's declared shapes are "in_out".
-    gguf_blocks: GGUF blocks to keep beside their weights ("out_in" arrays in the tree of
-    jaxinfer.layers.gguf_weights.block_tree)."""
-    check_quantization(quantization)
-    abstract = nnx.eval_shape(
-        lambda: LlamaForCausalLM(
-            config,
-            dtype=dtype,
-            rngs=nnx.Rngs(0),
-            quantization=quantization,
-            gguf_blocks=gguf_blocks,
-        )
-    )
-    graphdef, state = nnx.split(abstract)
-    values = dict(params)
+    """Split graph and state of a model whose parameters are `params` (the loader's tree: host
+    arrays, or arrays already placed), its projections as weights of their format (int8 if
+    `quantization`; jaxinfer.layers.weights), put in `weight_layout` and each array placed on
+    the partitioner's mesh by its logical axes (every device receives only its shards), or on
+    the default device. gguf_blocks: GGUF blocks to keep beside their "out_in" weights
+    (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree)."""
+    values = as_weights(config, {k: v for k, v in params.items() if k != "rope_cache"})
     if quantization is not None:
-        values = quantize_params(values, config.tie_word_embeddings)
-    values = to_layout(values, weight_layout)
+        values = quantize_weights(config, values)
+    axes = weight_axes(values)
+    values, axes = to_layout(values, weight_layout), to_layout(axes, weight_layout)
     if gguf_blocks:
-        blocks = dict(gguf_blocks)
-        values["layers"] = {**values["layers"], **blocks.pop("layers", {})}
-        values.update(blocks)
+        values = with_gguf_blocks(values, gguf_blocks)
+        axes = with_gguf_blocks(axes, gguf_blocks, axes=True)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )
+    axes["rope_cache"] = PARAM_AXES["rope_cache"]
     if partitioner is None:
         placed = jax.tree.map(jnp.asarray, values)
     else:
-        axes = param_axes(values, axes_in_layout(PARAM_AXES, weight_layout))
         placed = jax.tree.map(partitioner.place, values, axes)
-    nnx.replace_by_pure_dict(state, placed)
-    return graphdef, state
+    return nnx.split(LlamaForCausalLM(config, placed))

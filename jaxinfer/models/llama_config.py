@@ -54,10 +54,6 @@ class LlamaConfig:
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> LlamaConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]

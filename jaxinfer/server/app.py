@@ -115,6 +115,14 @@ def build_app(
     async def version():
         return {"version": VERSION}
 
+    description = engine.engine.describe()  # fixed for the engine's life
+
+    @app.get("/v1/engine")
+    async def engine_description():
+        """The model, its sizes and every engine option as resolved (with why, where "auto"
+        chose)."""
+        return description
+
     @app.get("/v1/models")
     async def models():
         return {

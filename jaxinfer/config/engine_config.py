@@ -1,0 +1,141 @@
+"""The engine's frozen configuration, built once from EngineOptions and their resolution."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxinfer.config.options import EngineOptions
+from jaxinfer.config.resolve import ResolvedOptions
+from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: Path  # the Hugging Face-style folder that is loaded
+    arch: LlamaConfig
+    dtype: jnp.dtype
+    max_model_len: int
+    quantization: str | None = None  # "int8": weight-only (jaxinfer.layers.quantization)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int  # including the null block 0
+    enable_prefix_caching: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    token_buckets: tuple[int, ...]  # padded step sizes, ascending; each is compiled once
+
+    def request_bucket(self, num_tokens_bucket: int) -> int:
+        """Padded request count that goes with a token bucket (a step has <= 1 request/token)."""
+        return min(num_tokens_bucket, self.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    kv_replicas: int = 1  # copies of each checkpoint KV head (tp > KV heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    resolved: ResolvedOptions  # every "auto" settled (jaxinfer.config.resolve)
+    parallel: ParallelConfig = ParallelConfig()
+
+    @property
+    def layer_execution(self) -> str:  # "scan" or "per_layer" (see ModelRunner)
+        return self.resolved.layer_execution
+
+    @property
+    def async_scheduling(self) -> bool:  # schedule step N+1 while step N runs
+        return self.resolved.async_scheduling
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.model.max_model_len // self.cache.block_size)
+
+
+def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """1, 2, 4, then powers of two and the midpoints between them (6, 8, 12, 16, 24, ...) up
+    to the budget, and the budget itself: a step pads by at most a third."""
+    buckets = {1, 2, 4}
+    size = 4
+    while size < max_num_batched_tokens:
+        buckets.update({size + size // 2, size * 2})
+        size *= 2
+    buckets = {b for b in buckets if b < max_num_batched_tokens}
+    return tuple(sorted(buckets | {max_num_batched_tokens}))
+
+
+def model_arch(options: EngineOptions, model_path: Path) -> LlamaConfig:
+    """The model's shape as the engine runs it: under tensor parallelism each KV head is
+    copied so that every device holds one."""
+    arch = LlamaConfig.from_file(model_path / "config.json")
+    tp = options.tensor_parallel_size
+    check_tp_size(arch, tp)
+    replicas = kv_replicas(arch, tp)
+    return dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
+
+
+def build_engine_config(
+    options: EngineOptions, resolved: ResolvedOptions, model_path: Path
+) -> EngineConfig:
+    arch = LlamaConfig.from_file(model_path / "config.json")
+    tp = options.tensor_parallel_size
+    check_tp_size(arch, tp)
+    replicas = kv_replicas(arch, tp)
+    # The model's view: each KV head copied `replicas` times (so every device holds one).
+    arch = dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
+    dtype = resolved.jnp_dtype
+    max_model_len = options.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({arch.max_position_embeddings})"
+        )
+    bytes_per_block = (  # on each device: the KV cache is split by KV heads
+        arch.num_hidden_layers
+        * 2
+        * options.block_size
+        * (arch.num_key_value_heads // tp)
+        * arch.head_dim
+        * jnp.dtype(dtype).itemsize
+    )
+    num_blocks = options.num_kv_blocks or max(
+        2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
+    )
+    return EngineConfig(
+        model=ModelConfig(
+            path=model_path,
+            arch=arch,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            quantization=options.quantization,
+        ),
+        cache=CacheConfig(
+            block_size=options.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=options.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            token_buckets=token_buckets(options.max_num_batched_tokens),
+        ),
+        resolved=resolved,
+        parallel=ParallelConfig(tensor_parallel_size=tp, kv_replicas=replicas),
+    )

@@ -1,0 +1,146 @@
+"""EngineOptions: everything a user may set, declared once.
+
+Each field carries its help text (and, where the values are a closed set, its choices) as field
+metadata; the command-line flags and the TOML keys are generated from these fields
+(jaxinfer.config.flags), and "auto" values are settled in one place (jaxinfer.config.resolve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+LAYER_EXECUTIONS = ("auto", "scan", "per_layer")
+WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
+QUANTIZATIONS = ("int8",)
+MATMUL_IMPLS = ("auto", "xla", "cpu")
+GGUF_MODES = ("auto", "on", "off")
+
+
+def option(default: Any, help: str, choices: tuple | None = None, **kwargs) -> Any:
+    """A field of EngineOptions: its default, help text and closed set of values, if any."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices}, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """What a user may set: LLM(**options), command-line flags, a TOML file's [engine] table.
+    Validated on creation; "auto" and None are settled by jaxinfer.config.resolve."""
+
+    model: str | None = option(
+        None,
+        "None for the default model (SmolLM2-135M-Instruct), a Hugging Face folder or "
+        "a .gguf file.",
+    )
+    dtype: str = option(
+        "auto",
+        "Activations, weights and KV cache: auto (float32 on CPU, bfloat16 on GPU).",
+        ("auto", *DTYPES),
+    )
+    max_model_len: int | None = option(
+        None, "Longest sequence (prompt + output); unset: the model's maximum."
+    )
+    max_num_seqs: int = option(64, "Most requests in one step.")
+    max_num_batched_tokens: int = option(
+        512, "Token budget of one step; longer prompts are chunked."
+    )
+    block_size: int = option(16, "Tokens per KV-cache block.", BLOCK_SIZES)
+    num_kv_blocks: int | None = option(
+        None,
+        "KV-cache blocks in the pool (block 0 is the null block); unset: sized from "
+        "kv_cache_memory_gb.",
+    )
+    kv_cache_memory_gb: float = option(
+        1.0, "Memory budget of the KV cache (GiB) when num_kv_blocks is unset."
+    )
+    cache_dir: str = option(
+        str(Path.home() / ".cache" / "jaxinfer"),
+        "Where converted models, built C++ kernels and compiled programs are kept.",
+    )
+    enable_prefix_caching: bool = option(
+        True, "Reuse the KV blocks of prompt prefixes computed before."
+    )
+    layer_execution: str = option(
+        "auto",
+        "scan (one program per step, the layers under lax.scan), per_layer (one "
+        "compiled layer program called per layer) or auto: scan, except on CPU without the "
+        "matmul kernel, where the scan's per-layer weight slices are copies.",
+        LAYER_EXECUTIONS,
+    )
+    async_scheduling: bool | None = option(
+        None,
+        "Schedule and enqueue step N+1 while the device runs step N; unset: on for "
+        "accelerators, off on CPU, where the device is the host's own cores.",
+    )
+    compilation_cache: bool = option(
+        True, "Keep compiled programs in JAX's persistent cache for the next start."
+    )
+    compilation_cache_dir: str | None = option(
+        None, "Where compiled programs are kept; unset: <cache_dir>/xla."
+    )
+    tensor_parallel_size: int = option(
+        1, "Devices the model is split over (under jax.distributed, every process's count)."
+    )
+    attention_impl: str = option(
+        "auto",
+        "Attention kernel by its name in the KernelRegistry: reference (pure JAX), "
+        "pallas (GPU), pallas_interpret (tests), cpu (C++), a registered name, or auto.",
+    )
+    ffn_impl: str = option("auto", "FFN kernel: reference, pallas, pallas_interpret, ... or auto.")
+    norm_impl: str = option(
+        "auto", "Residual-add + RMSNorm kernel: reference, pallas, pallas_interpret, ... or auto."
+    )
+    weight_layout: str = option(
+        "auto",
+        "Projection weights: in_out (x @ W), out_in (W @ x^T, faster on XLA:CPU at "
+        "decode sizes) or auto (out_in on CPU with the reference FFN).",
+        WEIGHT_LAYOUTS,
+    )
+    quantization: str | None = option(
+        None,
+        "Weight-only quantization: int8 (per output channel); unset: weights in dtype.",
+        QUANTIZATIONS,
+    )
+    matmul_impl: str = option(
+        "auto",
+        "The out_in projections and LM head: cpu (C++ kernel), xla, or auto (cpu where it runs).",
+        MATMUL_IMPLS,
+    )
+    gguf_weights: str = option(
+        "auto",
+        "Beside the matmul kernel, keep the exact Q4_1/Q8_0 blocks of the GGUF file the "
+        "weights came from for steps of 1-3 tokens: auto, on (an error where impossible), off.",
+        GGUF_MODES,
+    )
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            choices = field.metadata["choices"]
+            if choices is not None and value is not None and value not in choices:
+                raise ValueError(f"{field.name} must be one of {choices}, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            _positive(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
+        ):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}"
+            )
+        for name in ("attention_impl", "ffn_impl", "norm_impl"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

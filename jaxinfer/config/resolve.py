@@ -1,0 +1,259 @@
+"""The one place where "auto" is settled: EngineOptions and the Platform (plus the model's
+shape and the kernel registry) in, a frozen ResolvedOptions and the ModelKernels out.
+
+Every choice made from "auto" records why; `ResolvedOptions.describe()` is what the engine
+logs at start-up and the server returns at GET /v1/engine. Nothing downstream decides again.
+
+The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and one device
+(XLA cannot split a custom call over a mesh), and a C++ compiler to build them once:
+- matmul "cpu": the "out_in" projections and LM head, token-major (no transposes), int8 read
+  as int8; float32 products of prefill-sized chunks stay on XLA's GEMM
+  (jaxinfer.layers.native_kernels.KernelMatmul).
+- attention "cpu": ragged paged attention walking each request's blocks with an online
+  softmax (head_dim a multiple of 8 up to 256, block_size up to 128).
+- GGUF blocks: beside the matmul kernel, the Q4_1 and Q8_0 blocks of the GGUF file the
+  float32 weights were dequantized from, multiplied directly for steps of 1-3 tokens
+  (bit-identical products from a quarter of the bytes; jaxinfer.layers.gguf_weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from cpu_kernels.build import KernelBuildError
+from jaxinfer.config.options import EngineOptions
+from jaxinfer.config.platform import Platform
+from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
+from jaxinfer.layers.linear import IN_OUT, OUT_IN
+from jaxinfer.layers.native_kernels import KernelMatmul
+from jaxinfer.models.llama_config import LlamaConfig
+from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedOptions:
+    """Every choice EngineOptions left to the engine, settled."""
+
+    dtype: str
+    attention: str  # a KernelRegistry name ("cpu": the C++ kernel)
+    ffn: str
+    norm: str
+    weight_layout: str  # "in_out" or "out_in"
+    matmul: str  # "cpu" (the C++ kernel) or "xla"
+    gguf_blocks: bool  # keep the source GGUF file's blocks where they are exact
+    gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
+    layer_execution: str  # "scan" or "per_layer"
+    async_scheduling: bool
+    compilation_cache_dir: str | None  # None: no persistent compilation cache
+    reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    def describe(self) -> dict:
+        """{choice: {"value": ..., "reason": ...}} (a reason only where "auto" chose)."""
+        reasons = dict(self.reasons)
+        out = {}
+        for field in dataclasses.fields(self):
+            if field.name in ("reasons", "gguf_blocks_required"):
+                continue
+            entry = {"value": getattr(self, field.name)}
+            if field.name in reasons:
+                entry["reason"] = reasons[field.name]
+            out[field.name] = entry
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    options: ResolvedOptions
+    kernels: ModelKernels  # the callables the model runs (static under jit)
+
+
+def _common_reasons(platform: Platform, tp: int, dtype: str) -> list[str]:
+    """Why no C++ kernel can run with these settings (empty when they can)."""
+    reasons = []
+    if platform.backend != "cpu":
+        reasons.append(f"it runs on XLA:CPU, not {platform.backend}")
+    if tp != 1:
+        reasons.append("it runs on one device (tensor_parallel_size=1)")
+    if dtype != "float32":
+        reasons.append(f"it takes float32 activations, not {dtype}")
+    unavailable = platform.native_unavailable()
+    if unavailable is not None:
+        reasons.append(unavailable)
+    return reasons
+
+
+def _native(platform: Platform, name: str, option: str, value: str, reasons: list[str]):
+    """(the C++ kernel `name`, why not): where `value` was asked for explicitly ("cpu"/"on"),
+    a reason is a ValueError and a failed build a KernelBuildError."""
+    required = value != "auto"
+    if reasons:
+        if required:
+            raise ValueError(f"{option} {value!r} cannot be used here: " + "; ".join(reasons))
+        return None, "; ".join(reasons)
+    try:
+        return platform.load_native(name), ""
+    except KernelBuildError as error:
+        if required:
+            raise
+        logger.warning("C++ kernel for %s unavailable (%s); going without it", option, error)
+        return None, f"its build failed ({error})"
+
+
+def resolve(
+    options: EngineOptions,
+    platform: Platform,
+    arch: LlamaConfig,
+    registry: KernelRegistry,
+    gguf_source: Path | None = None,
+) -> Resolution:
+    """Settles every "auto" of `options` for `platform` and a model of shape `arch`.
+    gguf_source: the GGUF file the model folder was converted from, if it keeps one."""
+    reasons: dict[str, str] = {}
+    tp = options.tensor_parallel_size
+    cpu = platform.backend == "cpu"
+
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = "float32" if cpu else "bfloat16"
+        reasons["dtype"] = f"float32 on CPU, bfloat16 on accelerators ({platform.backend})"
+
+    def pick(kind: str, name: str) -> str:
+        if name == "auto":
+            single_gpu = platform.backend == "gpu" and tp == 1
+            name = "pallas" if single_gpu else "reference"
+            reasons[kind] = (
+                "the Pallas kernels on one GPU"
+                if single_gpu
+                else f"the reference off a single GPU ({platform.backend}, tp={tp})"
+            )
+        if name == "pallas" and tp > 1:
+            raise ValueError(
+                f"{kind} kernel 'pallas' does not run under tensor parallelism yet "
+                f"(tensor_parallel_size={tp}): use 'reference' or 'auto'"
+            )
+        registry.get(kind, name)  # a clear error for unknown names
+        return name
+
+    ffn = pick("ffn", options.ffn_impl)
+    norm = pick("norm", options.norm_impl)
+    reference_ffn = registry.get("ffn", ffn) is fused_ffn_reference
+    layout = options.weight_layout
+    if layout == "auto":
+        layout = OUT_IN if cpu and reference_ffn else IN_OUT
+        reasons["weight_layout"] = (
+            "W @ x^T runs faster on XLA:CPU with the reference FFN"
+            if layout == OUT_IN
+            else "the layout of the checkpoint and the FFN kernels"
+        )
+    if layout == OUT_IN and not reference_ffn:
+        raise ValueError(
+            f"weight_layout 'out_in' runs the reference FFN; ffn_impl {options.ffn_impl!r} takes "
+            "'in_out' weights: use weight_layout 'in_out' or 'auto'"
+        )
+
+    # the matmul kernel
+    matmul_fn = None
+    if options.matmul_impl != "xla":
+        why = _common_reasons(platform, tp, dtype)
+        if layout != OUT_IN:
+            why.append("it takes the 'out_in' weight layout")
+        matmul_fn, why_not = _native(platform, "matmul", "matmul_impl", options.matmul_impl, why)
+        if options.matmul_impl == "auto":
+            reasons["matmul"] = "the C++ kernel runs here" if matmul_fn else why_not
+    matmul = "cpu" if matmul_fn is not None else "xla"
+
+    # attention: the C++ kernel for "cpu", and for "auto" where it runs
+    attention_fn, why_not = None, ""
+    if options.attention_impl in ("auto", "cpu"):
+        why = _common_reasons(platform, tp, dtype)
+        if arch.head_dim % 8 or arch.head_dim > 256:
+            why.append(
+                f"it takes a head_dim that is a multiple of 8 up to 256, not {arch.head_dim}"
+            )
+        if options.block_size > 128:
+            why.append(f"it takes a block_size up to 128, not {options.block_size}")
+        attention_fn, why_not = _native(
+            platform, "paged_attention", "attention_impl", options.attention_impl, why
+        )
+    if attention_fn is not None:
+        attention = "cpu"
+        if options.attention_impl == "auto":
+            reasons["attention"] = "the C++ kernel runs here"
+    else:
+        attention = pick("attention", options.attention_impl)
+        if why_not:
+            reasons["attention"] += f"; not the C++ kernel: {why_not}"
+
+    # GGUF blocks beside the matmul kernel
+    gguf_fn = None
+    if options.gguf_weights != "off":
+        why = []
+        if matmul_fn is None:
+            why.append("they work beside the matmul kernel, which is not in use (matmul_impl)")
+        if options.quantization is not None:
+            why.append(f"they take float32 weights, not {options.quantization}")
+        if gguf_source is None:
+            why.append("the model was not converted from a GGUF file (or its folder lost it)")
+        gguf_fn, why_not = _native(
+            platform, "gguf_matmul", "gguf_weights", options.gguf_weights, why
+        )
+        if options.gguf_weights == "auto":
+            reasons["gguf_blocks"] = (
+                f"{gguf_source.name} may hold exact blocks" if gguf_fn else why_not
+            )
+
+    layer_execution = options.layer_execution
+    if layer_execution == "auto":
+        if matmul_fn is not None:
+            layer_execution = "scan"
+            reasons["layer_execution"] = "the matmul kernel reads each layer's weights in place"
+        elif cpu:
+            layer_execution = "per_layer"
+            reasons["layer_execution"] = "on XLA:CPU the scan's weight slices are copies"
+        else:
+            layer_execution = "scan"
+            reasons["layer_execution"] = "one program per step"
+    async_scheduling = options.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = not cpu
+        reasons["async_scheduling"] = (
+            "off on CPU, where the device is the host's own cores" if cpu else "on accelerators"
+        )
+    cache_dir = None
+    if options.compilation_cache:
+        cache_dir = options.compilation_cache_dir or str(Path(options.cache_dir) / "xla")
+
+    resolved = ResolvedOptions(
+        dtype=dtype,
+        attention=attention,
+        ffn=ffn,
+        norm=norm,
+        weight_layout=layout,
+        matmul=matmul,
+        gguf_blocks=gguf_fn is not None,
+        gguf_blocks_required=options.gguf_weights == "on",
+        layer_execution=layer_execution,
+        async_scheduling=async_scheduling,
+        compilation_cache_dir=cache_dir,
+        reasons=tuple(sorted(reasons.items())),
+    )
+    kernels = ModelKernels(
+        attention=attention_fn or registry.get("attention", attention),
+        ffn=registry.get("ffn", ffn),
+        add_rms_norm=registry.get("norm", norm),
+        weight_layout=layout,
+        matmul=None if matmul_fn is None else KernelMatmul(matmul_fn, gguf_kernel=gguf_fn),
+    )
+    return Resolution(resolved, kernels)

@@ -1,0 +1,113 @@
+"""The step's boundary, as value objects: what the scheduler decides (SchedulerOutput of
+ScheduledRequests), what the host sends the device (HostStep), what comes back (StepOutput).
+
+    Scheduler.schedule() -> SchedulerOutput          (ids, counts, token and block ids)
+    BatchBuilder.build(SchedulerOutput) -> HostStep   (padded numpy arrays, row updates)
+    ModelRunner.execute(HostStep) -> SamplerOutput    (on the device)
+    LLMEngine: SamplerOutput -> StepOutput -> Scheduler.update_from_output(...)
+
+Nothing here holds a live Request: downstream of the scheduler a request is its id and the
+numbers the step needs. Per-request device rows (the block table, sampler state) are the
+runner side's: the batch builder's RowTable gives each running request id a row.
+
+T: tokens in the step (padded to a bucket), R: requests (padded), W: bitmask words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer.engine.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
+from jaxinfer.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RowInit:
+    """What a request's new device row starts with (it was admitted, or resumed after a
+    preemption): its token history for the penalties, its fixed logit bias."""
+
+    token_ids: tuple[int, ...] | None  # every known token, when it uses penalties
+    num_prompt_tokens: int
+    bias: np.ndarray | None  # f32[V], read-only
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    num_computed_tokens: int  # before this step: the first new token's position
+    num_new_tokens: int
+    # The new tokens known on the host; the step's last token may instead be the output of a
+    # step still in flight (async scheduling), read on the device from the request's row.
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # the request's KV blocks after this step's allocation
+    samples: bool  # the step reaches the end of the request's tokens, so its sample is kept
+    output_position: int  # index in the output of the token sampled (when samples)
+    epoch: int  # the request's preemption count when scheduled; a preemption since voids it
+    params: SamplingParams
+    seed: int
+    has_bias: bool
+    prompt_token_ids: tuple[int, ...] | list[int]  # the prompt (never changed)
+    bitmask: np.ndarray | None = None  # i32[W], the tokens allowed this step (grammars)
+    row_init: RowInit | None = None  # set when the request takes a device row this step
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]  # batch order
+    num_scheduled_tokens: int
+    preempted: tuple[str, ...] = ()  # request ids sent back to the waiting queue this step
+    # Request ids whose device rows are free again (finished, aborted or preempted since the
+    # last step was scheduled), released before this step's rows are handed out.
+    released: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingFlags:
+    """Static choices of the sampler for one step (each is compiled once per request bucket);
+    everything else about the parameters is decided on the device."""
+
+    num_logprobs: int  # 0, or MAX_LOGPROBS when any request asks for logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdates:
+    """Per-request device rows to rewrite before the step (None: nothing to rewrite)."""
+
+    block_table: RowValues | None = None  # i32[U, MB]
+    penalties: PenaltyRows | None = None
+    bias: RowValues | None = None  # f32[U, V]
+    bitmask: RowValues | None = None  # i32[U, W]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobRows:
+    """Tokens of the step whose hidden state scores the next prompt token (prompt_logprobs)."""
+
+    rows: np.ndarray  # i32[P], flat token index in the step
+    targets: np.ndarray  # i32[P], the prompt token that follows
+    spans: tuple[tuple[int, int, int], ...]  # (batch row, first target position, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStep:
+    """Everything the host sends for one step."""
+
+    inputs: StepInputs
+    sampling: SamplingMetadata
+    flags: SamplingFlags
+    updates: RowUpdates
+    prompt_logprobs: PromptLogprobRows | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Sampled results of one step, on the host, one row per scheduled request."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]

@@ -1,0 +1,209 @@
+"""Projection weights as pytrees: one registered class per storage format.
+
+A projection's weight is one of these objects, never a name plus suffixed companions. Each
+format holds its arrays and says:
+
+- `axes(weight_axes)`: the logical axes of each of its arrays (the same class holding tuples
+  of axis names), from the logical axes of the float weight it stands for; the partitioner
+  places each array by them (jaxinfer.parallel.sharding).
+- `to_out_in()`: the weight in the "out_in" layout (jaxinfer.layers.linear), its input axis
+  moved last.
+- `in_place(layer)`: layer `layer` of weights stacked over the layers, as a layer scan hands
+  it to a matmul kernel that reads the stack in place (linear.StackedWeight).
+- `project(x, layout, matmul)`: x [T, in] -> [T, *out].
+- `scaled()`: (an array XLA multiplies, its per-output-channel scale or None), for the paths
+  that fuse the scale themselves (the feature-major FFN, the LM head); `dequantized(dtype)`:
+  the float weight, for kernels that take float weights; `rows(ids, dtype)`: rows of a
+  vocabulary-major table (the embedding lookup).
+
+`input_axis` (static) is the contracted axis counted from the end, so slicing off the leading
+[L] axis keeps it. Adding a format is one class here plus its kernel.
+
+E: hidden size, T: tokens, V: vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.layers import linear
+from jaxinfer.layers.linear import OUT_IN, StackedWeight
+
+
+def _moveaxis(a: Any, source: int) -> Any:
+    """An array (or a tuple of axis names) with axis `source` moved last."""
+    if isinstance(a, tuple):
+        names = list(a)
+        names.append(names.pop(source))
+        return tuple(names)
+    if source in (-1, a.ndim - 1):
+        return a
+    return a.transpose([i for i in range(a.ndim) if i != source % a.ndim] + [source % a.ndim])
+
+
+def _without(axes: tuple, axis: int) -> tuple:
+    names = list(axes)
+    del names[axis]
+    return tuple(names)
+
+
+def _in_place(a, layer):
+    return StackedWeight(a, layer)
+
+
+def _weight_class(cls):
+    """A frozen dataclass registered as a pytree; `input_axis` is static."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    data = [f.name for f in dataclasses.fields(cls) if f.name != "input_axis"]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=["input_axis"])
+
+
+@_weight_class
+class Dense:
+    """A float weight ([*lead, in, *out] in "in_out", [*lead, *out, in] in "out_in")."""
+
+    w: Any
+    input_axis: int = -2
+
+    @property
+    def size(self) -> int:  # values of the weight it stands for
+        return self.w.size
+
+    def axes(self, weight_axes: tuple) -> Dense:
+        return Dense(weight_axes, self.input_axis)
+
+    def to_out_in(self) -> Dense:
+        return Dense(_moveaxis(self.w, self.input_axis), -1)
+
+    def in_place(self, layer) -> Dense:
+        return Dense(_in_place(self.w, layer), self.input_axis)
+
+    def project(self, x, layout: str, matmul=None):
+        if layout == OUT_IN and matmul is not None:
+            return matmul.float32(x, self.w)
+        return linear.xla_dense(x, self.w, layout)
+
+    def scaled(self):
+        return self.w, None
+
+    def dequantized(self, dtype):
+        return self.w
+
+    def rows(self, ids, dtype):
+        return self.w[ids]
+
+
+@_weight_class
+class Int8:
+    """Weight-only int8 with a float32 scale per output channel: W ~= q * scale
+    (jaxinfer.layers.quantization)."""
+
+    q: Any  # int8, the float weight's shape
+    scale: Any  # f32, the weight's shape without the input axis
+    input_axis: int = -2
+
+    @property
+    def size(self) -> int:  # values of the weight it stands for
+        return self.q.size
+
+    def axes(self, weight_axes: tuple) -> Int8:
+        return Int8(weight_axes, _without(weight_axes, self.input_axis), self.input_axis)
+
+    def to_out_in(self) -> Int8:
+        return Int8(_moveaxis(self.q, self.input_axis), self.scale, -1)
+
+    def in_place(self, layer) -> Int8:
+        return Int8(_in_place(self.q, layer), self.scale[layer], self.input_axis)
+
+    def project(self, x, layout: str, matmul=None):
+        if layout == OUT_IN and matmul is not None:
+            return matmul.int8(x, self.q, self.scale)
+        return linear.xla_dense(x, self.q, layout, self.scale)
+
+    def scaled(self):
+        return self.q, self.scale
+
+    def dequantized(self, dtype):
+        scale = jnp.expand_dims(self.scale, self.input_axis)
+        return self.q.astype(dtype) * scale.astype(dtype)
+
+    def rows(self, ids, dtype):
+        return self.q[ids].astype(dtype) * self.scale[ids][:, None].astype(dtype)
+
+
+@_weight_class
+class GGUFBlocks:
+    """A float32 "out_in" weight kept together with the GGUF file's own Q4_1 or Q8_0 blocks
+    that dequantize to it bit for bit (jaxinfer.model_loader.gguf_blocks): the block kernel
+    (cpu_kernels.gguf_matmul) multiplies the blocks, a quarter of the bytes, for steps of a few
+    rows; every other product takes the float weight. The blocks are replicated (the kernel
+    runs on one device)."""
+
+    w: Any  # f32[*lead, *out, in]
+    qs: Any  # Q4_1: u8[*lead, N, in / 2]; Q8_0: i8[*lead, N, in]  (N: the outputs, flat)
+    scales: Any  # Q4_1: f32[*lead, N, in / 32, 2]; Q8_0: f32[*lead, N, in / 32]
+    input_axis: int = -1
+
+    @property
+    def fmt(self) -> str:
+        qs = self.qs.stacked if isinstance(self.qs, StackedWeight) else self.qs
+        return "Q8_0" if jnp.dtype(qs.dtype) == jnp.int8 else "Q4_1"
+
+    @property
+    def size(self) -> int:  # values of the weight it stands for
+        return self.w.size
+
+    def axes(self, weight_axes: tuple) -> GGUFBlocks:
+        return GGUFBlocks(weight_axes, (), (), self.input_axis)
+
+    def to_out_in(self) -> GGUFBlocks:
+        return self
+
+    def in_place(self, layer) -> GGUFBlocks:
+        return GGUFBlocks(
+            _in_place(self.w, layer),
+            _in_place(self.qs, layer),
+            _in_place(self.scales, layer),
+            self.input_axis,
+        )
+
+    def project(self, x, layout: str, matmul=None):
+        if matmul is None:
+            return linear.xla_dense(x, self.w, layout)
+        return matmul.blocks(x, self)
+
+    def scaled(self):
+        return self.w, None
+
+    def dequantized(self, dtype):
+        return self.w
+
+    def rows(self, ids, dtype):
+        return self.w[ids]
+
+
+FORMATS = (Dense, Int8, GGUFBlocks)
+
+
+def dense(x, weight, kernels):
+    """x [T, in] times a projection weight of any format -> [T, *out], in the model's weight
+    layout and through its matmul kernel where it has one (ModelKernels)."""
+    return weight.project(x, kernels.weight_layout, kernels.matmul)
+
+
+def is_weight(x) -> bool:
+    return isinstance(x, FORMATS)
+
+
+def weight_arrays(tree: dict) -> list:
+    """Every array of a parameter tree (for counting bytes, say)."""
+    return jax.tree.leaves(tree)
+
+
+def num_bytes(tree: dict) -> int:
+    return sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in weight_arrays(tree))

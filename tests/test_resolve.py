@@ -1,0 +1,135 @@
+"""The one resolution step: every "auto" settled from the options and the platform, with why."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cpu_kernels.matmul.kernel import matmul
+from jaxinfer.config import EngineOptions
+from jaxinfer.config.platform import Platform
+from jaxinfer.config.resolve import resolve
+from jaxinfer.layers.kernel_registry import default_registry
+from jaxinfer.layers.native_kernels import KernelMatmul
+from jaxinfer.models.llama_config import LlamaConfig
+from pallas_kernels.fused_ffn.kernel import fused_ffn
+from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+ARCH = LlamaConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+# A CPU that cannot build the C++ kernels: nothing is compiled by the tests that use it.
+NO_NATIVE = Platform("cpu", 1, frozenset({"sse2"}), "g++", Path("/nonexistent"))
+GPU = Platform("gpu", 1, frozenset(), None, Path("/nonexistent"))
+
+
+def settle(platform: Platform, **options):
+    return resolve(EngineOptions(**options), platform, ARCH, default_registry())
+
+
+def test_cpu_without_the_kernels_records_why():
+    resolution = settle(NO_NATIVE)
+    resolved = resolution.options
+    assert (resolved.dtype, resolved.attention, resolved.ffn, resolved.norm) == (
+        "float32",
+        "reference",
+        "reference",
+        "reference",
+    )
+    assert (resolved.weight_layout, resolved.matmul, resolved.gguf_blocks) == (
+        "out_in",
+        "xla",
+        False,
+    )
+    assert (resolved.layer_execution, resolved.async_scheduling) == ("per_layer", False)
+    described = resolved.describe()
+    assert "lacks AVX2" in described["matmul"]["reason"]
+    assert "lacks AVX2" in described["attention"]["reason"]
+    assert "matmul kernel" in described["gguf_blocks"]["reason"]
+    assert resolution.kernels.matmul is None
+    assert resolution.kernels.attention is ragged_paged_attention_reference
+    # an explicit choice is kept, and has no reason
+    explicit = settle(NO_NATIVE, layer_execution="scan", dtype="bfloat16").options.describe()
+    assert explicit["layer_execution"] == {"value": "scan"}
+    assert explicit["dtype"] == {"value": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"matmul_impl": "cpu"}, "matmul_impl 'cpu' cannot be used here: .*lacks AVX2"),
+        ({"attention_impl": "cpu"}, "attention_impl 'cpu' cannot be used here"),
+        ({"gguf_weights": "on"}, "gguf_weights 'on' cannot be used here: .*matmul kernel"),
+        ({"attention_impl": "flash9"}, "no attention kernel named 'flash9'"),
+        ({"ffn_impl": "pallas", "weight_layout": "out_in"}, "'out_in' runs the reference FFN"),
+        ({"ffn_impl": "pallas", "tensor_parallel_size": 2}, "tensor parallelism"),
+    ],
+)
+def test_asking_for_what_cannot_run_is_a_clear_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        settle(NO_NATIVE, **options)
+
+
+def test_one_gpu_takes_the_pallas_kernels():
+    resolution = settle(GPU)
+    resolved = resolution.options
+    assert (resolved.dtype, resolved.attention, resolved.ffn, resolved.norm) == (
+        "bfloat16",
+        "pallas",
+        "pallas",
+        "pallas",
+    )
+    assert (resolved.weight_layout, resolved.matmul, resolved.layer_execution) == (
+        "in_out",
+        "xla",
+        "scan",
+    )
+    assert resolved.async_scheduling
+    assert resolution.kernels.ffn is fused_ffn
+    assert "XLA:CPU, not gpu" in resolved.describe()["matmul"]["reason"]
+    tp2 = settle(dataclasses.replace(GPU, num_devices=2), tensor_parallel_size=2).options
+    assert (tp2.attention, tp2.ffn) == ("reference", "reference")
+
+
+def test_cpu_with_the_kernels_takes_them(cpu_kernel_dir):
+    platform = Platform.detect(cpu_kernel_dir.parent)
+    platform = dataclasses.replace(platform, native_dir=cpu_kernel_dir)
+    resolution = settle(platform)
+    resolved = resolution.options
+    assert (resolved.attention, resolved.matmul, resolved.layer_execution) == (
+        "cpu",
+        "cpu",
+        "scan",
+    )
+    assert isinstance(resolution.kernels.matmul, KernelMatmul)
+    assert resolution.kernels.matmul.kernel is matmul
+    assert resolution.kernels.ffn is fused_ffn_reference
+    # no GGUF file to take blocks from: "auto" goes without, "on" is a clear error
+    assert not resolved.gguf_blocks
+    with pytest.raises(ValueError, match="not converted from a GGUF"):
+        settle(platform, gguf_weights="on")
+    for change, reason in (
+        ({"tensor_parallel_size": 2}, "one device"),
+        ({"weight_layout": "in_out"}, "'out_in' weight layout"),
+        ({"dtype": "bfloat16"}, "float32 activations, not bfloat16"),
+    ):
+        other = settle(platform, **change).options
+        assert other.matmul == "xla" and reason in other.describe()["matmul"]["reason"]
+        with pytest.raises(ValueError, match=reason):
+            settle(platform, matmul_impl="cpu", **change)
+    assert settle(platform, matmul_impl="xla").options.layer_execution == "per_layer"

@@ -1,0 +1,55 @@
+"""Decode-step helpers shared by the roofline tools: a synthetic decode batch and the bytes a
+step reads of the weights."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.layers.weights import GGUFBlocks, is_weight
+
+
+def decode_batch(
+    batch: int, context: int, block_size: int, vocab: int, max_blocks: int | None = None
+) -> BatchInputs:
+    """B requests of `context` tokens each, one new token apiece (random ids), on blocks 1..
+    of the cache; block tables padded to `max_blocks` columns (default: just enough)."""
+    blocks_per = -(-context // block_size)
+    tables = np.zeros((batch, max_blocks or blocks_per), np.int32)
+    tables[:, :blocks_per] = 1 + np.arange(batch * blocks_per).reshape(batch, blocks_per)
+    last = context - 1
+    rng = np.random.default_rng(0)
+    return BatchInputs(
+        token_ids=rng.integers(0, vocab, batch).astype(np.int32),
+        positions=np.full(batch, last, np.int32),
+        slot_mapping=tables[:, last // block_size] * block_size + last % block_size,
+        block_tables=tables,
+        seq_lens=np.full(batch, context, np.int32),
+        query_start_loc=np.arange(batch + 1, dtype=np.int32),
+        logits_indices=np.arange(batch, dtype=np.int32),
+        num_seqs=np.array([batch], np.int32),
+    )
+
+
+def _nbytes(a) -> int:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def read_bytes(tree, blocks: bool = False) -> int:
+    """Bytes a step reads of a parameter tree (or one weight): every array once, except that a
+    weight with GGUF blocks is read as its blocks where `blocks` (steps of a few rows), as its
+    float weight otherwise (never both)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=is_weight):
+        if isinstance(leaf, GGUFBlocks):
+            total += _nbytes(leaf.qs) + _nbytes(leaf.scales) if blocks else _nbytes(leaf.w)
+        else:
+            total += sum(_nbytes(a) for a in jax.tree.leaves(leaf))
+    return total
+
+
+def uses_gguf_blocks(kernels, rows: int) -> bool:
+    """Whether a step of `rows` tokens multiplies GGUF blocks where weights have them."""
+    matmul = kernels.matmul
+    return getattr(matmul, "gguf_kernel", None) is not None and rows <= matmul.max_block_rows

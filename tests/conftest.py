@@ -101,20 +101,46 @@ def model_cache_dir() -> Path:
     return Path.home() / ".cache" / "jaxinfer"
 
 
-# Small engine options for the tiny model: every prompt is chunked, and warm-up compiles few
-# buckets.
-TINY_OPTIONS = dict(
-    max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
-)
+# Named engine options for the tiny model:
+# - "tiny": every prompt is chunked, and warm-up compiles few buckets;
+# - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step).
+PRESETS = {
+    "tiny": dict(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+    ),
+    "served": dict(
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        block_size=8,
+        num_kv_blocks=128,
+        max_model_len=128,
+    ),
+}
+TINY_OPTIONS = PRESETS["tiny"]
 
 
 @pytest.fixture(scope="session")
-def tiny_llm(tiny_model_dir):
-    """One engine on the tiny model with TINY_OPTIONS, shared by the tests that compare others
-    against it."""
+def make_llm(tiny_model_dir):
+    """make_llm(preset, **overrides): an LLM on the tiny model, built once per session for each
+    set of options and shared by the tests that only generate with it (tests that change an
+    engine's state, or hand it to a server thread, build their own)."""
     from jaxinfer import LLM
 
-    return LLM(model=str(tiny_model_dir), **TINY_OPTIONS)
+    engines = {}
+
+    def make(preset: str = "tiny", **overrides):
+        key = (preset, tuple(sorted(overrides.items())))
+        if key not in engines:
+            engines[key] = LLM(model=str(tiny_model_dir), **PRESETS[preset], **overrides)
+        return engines[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(make_llm):
+    """The "tiny" engine, shared by the tests that compare others against it."""
+    return make_llm("tiny")
 
 
 @pytest.fixture(scope="session")
@@ -161,3 +187,27 @@ def layer_weights(runner) -> dict:
     if runner.layer_execution == "per_layer":
         return runner.layer_params[0]
     return nnx.to_pure_dict(runner.state)["layers"]
+
+
+def scheduled(request, num_new: int, new_row: bool = False):
+    """What the scheduler sends for `request`'s next `num_new` tokens, sampling at their end
+    (for harnesses that drive the batch builder and runner without a scheduler); `new_row`:
+    the request takes its device row with this step."""
+    from jaxinfer.engine.step import RowInit, ScheduledRequest
+
+    first = request.num_computed_tokens
+    return ScheduledRequest(
+        request_id=request.request_id,
+        num_computed_tokens=first,
+        num_new_tokens=num_new,
+        token_ids=tuple(request.all_token_ids[first : first + num_new]),
+        block_ids=tuple(request.block_ids),
+        samples=True,
+        output_position=0,
+        epoch=0,
+        params=request.sampling_params,
+        seed=request.seed,
+        has_bias=False,
+        prompt_token_ids=request.prompt_token_ids,
+        row_init=RowInit(None, request.num_prompt_tokens, None) if new_row else None,
+    )

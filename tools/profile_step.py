@@ -32,7 +32,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.llm_engine import StepTiming
+from jaxinfer.engine.step import StepTiming
 from tools.step_breakdown import table
 
 FLAGS = flags.FLAGS

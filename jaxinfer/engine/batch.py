@@ -54,8 +54,8 @@ class SamplingMetadata:
     repetition_penalty: np.ndarray  # f32[R]; 1 means off
     presence_penalty: np.ndarray  # f32[R]
     frequency_penalty: np.ndarray  # f32[R]
-    has_bias: np.ndarray  # i32[R], 1 where the slot's bias row applies
-    constrained: np.ndarray  # i32[R], 1 where the slot's bitmask row applies this step
+    has_bias: np.ndarray  # i32[R], 1 where the request's bias row applies
+    constrained: np.ndarray  # i32[R], 1 where the request's bitmask row applies this step
     seeds: np.ndarray  # u32[R, 2], low and high words of each request's seed
     output_positions: np.ndarray  # i32[R], index of the token being sampled in its output
     keeps: np.ndarray  # i32[R], 1 where the sample is kept (the step ends the request's tokens)
@@ -83,14 +83,14 @@ class SamplingMetadata:
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """The host's part of one step, O(T + R): the device turns it into BatchInputs with the
-    block table it keeps (rows addressed by request_slots) and the tokens it sampled last."""
+    block table it keeps (rows addressed by request_rows) and the tokens it sampled last."""
 
     token_ids: np.ndarray  # i32[T]; 0 where the token is the output of a step still in flight
-    token_slots: np.ndarray  # i32[T], the request's slot where the token is read on the device,
-    #                          else -1
+    token_rows: np.ndarray  # i32[T], the request's row where the token is read on the device,
+    #                         else -1
     positions: np.ndarray  # i32[T]
     slot_mapping: np.ndarray  # i32[T]
-    request_slots: np.ndarray  # i32[R], each request's block-table row (padding: the last row)
+    request_rows: np.ndarray  # i32[R], each request's block-table row (padding: the last row)
     seq_lens: np.ndarray  # i32[R]
     query_start_loc: np.ndarray  # i32[R + 1]
     logits_indices: np.ndarray  # i32[R]
@@ -107,10 +107,10 @@ class StepInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SlotRows:
-    """New contents of some rows of a per-slot device array: the block table (rows that gained
+class RowValues:
+    """New contents of some rows of a per-request device array: the block table (rows that gained
     a block or changed hands), the logit bias, the token bitmask. Padding entries rewrite the
-    padding slot."""
+    padding row."""
 
     rows: np.ndarray  # i32[U]
     values: np.ndarray  # [U, ...]
@@ -119,7 +119,7 @@ class SlotRows:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PenaltyRows:
-    """Token history of requests that took a slot and use penalties: the prompt (for the
+    """Token history of requests that took a row and use penalties: the prompt (for the
     repetition penalty) and the output so far (counts, after a preemption)."""
 
     rows: np.ndarray  # i32[U]

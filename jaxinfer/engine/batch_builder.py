@@ -1,58 +1,26 @@
 """Turns a SchedulerOutput into the bucket-padded, flattened numpy inputs of one step, and the
-per-slot rows the device must update first (only those that changed)."""
+per-request device rows the device must update first (only those that changed)."""
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import PenaltyRows, SamplingMetadata, SlotRows, StepInputs
+from jaxinfer.engine.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.constraints import bitmask_width
-from jaxinfer.engine.request import Request
-from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.engine.row_table import RowTable
+from jaxinfer.engine.step import (
+    HostStep,
+    PromptLogprobRows,
+    RowUpdates,
+    SamplingFlags,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from jaxinfer.sampling_params import MAX_LOGPROBS
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingFlags:
-    """Static choices of the sampler for one step (each is compiled once per request bucket);
-    everything else about the parameters is decided on the device."""
-
-    num_logprobs: int  # 0, or MAX_LOGPROBS when any request asks for logprobs
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotUpdates:
-    """Per-slot device rows to rewrite before the step (None: nothing to rewrite)."""
-
-    block_table: SlotRows | None = None  # i32[U, MB]
-    penalties: PenaltyRows | None = None
-    bias: SlotRows | None = None  # f32[U, V]
-    bitmask: SlotRows | None = None  # i32[U, W]
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptLogprobRows:
-    """Tokens of the step whose hidden state scores the next prompt token (prompt_logprobs)."""
-
-    rows: np.ndarray  # i32[P], flat token index in the step
-    targets: np.ndarray  # i32[P], the prompt token that follows
-    spans: tuple[tuple[int, int, int], ...]  # (batch row, first target position, count)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostStep:
-    """Everything the host sends for one step."""
-
-    inputs: StepInputs
-    sampling: SamplingMetadata
-    flags: SamplingFlags
-    updates: SlotUpdates
-    prompt_logprobs: PromptLogprobRows | None = None
 
 
 class BatchBuilder:
@@ -62,7 +30,8 @@ class BatchBuilder:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.arch.vocab_size
         self.scheduler_config = config.scheduler
-        self.padding_slot = config.scheduler.max_num_seqs  # the last row of per-slot arrays
+        self.rows = RowTable(config.scheduler.max_num_seqs)
+        self.padding_row = self.rows.padding_row  # the last row of per-request arrays
         self.update_buckets = tuple(
             1 << i for i in range((config.scheduler.max_num_seqs - 1).bit_length() + 1)
         )  # 1, 2, 4, ... up to the first power of two >= max_num_seqs
@@ -83,10 +52,10 @@ class BatchBuilder:
         num_reqs = self.scheduler_config.request_bucket(num_tokens)
         inputs = StepInputs(
             token_ids=np.zeros(num_tokens, np.int32),
-            token_slots=np.full(num_tokens, -1, np.int32),
+            token_rows=np.full(num_tokens, -1, np.int32),
             positions=np.zeros(num_tokens, np.int32),
             slot_mapping=np.full(num_tokens, NULL_BLOCK * self.block_size, np.int32),
-            request_slots=np.full(num_reqs, self.padding_slot, np.int32),
+            request_rows=np.full(num_reqs, self.padding_row, np.int32),
             seq_lens=np.zeros(num_reqs, np.int32),
             query_start_loc=np.zeros(num_reqs + 1, np.int32),
             logits_indices=np.zeros(num_reqs, np.int32),
@@ -95,85 +64,89 @@ class BatchBuilder:
         sampling = SamplingMetadata.neutral(num_reqs)
         return inputs, sampling
 
-    def padding_updates(self, num_rows: int) -> SlotUpdates:
-        """Rewrites of the padding slot, num_rows (a bucket) of each kind (for warm-up)."""
-        rows = np.full(num_rows, self.padding_slot, np.int32)
-        return SlotUpdates(
-            block_table=SlotRows(rows, np.full((num_rows, self.max_blocks), NULL_BLOCK, np.int32)),
+    def padding_updates(self, num_rows: int) -> RowUpdates:
+        """Rewrites of the padding row, num_rows (a bucket) of each kind (for warm-up)."""
+        rows = np.full(num_rows, self.padding_row, np.int32)
+        return RowUpdates(
+            block_table=RowValues(rows, np.full((num_rows, self.max_blocks), NULL_BLOCK, np.int32)),
             penalties=PenaltyRows(
                 rows,
                 np.zeros((num_rows, self.max_model_len), np.int32),
                 np.zeros(num_rows, np.int32),
                 np.zeros(num_rows, np.int32),
             ),
-            bias=SlotRows(rows, np.zeros((num_rows, self.vocab_size), np.float32)),
-            bitmask=SlotRows(
+            bias=RowValues(rows, np.zeros((num_rows, self.vocab_size), np.float32)),
+            bitmask=RowValues(
                 rows, np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
             ),
         )
 
     def build(self, scheduler_output: SchedulerOutput) -> HostStep:
-        """Flattens the scheduled requests. A token at or past the request's known tokens is
-        the output placeholder of a step in flight: the device reads it from the request's
-        slot. Per-slot rows go to the device only when they change."""
+        """Flattens the scheduled requests. A token past the ones known on the host is the
+        output of a step in flight: the device reads it from the request's row. Per-request
+        rows go to the device only when they change."""
+        for request_id in scheduler_output.released:
+            self.rows.release(request_id)
         items = scheduler_output.scheduled
         num_reqs = len(items)
         inputs, sampling = self.padding_batch(self.bucket(scheduler_output.num_scheduled_tokens))
         bs = self.block_size
-        changed_blocks: list[Request] = []
-        fresh: list[Request] = []
-        constrained: list[ScheduledRequest] = []
+        changed_blocks: list[tuple[int, ScheduledRequest]] = []  # (row, item)
+        fresh: list[tuple[int, ScheduledRequest]] = []
+        constrained: list[tuple[int, ScheduledRequest]] = []
         prompt_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, position, count)
         start = 0
-        for row, item in enumerate(items):
-            request, first, count = item.request, item.num_computed_tokens, item.num_new_tokens
+        for index, item in enumerate(items):
+            first, count = item.num_computed_tokens, item.num_new_tokens
+            row = (
+                self.rows.assign(item.request_id)
+                if item.row_init
+                else self.rows.row(item.request_id)
+            )
             end = start + count
-            known = min(request.num_tokens - first, count)
+            known = len(item.token_ids)
             assert count - known <= 1, "only a step's last token can be in flight"
-            inputs.token_ids[start : start + known] = request.all_token_ids[first : first + known]
-            inputs.token_slots[start + known : end] = request.batch_slot
+            inputs.token_ids[start : start + known] = item.token_ids
+            inputs.token_rows[start + known : end] = row
             positions = np.arange(first, first + count, dtype=np.int32)
             inputs.positions[start:end] = positions
-            blocks = request.block_ids
+            blocks = item.block_ids
             if count == 1:
                 inputs.slot_mapping[start] = blocks[first // bs] * bs + first % bs
             else:
                 block_array = np.asarray(blocks, np.int32)
                 inputs.slot_mapping[start:end] = block_array[positions // bs] * bs + positions % bs
-            if request.num_synced_blocks != len(blocks):
-                changed_blocks.append(request)
-            if request.needs_slot_init:
-                fresh.append(request)
-            inputs.request_slots[row] = request.batch_slot
-            inputs.seq_lens[row] = first + count
-            inputs.query_start_loc[row + 1] = end
-            self._sampling_row(sampling, row, item)
-            if request.sampling_params.prompt_logprobs is not None:
+            if self.rows.synced_blocks(item.request_id) != len(blocks):
+                changed_blocks.append((row, item))
+            if item.row_init is not None:
+                fresh.append((row, item))
+            inputs.request_rows[index] = row
+            inputs.seq_lens[index] = first + count
+            inputs.query_start_loc[index + 1] = end
+            self._sampling_row(sampling, index, item)
+            if item.params.prompt_logprobs is not None:
                 # Token p's hidden state scores prompt token p + 1.
-                last = min(first + count, request.num_prompt_tokens - 1)
+                last = min(first + count, item.num_prompt_tokens - 1)
                 if last > first:
-                    prompt_spans.append((row, start, first + 1, last - first))
-            constraints = request.constraints
-            if item.samples and constraints and constraints.active(item.output_position):
-                constrained.append(item)
-                sampling.constrained[row] = 1
+                    prompt_spans.append((index, start, first + 1, last - first))
+            if item.bitmask is not None:
+                constrained.append((row, item))
+                sampling.constrained[index] = 1
             start = end
         inputs.query_start_loc[num_reqs + 1 :] = start
         inputs.logits_indices[:] = np.maximum(inputs.query_start_loc[1:] - 1, 0)
         inputs.num_seqs[0] = num_reqs
         flags = SamplingFlags(
             num_logprobs=MAX_LOGPROBS
-            if any(item.request.sampling_params.logprobs is not None for item in items)
+            if any(item.params.logprobs is not None for item in items)
             else 0,
         )
-        updates = SlotUpdates(
+        updates = RowUpdates(
             block_table=self._block_table_rows(changed_blocks),
-            penalties=self._penalty_rows([r for r in fresh if r.sampling_params.uses_penalties]),
-            bias=self._bias_rows([r for r in fresh if r.bias is not None]),
+            penalties=self._penalty_rows([x for x in fresh if x[1].row_init.token_ids]),
+            bias=self._bias_rows([x for x in fresh if x[1].row_init.bias is not None]),
             bitmask=self._bitmask_rows(constrained),
         )
-        for request in fresh:
-            request.needs_slot_init = False
         return HostStep(inputs, sampling, flags, updates, self._prompt_rows(items, prompt_spans))
 
     @staticmethod
@@ -184,16 +157,12 @@ class BatchBuilder:
             return None
         rows = np.concatenate([np.arange(s, s + n, dtype=np.int32) for _, s, _, n in spans])
         targets = np.concatenate(
-            [
-                np.asarray(items[row].request.prompt_token_ids[p : p + n], np.int32)
-                for row, _, p, n in spans
-            ]
+            [np.asarray(items[row].prompt_token_ids[p : p + n], np.int32) for row, _, p, n in spans]
         )
         return PromptLogprobRows(rows, targets, tuple((r, p, n) for r, _, p, n in spans))
 
     def _sampling_row(self, sampling: SamplingMetadata, row: int, item: ScheduledRequest) -> None:
-        request = item.request
-        params = request.sampling_params
+        params = item.params
         sampling.temperature[row] = params.temperature
         sampling.top_k[row] = params.top_k_or_all(self.vocab_size)
         sampling.top_p[row] = params.top_p
@@ -201,59 +170,56 @@ class BatchBuilder:
         sampling.repetition_penalty[row] = params.repetition_penalty
         sampling.presence_penalty[row] = params.presence_penalty
         sampling.frequency_penalty[row] = params.frequency_penalty
-        sampling.has_bias[row] = request.bias is not None
-        sampling.seeds[row] = (request.seed & 0xFFFFFFFF, (request.seed >> 32) & 0xFFFFFFFF)
+        sampling.has_bias[row] = item.has_bias
+        sampling.seeds[row] = (item.seed & 0xFFFFFFFF, (item.seed >> 32) & 0xFFFFFFFF)
         sampling.output_positions[row] = item.output_position
         sampling.keeps[row] = item.samples
 
     def _rows(self, count: int) -> np.ndarray:
-        return np.full(self.update_bucket(count), self.padding_slot, np.int32)
+        return np.full(self.update_bucket(count), self.padding_row, np.int32)
 
-    def _block_table_rows(self, changed: list[Request]) -> SlotRows | None:
+    def _block_table_rows(self, changed: list[tuple[int, ScheduledRequest]]) -> RowValues | None:
         if not changed:
             return None
         rows = self._rows(len(changed))
         values = np.full((len(rows), self.max_blocks), NULL_BLOCK, np.int32)
-        for index, request in enumerate(changed):
-            rows[index] = request.batch_slot
-            values[index, : len(request.block_ids)] = request.block_ids
-            request.num_synced_blocks = len(request.block_ids)
-        return SlotRows(rows, values)
+        for index, (row, item) in enumerate(changed):
+            rows[index] = row
+            values[index, : len(item.block_ids)] = item.block_ids
+            self.rows.set_synced_blocks(item.request_id, len(item.block_ids))
+        return RowValues(rows, values)
 
-    def _penalty_rows(self, requests: list[Request]) -> PenaltyRows | None:
-        if not requests:
+    def _penalty_rows(self, fresh: list[tuple[int, ScheduledRequest]]) -> PenaltyRows | None:
+        if not fresh:
             return None
-        rows = self._rows(len(requests))
+        rows = self._rows(len(fresh))
         token_ids = np.zeros((len(rows), self.max_model_len), np.int32)
         num_prompt = np.zeros(len(rows), np.int32)
         num_tokens = np.zeros(len(rows), np.int32)
-        for index, request in enumerate(requests):
-            rows[index] = request.batch_slot
-            token_ids[index, : request.num_tokens] = request.all_token_ids
-            num_prompt[index] = request.num_prompt_tokens
-            num_tokens[index] = request.num_tokens
+        for index, (row, item) in enumerate(fresh):
+            init = item.row_init
+            rows[index] = row
+            token_ids[index, : len(init.token_ids)] = init.token_ids
+            num_prompt[index] = init.num_prompt_tokens
+            num_tokens[index] = len(init.token_ids)
         return PenaltyRows(rows, token_ids, num_prompt, num_tokens)
 
-    def _bias_rows(self, requests: list[Request]) -> SlotRows | None:
-        if not requests:
+    def _bias_rows(self, fresh: list[tuple[int, ScheduledRequest]]) -> RowValues | None:
+        if not fresh:
             return None
-        rows = self._rows(len(requests))
+        rows = self._rows(len(fresh))
         values = np.zeros((len(rows), self.vocab_size), np.float32)
-        for index, request in enumerate(requests):
-            rows[index] = request.batch_slot
-            values[index] = request.bias
-        return SlotRows(rows, values)
+        for index, (row, item) in enumerate(fresh):
+            rows[index] = row
+            values[index] = item.row_init.bias
+        return RowValues(rows, values)
 
-    def _bitmask_rows(self, items: list[ScheduledRequest]) -> SlotRows | None:
-        if not items:
+    def _bitmask_rows(self, constrained: list[tuple[int, ScheduledRequest]]) -> RowValues | None:
+        if not constrained:
             return None
-        rows = self._rows(len(items))
+        rows = self._rows(len(constrained))
         values = np.full((len(rows), bitmask_width(self.vocab_size)), -1, np.int32)
-        for index, item in enumerate(items):
-            request = item.request
-            constraints = request.constraints
-            if constraints.depends_on_tokens:
-                assert request.num_output_placeholders == 1, "a sampled token is still in flight"
-            rows[index] = request.batch_slot
-            constraints.fill(values, index, request.output_token_ids, item.output_position)
-        return SlotRows(rows, values)
+        for index, (row, item) in enumerate(constrained):
+            rows[index] = row
+            values[index] = item.bitmask
+        return RowValues(rows, values)

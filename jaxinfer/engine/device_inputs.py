@@ -1,8 +1,8 @@
 """Device-side assembly of a step's BatchInputs from what the host sent and what the device
-keeps between steps (the block table, each slot's last sampled token, the sampler's per-slot
+keeps between steps (the block table, each row's last sampled token, the sampler's per-request
 state), and the updates of the rows that changed.
 
-S: slots, MB: blocks per request, T: tokens, R: requests, U: rows updated, V: vocabulary,
+S: per-request rows, MB: blocks per request, T: tokens, R: requests, U: rows updated, V: vocabulary,
 L: max_model_len.
 """
 
@@ -13,24 +13,24 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.batch import BatchInputs, PenaltyRows, SlotRows, StepInputs
+from jaxinfer.engine.batch import BatchInputs, PenaltyRows, RowValues, StepInputs
 from jaxinfer.engine.sampler import SamplerState
 
 
-def set_rows(table: jax.Array, update: SlotRows) -> jax.Array:  # [S, ...]
+def set_rows(table: jax.Array, update: RowValues) -> jax.Array:  # [S, ...]
     return table.at[update.rows].set(update.values)
 
 
-def set_bias_rows(state: SamplerState, update: SlotRows) -> SamplerState:
+def set_bias_rows(state: SamplerState, update: RowValues) -> SamplerState:
     return dataclasses.replace(state, bias=set_rows(state.bias, update))
 
 
-def set_bitmask_rows(state: SamplerState, update: SlotRows) -> SamplerState:
+def set_bitmask_rows(state: SamplerState, update: RowValues) -> SamplerState:
     return dataclasses.replace(state, bitmask=set_rows(state.bitmask, update))
 
 
 def set_penalty_rows(state: SamplerState, update: PenaltyRows) -> SamplerState:
-    """Rebuilds the prompt mask and output counts of requests that took a slot."""
+    """Rebuilds the prompt mask and output counts of requests that took a row."""
     num_rows, length = update.token_ids.shape
     vocab = state.output_counts.shape[1]
     position = jnp.arange(length)[None, :]  # [1, L]
@@ -53,17 +53,17 @@ def set_penalty_rows(state: SamplerState, update: PenaltyRows) -> SamplerState:
 def assemble_batch(
     inputs: StepInputs,
     block_table: jax.Array,  # i32[S, MB]
-    last_tokens: jax.Array,  # i32[S], the token each slot's request sampled last
+    last_tokens: jax.Array,  # i32[S], the token each row's request sampled last
 ) -> BatchInputs:
-    from_device = inputs.token_slots >= 0  # [T]
+    from_device = inputs.token_rows >= 0  # [T]
     token_ids = jnp.where(
-        from_device, last_tokens[jnp.maximum(inputs.token_slots, 0)], inputs.token_ids
+        from_device, last_tokens[jnp.maximum(inputs.token_rows, 0)], inputs.token_ids
     )
     return BatchInputs(
         token_ids=token_ids,
         positions=inputs.positions,
         slot_mapping=inputs.slot_mapping,
-        block_tables=block_table[inputs.request_slots],  # [R, MB]
+        block_tables=block_table[inputs.request_rows],  # [R, MB]
         seq_lens=inputs.seq_lens,
         query_start_loc=inputs.query_start_loc,
         logits_indices=inputs.logits_indices,
@@ -74,15 +74,15 @@ def assemble_batch(
 def record_sampled(
     last_tokens: jax.Array,  # i32[S]
     state: SamplerState,
-    request_slots: jax.Array,  # i32[R]
+    request_rows: jax.Array,  # i32[R]
     token_ids: jax.Array,  # i32[R]
     keeps: jax.Array,  # i32[R], 1 where the row's sample is kept
 ) -> tuple[jax.Array, SamplerState]:
     """Keeps each request's sampled token where the next step's input reads it, and counts the
     kept ones in the output counts of the penalties. Rows that did not sample (prefill
     chunks, padding) write last_tokens too; nothing reads those values."""
-    counts = state.output_counts.at[request_slots, token_ids].add(keeps)
+    counts = state.output_counts.at[request_rows, token_ids].add(keeps)
     return (
-        last_tokens.at[request_slots].set(token_ids),
+        last_tokens.at[request_rows].set(token_ids),
         dataclasses.replace(state, output_counts=counts),
     )

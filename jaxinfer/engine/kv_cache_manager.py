@@ -66,7 +66,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(
+    def allocate_blocks(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()
     ) -> bool:
         """Grows the request's blocks to hold its computed tokens, `computed_blocks` (cache hits,

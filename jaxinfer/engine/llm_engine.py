@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import secrets
@@ -14,7 +13,7 @@ import numpy as np
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.engine import compilation_cache, output_builder
-from jaxinfer.engine.batch_builder import BatchBuilder, PromptLogprobRows
+from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
@@ -23,7 +22,8 @@ from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
-from jaxinfer.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats, StepOutput
+from jaxinfer.engine.scheduler import Scheduler, SchedulerStats
+from jaxinfer.engine.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
@@ -35,32 +35,6 @@ from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepTiming:
-    """perf_counter() marks of one engine.step() call, for tools/profile_step.py. The call
-    enqueues one step (when any is scheduled) and returns the results of the oldest step in
-    flight: with async scheduling the one enqueued by the call before, else its own."""
-
-    start: float  # scheduling begins
-    built: float  # the last step enqueued by the call is built; transfers and dispatch begin
-    dispatched: float  # it is enqueued on the device (dispatch is asynchronous)
-    ready: float  # the processed step's sampled tokens are on the host
-    end: float  # outputs updated, detokenized and returned
-    num_tokens: int  # scheduled tokens of the processed step (before padding)
-    num_reqs: int
-    overlapped: bool  # the processed step was still running when the new one was enqueued
-
-
-@dataclasses.dataclass(frozen=True)
-class _InFlight:
-    scheduler_output: SchedulerOutput
-    sampled: SamplerOutput  # on the device
-    prompt_rows: PromptLogprobRows | None
-    prompt_logprobs: list  # device chunks of (target logprobs, top ids, top logprobs)
-    built: float  # perf_counter() when its inputs were built
-    dispatched: float  # and when it was enqueued
 
 
 class LLMEngine:
@@ -102,7 +76,7 @@ class LLMEngine:
             self.config.cache.num_blocks,
             self.config.cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, arch.vocab_size)
         self.input_processor = InputProcessor(
             self.tokenizer,
             folder / "tokenizer.json",
@@ -115,7 +89,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by id
         self._next_id = 0
         self.last_step_timing: StepTiming | None = None
-        self._in_flight: _InFlight | None = None  # a step enqueued and not yet processed
+        self._in_flight: DispatchedStep | None = None  # a step enqueued and not yet processed
 
     # -- requests --------------------------------------------------------------------------
 
@@ -332,18 +306,19 @@ class LLMEngine:
             for r in self.scheduler.running
         )
 
-    def _schedule_and_dispatch(self) -> _InFlight | None:
+    def _schedule_and_dispatch(self) -> DispatchedStep | None:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return None
         now = time.time()
         for item in scheduler_output.scheduled:
-            if item.request.metrics.first_scheduled_time is None:
-                item.request.metrics.first_scheduled_time = now
+            metrics = self.requests[item.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
         host_step = self.batch_builder.build(scheduler_output)
         built = time.perf_counter()
         sampled, prompt_logprobs = self.runner.execute(host_step)
-        return _InFlight(
+        return DispatchedStep(
             scheduler_output,
             sampled,
             host_step.prompt_logprobs,
@@ -404,7 +379,7 @@ class LLMEngine:
                 self._parents.pop(parent.request_id, None)
         return outputs
 
-    def _record_prompt_logprobs(self, step: _InFlight) -> None:
+    def _record_prompt_logprobs(self, step: DispatchedStep) -> None:
         """Appends each prompt position's logprobs to its request (once: a chunk recomputed
         after a preemption adds nothing)."""
         if step.prompt_rows is None:
@@ -416,9 +391,13 @@ class LLMEngine:
         offset = 0
         for row, position, count in step.prompt_rows.spans:
             item = step.scheduler_output.scheduled[row]
-            request = item.request
-            wanted = request.sampling_params.prompt_logprobs
-            valid = request.status is RequestStatus.RUNNING and request.epoch == item.epoch
+            request = self.requests.get(item.request_id)
+            wanted = item.params.prompt_logprobs
+            valid = (
+                request is not None
+                and request.status is RequestStatus.RUNNING
+                and request.epoch == item.epoch
+            )
             for j in range(count):
                 if valid and position + j == len(request.prompt_logprobs):
                     row = offset + j
@@ -441,7 +420,7 @@ class LLMEngine:
         token_ids = host.token_ids[:num_reqs].tolist()
         logprobs: list[dict[int, float] | None] = [None] * num_reqs
         for row, item in enumerate(scheduler_output.scheduled):
-            wanted = item.request.sampling_params.logprobs
+            wanted = item.params.logprobs
             if wanted is None or not item.samples:
                 continue
             logprobs[row] = _top_logprobs(

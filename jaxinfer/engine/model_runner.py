@@ -18,13 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, StepInputs
-from jaxinfer.engine.batch_builder import (
-    BatchBuilder,
-    HostStep,
-    PromptLogprobRows,
-    SamplingFlags,
-    SlotUpdates,
-)
+from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.constraints import bitmask_width
 from jaxinfer.engine.device_inputs import (
@@ -36,6 +30,7 @@ from jaxinfer.engine.device_inputs import (
     set_rows,
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
+from jaxinfer.engine.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.mesh import make_mesh
@@ -85,14 +80,14 @@ def _sample_and_record(
     sampling: SamplingMetadata,
     sampler_state: SamplerState,
     last_tokens: jax.Array,  # i32[S]
-    request_slots: jax.Array,  # i32[R]
+    request_rows: jax.Array,  # i32[R]
     *,
     num_logprobs: int,
 ) -> tuple[SamplerOutput, jax.Array, SamplerState]:
-    """The sampler, then each slot's sampled token and output counts kept for the next step."""
-    sampled = sample(logits, sampling, sampler_state, request_slots, num_logprobs=num_logprobs)
+    """The sampler, then each row's sampled token and output counts kept for the next step."""
+    sampled = sample(logits, sampling, sampler_state, request_rows, num_logprobs=num_logprobs)
     last_tokens, sampler_state = record_sampled(
-        last_tokens, sampler_state, request_slots, sampled.token_ids, sampling.keeps
+        last_tokens, sampler_state, request_rows, sampled.token_ids, sampling.keeps
     )
     return sampled, last_tokens, sampler_state
 
@@ -192,19 +187,19 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
             self._add = jax.jit(jnp.add)
-        # Kept on the device between steps, by request slot (the last slot is the padding
-        # requests'): block-table rows, each slot's last sampled token, the sampler's state.
-        num_slots = config.scheduler.max_num_seqs + 1
+        # Kept on the device between steps, by request row (the last row is the padding
+        # requests'): block-table rows, each row's last sampled token, the sampler's state.
+        num_rows = config.scheduler.max_num_seqs + 1
         vocab = arch.vocab_size
         self.block_table = part.full(
-            (num_slots, config.max_blocks_per_request), NULL_BLOCK, jnp.int32
+            (num_rows, config.max_blocks_per_request), NULL_BLOCK, jnp.int32
         )  # [S, MB]
-        self.last_tokens = part.zeros((num_slots,), jnp.int32)  # [S]
+        self.last_tokens = part.zeros((num_rows,), jnp.int32)  # [S]
         self.sampler_state = SamplerState(
-            output_counts=part.zeros((num_slots, vocab), jnp.int32),
-            prompt_mask=part.zeros((num_slots, vocab), bool),
-            bias=part.zeros((num_slots, vocab), jnp.float32),
-            bitmask=part.full((num_slots, bitmask_width(vocab)), -1, jnp.int32),
+            output_counts=part.zeros((num_rows, vocab), jnp.int32),
+            prompt_mask=part.zeros((num_rows, vocab), bool),
+            bias=part.zeros((num_rows, vocab), jnp.float32),
+            bitmask=part.full((num_rows, bitmask_width(vocab)), -1, jnp.int32),
         )
         self._set_rows = jax.jit(set_rows, donate_argnums=0)
         self._set_penalty_rows = jax.jit(set_penalty_rows, donate_argnums=0)
@@ -285,7 +280,7 @@ class ModelRunner:
     def execute(
         self, step: HostStep
     ) -> tuple[SamplerOutput, list[tuple[jax.Array, jax.Array, jax.Array]]]:
-        """Enqueues one step: the per-slot rows that changed, the model and the sampler. Returns
+        """Enqueues one step: the per-request rows that changed, the model and the sampler. Returns
         at once; the result stays on the device until fetched.
 
         The step's host arrays go straight into the jitted programs, which transfer them
@@ -312,7 +307,7 @@ class ModelRunner:
             step.sampling,
             self.sampler_state,
             self.last_tokens,
-            inputs.request_slots,
+            inputs.request_rows,
             num_logprobs=step.flags.num_logprobs,
         )
         prompt = step.prompt_logprobs
@@ -321,12 +316,12 @@ class ModelRunner:
         return sampled, self.prompt_logprobs(hidden, prompt.rows, prompt.targets)
 
     def prepare(self, step: HostStep) -> tuple[BatchInputs, StepInputs, SamplingMetadata]:
-        """Applies the step's slot updates and builds its device batch (nothing waits)."""
+        """Applies the step's row updates and builds its device batch (nothing waits)."""
         self.apply_updates(step.updates)
         inputs, sampling = jax.device_put((step.inputs, step.sampling), self.partitioner.replicated)
         return self._assemble(inputs, self.block_table, self.last_tokens), inputs, sampling
 
-    def apply_updates(self, updates: SlotUpdates) -> None:
+    def apply_updates(self, updates: RowUpdates) -> None:
         if updates.block_table is not None:
             self.block_table = self._set_rows(
                 self.block_table, jax.device_put(updates.block_table, self.partitioner.replicated)
@@ -346,7 +341,7 @@ class ModelRunner:
 
     def warmup(self, builder: BatchBuilder) -> float:
         """Compiles every token bucket, the sampler of each request bucket (with and without
-        logprobs) and every size of per-slot row updates, by running all-padding steps from
+        logprobs) and every size of per-request row updates, by running all-padding steps from
         the batch builder; returns the seconds it took."""
         start = time.perf_counter()
         sched = self.config.scheduler
@@ -358,9 +353,7 @@ class ModelRunner:
             sampled_buckets.add(num_reqs)
             prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
             for num_logprobs in variants:
-                step = HostStep(
-                    inputs, sampling, SamplingFlags(num_logprobs), SlotUpdates(), prompt
-                )
+                step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
                 jax.block_until_ready(self.execute(step))
                 prompt = None  # compiled for this token bucket
         for num_rows in builder.update_buckets:

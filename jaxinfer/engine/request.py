@@ -67,10 +67,10 @@ class Request:
     # Tokens sampled by steps still in flight (async scheduling): counted as computed inputs
     # of the next step before their values reach the host.
     num_output_placeholders: int = 0
-    epoch: int = 0  # times preempted; results of steps scheduled in an older epoch are dropped
-    batch_slot: int | None = None  # row of the device's per-slot arrays while running
-    num_synced_blocks: int = 0  # leading blocks of block_ids already in that row
-    needs_slot_init: bool = False  # the slot is new: its sampler rows must be written
+    # Set at each admission (unique in the scheduler): results of steps scheduled before the
+    # request was last admitted (a preemption since, or another request of the same id) are
+    # dropped.
+    epoch: int = 0
     bias: np.ndarray | None = None  # f32[V], fixed logit bias (see constraints.bias_row)
     constraints: RequestConstraints | None = None  # per-step token bitmask rows
     stop_reason: int | str | None = None  # the stop token or stop string that ended it

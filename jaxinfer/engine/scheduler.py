@@ -18,26 +18,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+import numpy as np
+
 from jaxinfer.config import SchedulerConfig
+from jaxinfer.engine.constraints import bitmask_width
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request, RequestStatus
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_computed_tokens: int  # before this step: the first new token's position
-    num_new_tokens: int
-    samples: bool  # the step reaches the end of the request's tokens, so its sample is kept
-    output_position: int  # index in the output of the token sampled (when samples)
-    epoch: int  # request.epoch when scheduled; a preemption since voids the result
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledRequest, ...]  # batch order
-    num_scheduled_tokens: int
-    preempted: tuple[str, ...]  # request ids sent back to the waiting queue this step
+from jaxinfer.engine.step import RowInit, ScheduledRequest, SchedulerOutput, StepOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,25 +40,22 @@ class SchedulerStats:
     num_generated_tokens: int  # sampled tokens kept, of every request (finished or not)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """Sampled results of one step, on the host, one row per scheduled request."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, vocab_size: int = 0
+    ):
+        """`vocab_size`: the width of grammar bitmask rows (requests with constraints)."""
         self.config = config
         self.kv = kv_cache_manager
+        self.vocab_size = vocab_size
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # in admission order
+        self._running_ids: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self._arrivals = 0
-        # Rows of the device block table; max_num_seqs is the padding rows' (never handed out).
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._admissions = 0  # each admission's epoch: a stale step's rows never match
+        self._released: list[str] = []  # ids that left the running set since the last step
 
     def check_admissible(self, prompt_len: int, max_tokens: int | None) -> None:
         """Raises ValueError for a request that could never complete (it reads only the
@@ -106,6 +90,7 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []  # (request, new tokens)
         preempted: list[str] = []
 
+        admitted: set[str] = set()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -115,7 +100,7 @@ class Scheduler:
             if num_new <= 0 or self._sampled_enough(request):
                 index += 1  # its in-flight step finishes it, or there is nothing to compute
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_blocks(request, num_new):
                 # The lowest priority, latest arrival gives its blocks back; if it was already
                 # scheduled in this step (a lower priority ahead of this one), so are its tokens.
                 victim = max(self.running, key=lambda r: r.sort_key)
@@ -147,7 +132,7 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request)
             num_cached = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+            if not self.kv.allocate_blocks(request, num_new, hits):
                 break
             if self.kv.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
@@ -156,17 +141,25 @@ class Scheduler:
                 self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
-            request.batch_slot = self._free_slots.pop()
-            request.num_synced_blocks = 0
-            request.needs_slot_init = True
+            request.epoch = self._admissions
+            self._admissions += 1
             self.running.append(request)
+            self._running_ids[request.request_id] = request
+            admitted.add(request.request_id)
             scheduled.append((request, num_new))
             budget -= num_new
 
+        released = ()
+        if scheduled:  # (an empty output is never built: the rows wait for the next one)
+            released, self._released = tuple(self._released), []
         return SchedulerOutput(
-            scheduled=tuple(self._apply(request, num_new) for request, num_new in scheduled),
+            scheduled=tuple(
+                self._apply(request, num_new, request.request_id in admitted)
+                for request, num_new in scheduled
+            ),
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted=tuple(preempted),
+            released=released,
         )
 
     def _sampled_enough(self, request: Request) -> bool:
@@ -177,36 +170,64 @@ class Scheduler:
             request.num_tokens_with_placeholders >= self.config.max_model_len
         )
 
-    @staticmethod
-    def _apply(request: Request, num_new: int) -> ScheduledRequest:
-        """Advances the request by a scheduled step (before the step runs)."""
+    def _apply(self, request: Request, num_new: int, admitted: bool) -> ScheduledRequest:
+        """Advances the request by a scheduled step (before the step runs) and describes the
+        step's part for it."""
         first = request.num_computed_tokens
         samples = first + num_new == request.num_tokens_with_placeholders
+        output_position = request.num_output_tokens + request.num_output_placeholders
+        params = request.sampling_params
+        row_init = None
+        if admitted:
+            row_init = RowInit(
+                token_ids=tuple(request.all_token_ids) if params.uses_penalties else None,
+                num_prompt_tokens=request.num_prompt_tokens,
+                bias=request.bias,
+            )
         item = ScheduledRequest(
-            request=request,
+            request_id=request.request_id,
             num_computed_tokens=first,
             num_new_tokens=num_new,
+            token_ids=tuple(request.all_token_ids[first : first + num_new]),
+            block_ids=tuple(request.block_ids),
             samples=samples,
-            output_position=request.num_output_tokens + request.num_output_placeholders,
+            output_position=output_position,
             epoch=request.epoch,
+            params=params,
+            seed=request.seed,
+            has_bias=request.bias is not None,
+            prompt_token_ids=request.prompt_token_ids,
+            bitmask=self._bitmask(request, output_position) if samples else None,
+            row_init=row_init,
         )
         request.num_computed_tokens = first + num_new
         if samples:
             request.num_output_placeholders += 1
         return item
 
+    def _bitmask(self, request: Request, output_position: int) -> np.ndarray | None:
+        """The tokens the request's grammar (or multi-token bad words) allows for the sample
+        at `output_position`, or None where nothing is constrained."""
+        constraints = request.constraints
+        if constraints is None or not constraints.active(output_position):
+            return None
+        if constraints.depends_on_tokens:
+            assert request.num_output_placeholders == 0, "a sampled token is still in flight"
+        values = np.full((1, bitmask_width(self.vocab_size)), -1, np.int32)
+        constraints.fill(values, 0, request.output_token_ids, output_position)
+        return values[0]
+
     def _release(self, request: Request) -> None:
-        """Gives back everything a request holds that leaves the running set."""
+        """Gives back everything a request holds that leaves the running set (its device row
+        goes with the next step's SchedulerOutput.released)."""
         self.kv.free(request)
-        self._free_slots.append(request.batch_slot)
-        request.batch_slot = None
-        request.num_synced_blocks = 0
+        del self._running_ids[request.request_id]
+        self._released.append(request.request_id)
         request.num_output_placeholders = 0
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
         request.num_computed_tokens = 0
-        request.epoch += 1
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)  # ahead of later arrivals
         self.num_preemptions += 1
@@ -219,8 +240,8 @@ class Scheduler:
         finished since the step was scheduled are dropped."""
         updated, finished = [], []
         for row, item in enumerate(scheduler_output.scheduled):
-            request = item.request
-            if request.status is not RequestStatus.RUNNING or request.epoch != item.epoch:
+            request = self._running_ids.get(item.request_id)
+            if request is None or request.epoch != item.epoch:
                 continue
             if not item.samples:
                 self.kv.cache_full_blocks(request)

@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from jaxinfer.engine.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
+from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -111,3 +112,31 @@ class StepOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchedStep:
+    """A step enqueued on the device whose results the engine has not processed yet."""
+
+    scheduler_output: SchedulerOutput
+    sampled: SamplerOutput  # on the device
+    prompt_rows: PromptLogprobRows | None
+    prompt_logprobs: list  # device chunks of (target logprobs, top ids, top logprobs)
+    built: float  # perf_counter() when its inputs were built
+    dispatched: float  # and when it was enqueued
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """perf_counter() marks of one engine.step() call, for tools/profile_step.py. The call
+    enqueues one step (when any is scheduled) and returns the results of the oldest step in
+    flight: with async scheduling the one enqueued by the call before, else its own."""
+
+    start: float  # scheduling begins
+    built: float  # the last step enqueued by the call is built; transfers and dispatch begin
+    dispatched: float  # it is enqueued on the device (dispatch is asynchronous)
+    ready: float  # the processed step's sampled tokens are on the host
+    end: float  # outputs updated, detokenized and returned
+    num_tokens: int  # scheduled tokens of the processed step (before padding)
+    num_reqs: int
+    overlapped: bool  # the processed step was still running when the new one was enqueued

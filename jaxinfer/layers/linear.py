@@ -4,10 +4,8 @@
   layout, and the one the Pallas FFN kernel takes (GPU).
 - "out_in": each weight is [*out, in] (PyTorch's nn.Linear order) and a projection is computed
   as W @ x^T, then transposed back. On XLA:CPU this is much faster for the few rows of a decode
-  step: Eigen's contraction runs the large operand as the left one far better. Measured here
-  (float32, 2 cores), the gated FFN of the default model took 0.6 against 1.5 ms at 8 rows and
-  1.9 against 3.2 ms at 32 rows, and its LM head 16 against 46 ms at 32 rows; there is no gain
-  at one row, nor at 128 rows and more (docs/benchmarks.md).
+  step: Eigen's contraction runs the large operand as the left one far better (no gain at one
+  row, nor at prefill sizes; tools/bench_cpu_matmul.py measures it).
 
 In "out_in" the transposes of the activations are materialized on their own
 (`optimization_barrier`): XLA:CPU otherwise folds a transpose into the dot's operand layout,
@@ -68,8 +66,8 @@ def _as(w: jax.Array, dtype) -> jax.Array:
 
 def _int8_row(x: jax.Array, w: jax.Array) -> jax.Array:
     """One row x [in] times an int8 "out_in" w [*out, in] -> [*out], as a multiply and a sum
-    over the input axis: XLA:CPU runs the convert fused into a dot 1.7-3x slower than the float
-    matrix-vector product for one row, this about as fast (the LM head: 4.6 against 5.9 ms)."""
+    over the input axis: XLA:CPU runs the convert fused into a dot much slower than the float
+    matrix-vector product for one row, this about as fast."""
     return jnp.sum(w.astype(x.dtype) * x, axis=-1)
 
 
@@ -150,8 +148,8 @@ def _vocab_chunk(vocab: int, largest: int = 1024) -> int:
 
 def _int8_vocab_major_logits(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     """An int8 [V, E] head converted one chunk of rows at a time (each converted chunk stays
-    in cache): converting the whole 49152 x 576 head at once ran 10x slower than the float
-    head here, chunks of 1024 rows as fast or faster."""
+    in cache): converting a whole vocabulary-sized head at once runs far slower than the
+    float head on XLA:CPU, chunks of 1024 rows as fast or faster."""
     vocab, hidden = w.shape
     chunk = _vocab_chunk(vocab)
     xt = _feature_major(x)  # [E, N]

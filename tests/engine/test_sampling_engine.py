@@ -132,14 +132,13 @@ def test_penalty_counts_on_the_device_follow_the_outputs(tiny_model_dir):
         engine.step()
         counts = np.asarray(engine.runner.sampler_state.output_counts)
         prompt_mask = np.asarray(engine.runner.sampler_state.prompt_mask)
-        for request in engine.scheduler.running:
-            if request.needs_slot_init:
-                continue  # took its slot this step and has not run yet
+        for request in engine.scheduler.running:  # each ran in the step that admitted it
+            row = engine.batch_builder.rows.row(request.request_id)
             expected = np.bincount(request.output_token_ids, minlength=counts.shape[1])
-            np.testing.assert_array_equal(counts[request.batch_slot], expected)
+            np.testing.assert_array_equal(counts[row], expected)
             in_prompt = np.zeros(counts.shape[1], bool)
             in_prompt[request.prompt_token_ids] = True
-            np.testing.assert_array_equal(prompt_mask[request.batch_slot], in_prompt)
+            np.testing.assert_array_equal(prompt_mask[row], in_prompt)
             checked += 1
     assert checked > 20 and engine.stats().num_preemptions > 0
 

@@ -24,10 +24,9 @@ from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
 from jaxinfer.server.guard import HostPolicy
 from jaxinfer.server.metrics import ServerMetrics
+from tests.conftest import PRESETS
 
-OPTIONS = dict(
-    max_num_batched_tokens=64, max_num_seqs=8, block_size=8, num_kv_blocks=128, max_model_len=128
-)
+OPTIONS = PRESETS["served"]
 PROMPT = "The quick brown fox"
 SCHEMA = {
     "type": "object",

@@ -10,10 +10,10 @@ import transformers
 
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.engine.step import SchedulerOutput
 from jaxinfer.layers.weights import Int8
 from jaxinfer.model_loader.model_cache import resolve_model
-from tests.conftest import layer_weights
+from tests.conftest import layer_weights, scheduled
 
 pytestmark = pytest.mark.default_model
 
@@ -60,14 +60,13 @@ def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     engine = llm.engine
     request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     try:
-        assert engine.kv_cache_manager.allocate_slots(request, len(prompt))
-        scheduled = ScheduledRequest(request, 0, len(prompt), True, 0, 0)
-        output = SchedulerOutput((scheduled,), len(prompt), ())
-        request.batch_slot = 0  # the engine is idle
+        assert engine.kv_cache_manager.allocate_blocks(request, len(prompt))
+        output = SchedulerOutput((scheduled(request, len(prompt), new_row=True),), len(prompt))
         batch, _, _ = engine.runner.prepare(engine.batch_builder.build(output))
         logits = engine.runner.forward(batch)
         return np.asarray(logits)[0]
     finally:
+        engine.batch_builder.rows.release(request.request_id)
         engine.abort_request(request.request_id)
 
 

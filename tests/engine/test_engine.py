@@ -308,7 +308,7 @@ def test_block_table_rows_move_only_when_they_change(llm):
         step = build(scheduler_output)
         update = step.updates.block_table
         sent.append(
-            0 if update is None else int((update.rows != engine.batch_builder.padding_slot).sum())
+            0 if update is None else int((update.rows != engine.batch_builder.padding_row).sum())
         )
         return step
 

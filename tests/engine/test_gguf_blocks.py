@@ -24,7 +24,7 @@ from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import as_weights, to_layout
 from jaxinfer.models.llama_config import LlamaConfig
 from tests.conftest import make_tiny_model
-from tests.test_gguf_convert import NUM_KV_HEADS, write_gguf
+from tests.engine.test_gguf_convert import NUM_KV_HEADS, write_gguf
 
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 QUANTIZED = {

@@ -19,7 +19,7 @@ from jaxinfer.config.configure import configure
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.request import Request
-from jaxinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxinfer.engine.step import SchedulerOutput
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
@@ -28,7 +28,7 @@ from jaxinfer.outputs import RequestMetrics
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import SamplingParams
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, scheduled
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
@@ -72,7 +72,7 @@ class Harness:
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         self.rng = np.random.default_rng(0)
         self.free_blocks = list(self.rng.permutation(np.arange(1, NUM_BLOCKS)))
-        self.next_slot = 0
+        self.live: list[str] = []  # request ids, oldest first
 
     def new_request(self, request_id: str, prompt: list[int]) -> Request:
         num_blocks = -(-len(prompt) // BLOCK_SIZE)
@@ -85,16 +85,15 @@ class Harness:
             metrics=RequestMetrics(arrival_time=0.0),
         )
         request.block_ids = [int(self.free_blocks.pop()) for _ in range(num_blocks)]
-        request.batch_slot = self.next_slot % self.config.scheduler.max_num_seqs  # <= 8 live
-        self.next_slot += 1
+        self.live.append(request.request_id)
+        if len(self.live) > self.config.scheduler.max_num_seqs:  # <= 8 live device rows
+            self.builder.rows.release(self.live.pop(0))
         return request
 
     def step(self, chunks: list[tuple[Request, int]]) -> np.ndarray:
         """Runs the next `count` tokens of each request; returns f32[num_requests, V]."""
-        scheduled = tuple(
-            ScheduledRequest(r, r.num_computed_tokens, n, True, 0, 0) for r, n in chunks
-        )
-        output = SchedulerOutput(scheduled, sum(n for _, n in chunks), ())
+        items = tuple(scheduled(r, n, new_row=r.num_computed_tokens == 0) for r, n in chunks)
+        output = SchedulerOutput(items, sum(n for _, n in chunks))
         batch, _, _ = self.runner.prepare(self.builder.build(output))
         logits = self.runner.forward(batch)
         for request, count in chunks:

@@ -18,7 +18,7 @@ from jaxinfer.config.flags import (
     parse_overrides,
 )
 
-CONFIGS = Path(__file__).parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)

@@ -12,10 +12,10 @@ from jaxinfer.model_loader.orbax_checkpoint import convert
 from jaxinfer.parallel.distributed import DistributedConfig
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.tokenizer import TokenizerWrapper
-from tests.conftest import TINY_OPTIONS
-from tests.test_model_parity import Harness, assert_close
+from tests.conftest import PRESETS
+from tests.engine.test_model_parity import Harness, assert_close
 
-OPTIONS = TINY_OPTIONS
+OPTIONS = PRESETS["tiny"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):", "Zwölf Boxkämpfer"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from jaxinfer.config import SchedulerConfig, token_buckets
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request, RequestStatus
+from jaxinfer.engine.row_table import RowTable
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.step import StepOutput
 from jaxinfer.outputs import RequestMetrics
@@ -88,6 +89,18 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
         assert len(set(ids)) == len(ids)
 
 
+def check_rows(rows: RowTable, output) -> None:
+    """Device rows: every running request holds one, each a different one, and a request that
+    starts running gets a fresh one (never more rows than max_num_seqs)."""
+    for request_id in output.released:
+        rows.release(request_id)
+    held = set()
+    for item in output.scheduled:
+        row = rows.assign(item.request_id) if item.row_init else rows.row(item.request_id)
+        assert row != rows.padding_row and row not in held
+        held.add(row)
+
+
 operations = st.lists(
     st.one_of(
         st.tuples(
@@ -131,9 +144,14 @@ def test_random_add_step_abort_keeps_block_accounting(
 
     in_flight = []
 
+    rows = RowTable(max_num_seqs)  # the batch builder's, fed as the engine feeds it
+
     def step():
         output = scheduler.schedule()
         check_invariants(scheduler, requests, output)
+        if output.scheduled:  # (the engine builds only steps that schedule something)
+            check_rows(rows, output)
+            assert len(rows) == len(scheduler.running), "a row was never given back"
         in_flight.append(output)
         while len(in_flight) > (1 if pipelined and output.scheduled else 0):
             process(scheduler, in_flight.pop(0))

@@ -12,7 +12,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.quantization import quantize_int8
 from jaxinfer.layers.weights import Int8
 from tests.conftest import TINY_OPTIONS, layer_weights
-from tests.test_default_model import check_logprobs_close
+from tests.engine.test_default_model import check_logprobs_close
 
 PROMPTS = ["The quick brown fox", "def f(x):", "hello world, how are you"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

@@ -13,9 +13,9 @@ from jaxinfer.layers.native_kernels import KernelMatmul
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.conftest import TINY_OPTIONS
+from tests.conftest import PRESETS
 
-OPTIONS = TINY_OPTIONS
+OPTIONS = PRESETS["tiny"]
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
     "def f(x):",

@@ -16,7 +16,7 @@ from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
 from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.layers.quantization import quantize_int8
-from tests.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
+from tests.kernels.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
 
 pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"

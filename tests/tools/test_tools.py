@@ -11,7 +11,7 @@ import pytest
 
 from cpu_kernels.build import can_build
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str) -> str:

@@ -18,10 +18,9 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
+from tests.conftest import PRESETS
 
-OPTIONS = dict(
-    max_num_batched_tokens=64, max_num_seqs=8, block_size=8, num_kv_blocks=128, max_model_len=128
-)
+OPTIONS = PRESETS["served"]
 
 
 @pytest.fixture(scope="module")

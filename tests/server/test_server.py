@@ -15,17 +15,16 @@ import httpx
 import openai
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import free_port, serve
 from jaxinfer.server.metrics import ServerMetrics
+from tests.conftest import PRESETS
 
-OPTIONS = dict(
-    max_num_batched_tokens=64, max_num_seqs=8, block_size=8, num_kv_blocks=128, max_model_len=128
-)
+OPTIONS = PRESETS["served"]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +59,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    return LLM(model=str(tiny_model_dir), **OPTIONS)
+def offline(make_llm):
+    return make_llm("served")
 
 
 PROMPT = "The quick brown fox"

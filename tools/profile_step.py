@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
 from jaxinfer.engine.step import StepTiming
 from tools.step_breakdown import table
 
@@ -40,8 +41,7 @@ flags.DEFINE_list("batch_sizes", ["1", "32"], "Concurrent requests.")
 flags.DEFINE_integer("output_len", 64, "Tokens per request.")
 flags.DEFINE_integer("context", 80, "Context per request in the breakdown's decode batch.")
 flags.DEFINE_bool("breakdown_only", False, "Only the per-part tables (no host timing runs).")
-flags.DEFINE_enum("quantization", None, ["int8"], "Weight quantization of the engine.")
-flags.DEFINE_enum("matmul_impl", "auto", ["auto", "cpu", "xla"], "Projections of the engine.")
+define_engine_flags()  # the engine's options (--config, --quantization, ...), as the server's
 
 
 def profile(llm: LLM, batch_size: int) -> list[StepTiming]:
@@ -68,9 +68,16 @@ def summary(name: str, values) -> str:
 
 def main(argv):
     del argv
-    llm = LLM(quantization=FLAGS.quantization, matmul_impl=FLAGS.matmul_impl)
-    async_config = llm.engine.config
-    sync_config = dataclasses.replace(async_config, async_scheduling=False)
+    options = engine_options_from_flags()
+    llm = LLM(**dataclasses.asdict(options))
+    config = llm.engine.config
+
+    def scheduling(on: bool):  # the same engine, one step at a time or overlapped
+        return dataclasses.replace(
+            config, resolved=dataclasses.replace(config.resolved, async_scheduling=on)
+        )
+
+    sync_config, async_config = scheduling(False), scheduling(True)
     hosts = {}
     for batch_size in map(int, FLAGS.batch_sizes):
         if FLAGS.breakdown_only:
@@ -110,11 +117,7 @@ def main(argv):
     if llm.engine.config.layer_execution != "per_layer":
         # the parts are timed one layer program at a time: a second engine, same kernels
         del llm
-        llm = LLM(
-            quantization=FLAGS.quantization,
-            matmul_impl=FLAGS.matmul_impl,
-            layer_execution="per_layer",
-        )
+        llm = LLM(**dataclasses.asdict(dataclasses.replace(options, layer_execution="per_layer")))
     for batch_size, host in hosts.items():
         print()
         print(table(llm, batch_size, FLAGS.context, host))

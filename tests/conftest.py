@@ -138,6 +138,20 @@ def make_llm(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def default_llm(model_cache_dir):
+    """One engine on the default model, shared by its engine and server tests (the server's
+    engine thread, idle between requests, leaves it to whoever calls it next)."""
+    from jaxinfer import LLM
+
+    return LLM(
+        cache_dir=str(model_cache_dir),
+        max_model_len=1024,
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(make_llm):
     """The "tiny" engine, shared by the tests that compare others against it."""
     return make_llm("tiny")

@@ -11,11 +11,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.layers.quantization import QUANTIZERS
+
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 LAYER_EXECUTIONS = ("auto", "scan", "per_layer")
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = tuple(QUANTIZERS)
 MATMUL_IMPLS = ("auto", "xla", "cpu")
 GGUF_MODES = ("auto", "on", "off")
 

@@ -47,6 +47,7 @@ class ResolvedOptions:
     ffn: str
     norm: str
     weight_layout: str  # "in_out" or "out_in"
+    weight_format: str  # the projections' format: "dense" (in dtype) or the quantization
     matmul: str  # "cpu" (the C++ kernel) or "xla"
     gguf_blocks: bool  # keep the source GGUF file's blocks where they are exact
     gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
@@ -241,6 +242,7 @@ def resolve(
         ffn=ffn,
         norm=norm,
         weight_layout=layout,
+        weight_format=options.quantization or "dense",
         matmul=matmul,
         gguf_blocks=gguf_fn is not None,
         gguf_blocks_required=options.gguf_weights == "on",

@@ -31,3 +31,7 @@ def quantize(weight: Dense) -> Int8:
     """A float weight as int8 with per-output-channel scales (over its input axis)."""
     q, scale = quantize_int8(weight.w, axis=weight.input_axis)
     return Int8(q, scale, weight.input_axis)
+
+
+# EngineOptions.quantization -> what turns a float weight into that format.
+QUANTIZERS = {"int8": quantize}

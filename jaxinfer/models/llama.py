@@ -20,7 +20,7 @@ from flax import nnx
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, gated_ffn_out_in, lm_logits
-from jaxinfer.layers.quantization import quantize
+from jaxinfer.layers.quantization import QUANTIZERS
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
@@ -98,8 +98,10 @@ def to_layout(tree: dict, layout: str) -> dict:
     return tree if layout == IN_OUT else _map_weights(lambda w: w.to_out_in(), tree)
 
 
-def quantize_weights(config: LlamaConfig, tree: dict) -> dict:
-    """Every projection and the LM head (the embedding when tied) as int8."""
+def quantize_weights(config: LlamaConfig, tree: dict, quantization: str = "int8") -> dict:
+    """Every projection and the LM head (the embedding when tied) in the format of
+    `quantization` (jaxinfer.layers.quantization.QUANTIZERS)."""
+    quantize = QUANTIZERS[quantization]
     out = dict(tree)
     out["layers"] = {
         name: quantize(w) if name in LAYER_PROJECTIONS else w for name, w in tree["layers"].items()
@@ -365,7 +367,7 @@ def build_llama(
     (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree)."""
     values = as_weights(config, {k: v for k, v in params.items() if k != "rope_cache"})
     if quantization is not None:
-        values = quantize_weights(config, values)
+        values = quantize_weights(config, values, quantization)
     axes = weight_axes(values)
     values, axes = to_layout(values, weight_layout), to_layout(axes, weight_layout)
     if gguf_blocks:

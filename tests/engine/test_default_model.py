@@ -27,13 +27,8 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def llm(model_cache_dir):
-    return LLM(
-        cache_dir=str(model_cache_dir),
-        max_num_batched_tokens=128,
-        max_num_seqs=16,
-        max_model_len=1024,
-    )
+def llm(default_llm):
+    return default_llm
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ import jsonschema
 import openai
 import pytest
 
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
@@ -19,16 +17,9 @@ pytestmark = pytest.mark.default_model
 
 
 @pytest.fixture(scope="module")
-def server(model_cache_dir):
-    engine = LLMEngine(
-        EngineOptions(
-            cache_dir=str(model_cache_dir),
-            max_model_len=512,
-            max_num_seqs=32,
-            max_num_batched_tokens=128,
-        )
-    )
-    url, server = serve(build_app(AsyncEngine(engine), ServerConfig(served_model_name="smol")))
+def server(default_llm):
+    engine = AsyncEngine(default_llm.engine)
+    url, server = serve(build_app(engine, ServerConfig(served_model_name="smol")))
     yield url
     server.should_exit = True
 

@@ -57,6 +57,8 @@ def test_cpu_without_the_kernels_records_why():
         False,
     )
     assert (resolved.layer_execution, resolved.async_scheduling) == ("per_layer", False)
+    assert resolved.weight_format == "dense"
+    assert settle(NO_NATIVE, quantization="int8").options.weight_format == "int8"
     described = resolved.describe()
     assert "lacks AVX2" in described["matmul"]["reason"]
     assert "lacks AVX2" in described["attention"]["reason"]

@@ -3,11 +3,11 @@
 #
 #   tools/gpu_check.sh [OUTPUT_DIR]        # from the repository root; default docs/perf
 #
-# 1. tests/test_kernels.py with the kernels compiled (not interpreted) against the references;
-# 2. tools/kernel_bench.py at SmolLM2-135M and Llama-3-8B shapes (random inputs): time, error,
+# 1. tests/kernels/test_kernels.py with the kernels compiled (not interpreted) against the references;
+# 2. tools.kernel_bench at SmolLM2-135M and Llama-3-8B shapes (random inputs): time, error,
 #    decode-attention bandwidth against the measured copy, FFN and prefill FLOP/s;
-# 3. tools/tune_pallas.py: tile sizes, warps and stages of each kernel at Llama-3-8B shapes;
-# 4. tools/decode_roofline.py: the decode step of a random-weight Llama-3-8B-shaped model at
+# 3. tools.tune_pallas: tile sizes, warps and stages of each kernel at Llama-3-8B shapes;
+# 4. tools.decode_roofline: the decode step of a random-weight Llama-3-8B-shaped model at
 #    batch 1, 32 and 128 (context 1024) against weights + KV bytes over the copy bandwidth.
 # Each stage has its own time limit, so one that hangs does not take the others' time. Needs
 # jax (with its CUDA plugin), flax, numpy, absl-py and pytest; the repository is imported from
@@ -39,7 +39,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 } > "$out/gpu_env.txt" 2>&1
 cat "$out/gpu_env.txt"
 
-stage gpu_kernel_tests 180 $python -m pytest -q -p no:cacheprovider tests/test_kernels.py
+stage gpu_kernel_tests 180 $python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py
 stage kernel_bench 90 $python -m tools.kernel_bench --shapes=smollm2,llama3_8b \
     --output_json="$out/kernel_bench.json"
 stage tune_pallas 120 $python -m tools.tune_pallas --shape=llama3_8b --budget_s=90 \

@@ -119,7 +119,7 @@ def test_build_name_follows_the_compilers_version(tmp_path, monkeypatch):
 
 def test_a_cpu_without_avx2_builds_no_kernel(tmp_path, monkeypatch):
     """The kernels are compiled with -mavx2 -mfma: on a CPU without those, building one is a
-    clear error (instead of dying on an illegal instruction); tests/test_resolve.py checks
+    clear error (instead of dying on an illegal instruction); tests/unit/test_resolve.py checks
     that "auto" then goes without them."""
     monkeypatch.setattr(build_module, "cpu_features", lambda: frozenset({"sse2", "avx"}))
     source = tmp_path / "tiny" / "kernel.cc"

@@ -1,7 +1,9 @@
 """The one place where "auto" is settled: EngineOptions and the Platform (plus the model's
 shape and the kernel registry) in, a frozen ResolvedOptions and the ModelKernels out.
 
-Every choice made from "auto" records why; `ResolvedOptions.describe()` is what the engine
+On a GPU each Pallas kernel chosen is first probed on the model's shapes
+(jaxinfer.layers.kernel_probe): "auto" falls back to the reference where one fails, logging
+why; an explicit "pallas" that fails is a clear error. Every choice made from "auto" records why; `ResolvedOptions.describe()` is what the engine
 logs at start-up and the server returns at GET /v1/engine. Nothing downstream decides again.
 
 The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and one device
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 from cpu_kernels.build import KernelBuildError
 from jaxinfer.config.options import EngineOptions
 from jaxinfer.config.platform import Platform
+from jaxinfer.layers.kernel_probe import probe_kernel
 from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.native_kernels import KernelMatmul
@@ -118,9 +122,13 @@ def resolve(
     arch: LlamaConfig,
     registry: KernelRegistry,
     gguf_source: Path | None = None,
+    probe: Callable[..., str | None] = probe_kernel,
 ) -> Resolution:
     """Settles every "auto" of `options` for `platform` and a model of shape `arch`.
-    gguf_source: the GGUF file the model folder was converted from, if it keeps one."""
+    gguf_source: the GGUF file the model folder was converted from, if it keeps one.
+    probe(kind, kernel, arch, dtype, block_size): why a Pallas kernel cannot run on this GPU
+    at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes the
+    reference, an explicit "pallas" is an error."""
     reasons: dict[str, str] = {}
     tp = options.tensor_parallel_size
     cpu = platform.backend == "cpu"
@@ -131,6 +139,7 @@ def resolve(
         reasons["dtype"] = f"float32 on CPU, bfloat16 on accelerators ({platform.backend})"
 
     def pick(kind: str, name: str) -> str:
+        asked = name
         if name == "auto":
             single_gpu = platform.backend == "gpu" and tp == 1
             name = "pallas" if single_gpu else "reference"
@@ -144,7 +153,15 @@ def resolve(
                 f"{kind} kernel 'pallas' does not run under tensor parallelism yet "
                 f"(tensor_parallel_size={tp}): use 'reference' or 'auto'"
             )
-        registry.get(kind, name)  # a clear error for unknown names
+        kernel = registry.get(kind, name)  # a clear error for unknown names
+        if name == "pallas" and platform.backend == "gpu":
+            why_not = probe(kind, kernel, arch, dtype, options.block_size)
+            if why_not is not None:
+                if asked != "auto":
+                    raise ValueError(f"{kind}_impl 'pallas' cannot run here: {why_not}")
+                logger.warning("the Pallas %s kernel is not used: %s", kind, why_not)
+                reasons[kind] = f"the reference: the Pallas kernel was probed and {why_not}"
+                return "reference"
         return name
 
     ffn = pick("ffn", options.ffn_impl)

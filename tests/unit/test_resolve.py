@@ -38,8 +38,12 @@ NO_NATIVE = Platform("cpu", 1, frozenset({"sse2"}), "g++", Path("/nonexistent"))
 GPU = Platform("gpu", 1, frozenset(), None, Path("/nonexistent"))
 
 
+def passes(kind, kernel, arch, dtype, block_size):  # a probe every kernel passes
+    return None
+
+
 def settle(platform: Platform, **options):
-    return resolve(EngineOptions(**options), platform, ARCH, default_registry())
+    return resolve(EngineOptions(**options), platform, ARCH, default_registry(), probe=passes)
 
 
 def test_cpu_without_the_kernels_records_why():
@@ -135,3 +139,28 @@ def test_cpu_with_the_kernels_takes_them(cpu_kernel_dir):
         with pytest.raises(ValueError, match=reason):
             settle(platform, matmul_impl="cpu", **change)
     assert settle(platform, matmul_impl="xla").options.layer_execution == "per_layer"
+
+
+def test_a_gpu_kernel_that_fails_its_probe_falls_back_to_the_reference():
+    probed = []
+
+    def probe(kind, kernel, arch, dtype, block_size):
+        probed.append((kind, dtype, block_size))
+        return "it failed on the model's shapes (TritonError: no)" if kind == "attention" else None
+
+    resolution = resolve(EngineOptions(), GPU, ARCH, default_registry(), probe=probe)
+    resolved = resolution.options
+    assert sorted(probed) == [
+        ("attention", "bfloat16", 16),
+        ("ffn", "bfloat16", 16),
+        ("norm", "bfloat16", 16),
+    ]
+    assert (resolved.attention, resolved.ffn, resolved.norm) == ("reference", "pallas", "pallas")
+    assert resolution.kernels.attention is ragged_paged_attention_reference
+    assert "TritonError" in resolved.describe()["attention"]["reason"]
+    with pytest.raises(ValueError, match=r"attention_impl 'pallas' cannot run here: .*Triton"):
+        resolve(EngineOptions(attention_impl="pallas"), GPU, ARCH, default_registry(), probe=probe)
+    # on CPU nothing is probed (the Pallas kernels are not picked there)
+    probed.clear()
+    resolve(EngineOptions(), NO_NATIVE, ARCH, default_registry(), probe=probe)
+    assert probed == []

@@ -1,0 +1,100 @@
+"""A kernel tried once on the model's real shapes before the engine relies on it.
+
+`probe_kernel` compiles a kernel of one kind (attention, ffn, norm) on a small input shaped
+like the model's (head_dim, query heads per KV head, hidden and FFN sizes, dtype) and compares
+it with the pure-JAX reference, computed at the highest matmul precision. Whatever goes wrong
+(a Triton compile failure, a missing Pallas backend, a head size the kernel cannot tile, a
+wrong result) comes back as a reason instead of an exception, so "auto" can fall back to the
+reference at start-up rather than fail in warm-up (jaxinfer.config.resolve).
+
+T: tokens, H: query heads, K: KV heads, D: head dim, E: hidden, I: FFN size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.llama_config import LlamaConfig
+from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
+from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+
+# Max abs error allowed, relative to the reference's largest magnitude (at least 1).
+TOLERANCE = {"float32": 2e-3, "bfloat16": 6e-2, "float16": 1e-2}
+
+
+def _attention_inputs(arch: LlamaConfig, dtype, block_size: int) -> tuple:
+    """A decode over a context of two blocks and a bit, and a 5-token prefill chunk, with one
+    padding request, over at most 2 KV heads."""
+    rng = np.random.default_rng(0)
+    kv_heads = min(2, arch.num_key_value_heads)
+    group = arch.num_attention_heads // arch.num_key_value_heads
+    context = [2 * block_size + 3, 5]
+    q_lens = [1, 5]
+    blocks = [-(-c // block_size) for c in context]
+    num_blocks = 1 + sum(blocks)
+    tables = np.zeros((3, max(blocks)), np.int32)
+    tables[0, : blocks[0]] = 1 + np.arange(blocks[0])
+    tables[1, : blocks[1]] = 1 + blocks[0] + np.arange(blocks[1])
+    q = rng.standard_normal((sum(q_lens), group * kv_heads, arch.head_dim))
+    kv = rng.standard_normal((2, num_blocks, block_size, kv_heads, arch.head_dim))
+    return (
+        jnp.asarray(q, dtype),  # [T, H, D]
+        jnp.asarray(kv, dtype),  # [2, NB, BS, K, D]
+        jnp.asarray(tables),  # [R, MB]
+        jnp.asarray([*context, 0], np.int32),  # seq_lens
+        jnp.asarray([0, 1, 6, 6], np.int32),  # query_start_loc
+        jnp.asarray([2], np.int32),  # num_seqs
+    )
+
+
+def _inputs(kind: str, arch: LlamaConfig, dtype, block_size: int) -> tuple[tuple, dict]:
+    rng = np.random.default_rng(1)
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    if kind == "attention":
+        return _attention_inputs(arch, dtype, block_size), {"sm_scale": arch.head_dim**-0.5}
+    if kind == "ffn":
+        x = rng.standard_normal((4, hidden))  # [T, E]
+        gate_up = rng.standard_normal((hidden, 2, inter)) * hidden**-0.5  # [E, 2, I]
+        down = rng.standard_normal((inter, hidden)) * inter**-0.5  # [I, E]
+        return tuple(jnp.asarray(a, dtype) for a in (x, gate_up, down)), {}
+    x, residual = rng.standard_normal((2, 4, hidden))  # [T, E] each
+    weight = rng.standard_normal(hidden)
+    args = tuple(jnp.asarray(a, dtype) for a in (x, residual, weight))
+    return args, {"eps": arch.rms_norm_eps}
+
+
+REFERENCES: dict[str, Callable] = {
+    "attention": ragged_paged_attention_reference,
+    "ffn": fused_ffn_reference,
+    "norm": add_rms_norm_reference,
+}
+
+
+def probe_kernel(
+    kind: str, kernel: Callable, arch: LlamaConfig, dtype: str, block_size: int
+) -> str | None:
+    """None if `kernel` (of `kind`) compiles and matches the reference on inputs shaped like
+    the model's, else why not."""
+    args, static = _inputs(kind, arch, jnp.dtype(dtype), block_size)
+    try:
+        out = jax.block_until_ready(jax.jit(lambda *a: kernel(*a, **static))(*args))
+    except Exception as error:  # anything the kernel's compiler or runtime raises
+        text = " ".join(str(error).split())
+        return f"it failed on the model's shapes ({type(error).__name__}: {text[:300]})"
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(lambda *a: REFERENCES[kind](*a, **static))(*args)
+    pairs = zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True)
+    for got, want in pairs:
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if got.shape != want.shape:
+            return f"it returned shape {got.shape}, the reference {want.shape}"
+        error = float(np.max(np.abs(got - want))) if got.size else 0.0
+        scale = max(1.0, float(np.max(np.abs(want))) if want.size else 0.0)
+        if not error <= TOLERANCE[dtype] * scale:  # (NaN fails too)
+            return f"it differs from the reference by {error:.3g} on the model's shapes"
+    return None

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.layers import linear
 from jaxinfer.layers.linear import OUT_IN, StackedWeight
@@ -63,8 +62,21 @@ def _weight_class(cls):
     return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=["input_axis"])
 
 
+class _FloatWeight:
+    """What the formats that keep a float weight `w` share: XLA's paths take `w` itself."""
+
+    def scaled(self):
+        return self.w, None
+
+    def dequantized(self, dtype):
+        return self.w
+
+    def rows(self, ids, dtype):
+        return self.w[ids]
+
+
 @_weight_class
-class Dense:
+class Dense(_FloatWeight):
     """A float weight ([*lead, in, *out] in "in_out", [*lead, *out, in] in "out_in")."""
 
     w: Any
@@ -87,15 +99,6 @@ class Dense:
         if layout == OUT_IN and matmul is not None:
             return matmul.float32(x, self.w)
         return linear.xla_dense(x, self.w, layout)
-
-    def scaled(self):
-        return self.w, None
-
-    def dequantized(self, dtype):
-        return self.w
-
-    def rows(self, ids, dtype):
-        return self.w[ids]
 
 
 @_weight_class
@@ -137,7 +140,7 @@ class Int8:
 
 
 @_weight_class
-class GGUFBlocks:
+class GGUFBlocks(_FloatWeight):
     """A float32 "out_in" weight kept together with the GGUF file's own Q4_1 or Q8_0 blocks
     that dequantize to it bit for bit (jaxinfer.model_loader.gguf_blocks): the block kernel
     (cpu_kernels.gguf_matmul) multiplies the blocks, a quarter of the bytes, for steps of a few
@@ -177,15 +180,6 @@ class GGUFBlocks:
             return linear.xla_dense(x, self.w, layout)
         return matmul.blocks(x, self)
 
-    def scaled(self):
-        return self.w, None
-
-    def dequantized(self, dtype):
-        return self.w
-
-    def rows(self, ids, dtype):
-        return self.w[ids]
-
 
 FORMATS = (Dense, Int8, GGUFBlocks)
 
@@ -198,12 +192,3 @@ def dense(x, weight, kernels):
 
 def is_weight(x) -> bool:
     return isinstance(x, FORMATS)
-
-
-def weight_arrays(tree: dict) -> list:
-    """Every array of a parameter tree (for counting bytes, say)."""
-    return jax.tree.leaves(tree)
-
-
-def num_bytes(tree: dict) -> int:
-    return sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in weight_arrays(tree))

@@ -10,7 +10,9 @@ backend-specific Pallas module.
 
 Every kernel takes `interpret=True` to run on CPU through Pallas' interpreter (the tests), and
 `lower_for_gpu` lowers a function for CUDA on a machine without a GPU, so CI catches kernels
-that would not lower.
+that would not lower. Since JAX 0.11 the Triton lowering reads the target GPU from the current
+abstract mesh's device (and raises when neither it nor a real GPU is there), so the lowering
+runs under an abstract H200, as JAX's own deviceless Pallas tests do; JAX 0.10 ignores it.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+# The device kind the deviceless lowering targets (the GPU this project is tuned on).
+ABSTRACT_GPU = "NVIDIA H200"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +81,45 @@ def call(
     )
 
 
-def lower_for_gpu(fn: Callable[..., Any], *args: Any) -> str:
-    """The StableHLO text of `fn(*args)` lowered for CUDA (no GPU needed): raises if a kernel
-    does not lower through the chosen backend."""
-    exported = jax.export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
-    )(*args)
-    return exported.mlir_module()
+def lower_for_gpu(fn: Callable[..., Any], *args: Any, device_kind: str = ABSTRACT_GPU) -> str:
+    """The StableHLO text of `fn(*args)` lowered for CUDA on `device_kind` (no GPU needed): raises
+    if a kernel does not lower through the chosen backend. Only the shapes and dtypes of `args`
+    are used."""
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("gpu",), (jax.sharding.AxisType.Explicit,), abstract_device=device
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+_CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @([^(\s]+)\(")
+
+
+@functools.cache
+def triton_custom_call() -> str:
+    """The custom-call target JAX lowers a Pallas Triton kernel to (JAX names it; it has changed
+    before), read from the lowering of a one-element kernel."""
+
+    def copy(x_ref: Any, o_ref: Any) -> None:
+        o_ref[...] = x_ref[...]
+
+    kernel = call(
+        copy,
+        out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+        grid=(1,),
+        launch=LaunchConfig(),
+        interpret=False,
+        name="custom_call_name",
+    )
+    names = set(_CUSTOM_CALL.findall(lower_for_gpu(kernel, jnp.zeros((16,), jnp.float32))))
+    if len(names) != 1:
+        raise RuntimeError(f"expected one custom call in a Pallas kernel's lowering, got {names}")
+    return names.pop()
+
+
+def custom_calls(text: str) -> list[str]:
+    """The custom-call targets in a lowered module's text, in order."""
+    return _CUSTOM_CALL.findall(text)

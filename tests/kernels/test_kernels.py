@@ -201,6 +201,10 @@ def test_add_rms_norm_matches_reference(num_tokens, hidden, dtype):
 # -- lowering for the GPU (CPU only: lowering, not running) ----------------------------------
 
 
+def _triton_calls(text):
+    return gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call())
+
+
 def _attention_lowering(num_tokens, num_heads, num_kv_heads, head_dim, dtype, **kwargs):
     num_reqs, block_size, max_blocks = min(num_tokens, 64), 16, 64
     args = (
@@ -233,7 +237,7 @@ def _attention_lowering(num_tokens, num_heads, num_kv_heads, head_dim, dtype, **
 )
 def test_attention_lowers_for_the_gpu(shape):
     text = _attention_lowering(**{"dtype": jnp.bfloat16, **shape})
-    assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1
+    assert _triton_calls(text) == 1
 
 
 def test_ffn_and_norm_lower_for_the_gpu():
@@ -242,14 +246,29 @@ def test_ffn_and_norm_lower_for_the_gpu():
         gate_up = jnp.zeros((hidden, 2, intermediate), jnp.bfloat16)
         down = jnp.zeros((intermediate, hidden), jnp.bfloat16)
         text = gpu_lowering.lower_for_gpu(fused_ffn, x, gate_up, down)
-        assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1
+        assert _triton_calls(text) == 1
         weight = jnp.zeros((hidden,), jnp.bfloat16)
         text = gpu_lowering.lower_for_gpu(
             lambda x, r, w: add_rms_norm(x, r, w, eps=1e-5), x, x, weight
         )
-        assert text.count(gpu_lowering.TRITON_CUSTOM_CALL) == 1
+        assert _triton_calls(text) == 1
 
 
 def test_the_gpu_backend_is_triton():
     # The JAX here (0.10) and the GPU machine's (0.11) both ship Pallas' Triton backend.
     assert gpu_lowering.gpu_backend() == "triton"
+    assert gpu_lowering.triton_custom_call()  # named by JAX's own lowering of a kernel
+
+
+def test_lowering_for_the_gpu_uses_shapes_only():
+    # Concrete CPU arrays and their shapes lower to the same module under the abstract GPU.
+    x = jnp.ones((32, 576), jnp.float32)
+    weight = jnp.ones((576,), jnp.float32)
+
+    def norm(x, r, w):
+        return add_rms_norm(x, r, w, eps=1e-5)
+
+    spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    concrete = gpu_lowering.lower_for_gpu(norm, x, x, weight)
+    abstract = gpu_lowering.lower_for_gpu(norm, spec, spec, jax.ShapeDtypeStruct((576,), x.dtype))
+    assert concrete == abstract and _triton_calls(concrete) == 1

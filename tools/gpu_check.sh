@@ -1,49 +1,38 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 7): within 8 minutes on a GPU machine with no network.
+# The longer GPU run, after tools/gpu_smoke.sh passes: at most 7 minutes, at most 8 files, all
+# under OUTPUT_DIR (default docs/perf, where the results are committed).
 #
-#   tools/gpu_check.sh [OUTPUT_DIR]        # from the repository root; default docs/perf
+#   tools/gpu_check.sh [OUTPUT_DIR]        # from the repository root
 #
-# 1. tests/kernels/test_kernels.py with the kernels compiled (not interpreted) against the references;
-# 2. tools.kernel_bench at SmolLM2-135M and Llama-3-8B shapes (random inputs): time, error,
-#    decode-attention bandwidth against the measured copy, FFN and prefill FLOP/s;
-# 3. tools.tune_pallas: tile sizes, warps and stages of each kernel at Llama-3-8B shapes;
-# 4. tools.decode_roofline: the decode step of a random-weight Llama-3-8B-shaped model at
-#    batch 1, 32 and 128 (context 1024) against weights + KV bytes over the copy bandwidth.
-# Each stage has its own time limit, so one that hangs does not take the others' time. Needs
-# jax (with its CUDA plugin), flax, numpy, absl-py and pytest; the repository is imported from
-# the working tree (nothing is installed).
+#   gpu_env          the GPU, its driver, JAX and the commit
+#   kernel_bench     tools.kernel_bench at SmolLM2-135M and Llama-3-8B shapes (random inputs):
+#                    decode attention at 32 and 128 requests of 1k and 8k tokens against the
+#                    measured copy bandwidth, prefill attention (4k) and the FFN against the
+#                    measured bf16 matmul rate, and each kernel's error against its reference
+#   tune_pallas      tools.tune_pallas: tile sizes, warps and stages of each kernel at 8B shapes
+#   decode_roofline  the decode step of a random-weight Llama-3-8B-shaped model at batch 1, 32
+#                    and 128 (context 1024) against weights + KV bytes over the copy bandwidth
+# Files: summary.txt, gpu_env.txt, and NAME.txt + NAME.json for the other three. Each stage has
+# its own time limit (tools/gpu_stages.sh). Needs jax with its CUDA plugin, flax, numpy and
+# absl-py; the repository is imported from the working tree (nothing is installed).
 set -uo pipefail
 out=${1:-docs/perf}
-mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python=python3
-status=0
+budget=420
+source "$(dirname "$0")/gpu_stages.sh"
 
-stage() {  # stage NAME SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name (limit ${limit}s)"
-    local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-    local rc=$?
-    echo "   exit $rc after $((SECONDS - start))s; tail of $out/$name.txt:"
-    tail -n 25 "$out/$name.txt"
-    [ "$rc" -eq 0 ] || status=1
-}
+stage gpu_env 30 any bash -c "date -u; git rev-parse HEAD 2>/dev/null; \
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; \
+    $python -c \"import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
+    jax.devices()); print('backend', jax.default_backend())\""
+backend=$(sed -n 's/^backend //p' "$out/gpu_env.txt" 2>/dev/null)
+backend=${backend:-unknown}
 
-{
-    date -u
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-    $python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-    git rev-parse HEAD 2>/dev/null || true
-} > "$out/gpu_env.txt" 2>&1
-cat "$out/gpu_env.txt"
-
-stage gpu_kernel_tests 180 $python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py
-stage kernel_bench 90 $python -m tools.kernel_bench --shapes=smollm2,llama3_8b \
+stage kernel_bench 120 needs_gpu $python -m tools.kernel_bench --shapes=smollm2,llama3_8b \
+    --decode_batches=32,128 --contexts=1024,8192 --prefill_len=4096 \
     --output_json="$out/kernel_bench.json"
-stage tune_pallas 120 $python -m tools.tune_pallas --shape=llama3_8b --budget_s=90 \
+stage tune_pallas 150 needs_gpu $python -m tools.tune_pallas --shape=llama3_8b --budget_s=120 \
     --output_json="$out/tune_pallas.json"
-stage decode_roofline 100 $python -m tools.decode_roofline --shape=llama3_8b \
-    --batch_sizes=1,32,128 --context=1024 --output_json="$out/decode_roofline.json"
-exit $status
+stage decode_roofline 110 needs_gpu $python -m tools.decode_roofline --shape=llama3_8b \
+    --batch_sizes=1,32,128 --context=1024 --cache_dir="$out/cache" \
+    --output_json="$out/decode_roofline.json"
+finish

@@ -3,9 +3,9 @@ reference, and on a GPU the share of the device's measured ceilings.
 
     python -m tools.kernel_bench --shapes=smollm2,llama3_8b --output_json=kernels.json
 
-Cases per model shape (random inputs): decode attention (--batch requests of one new token at
---context), prefill attention (one request of --prefill_len tokens), the FFN at --batch and
---prefill_len tokens, and the residual add + RMSNorm at --batch tokens. Decode attention is
+Cases per model shape (random inputs): decode attention (each of --decode_batches requests of
+one new token at each of --contexts), prefill attention (one request of --prefill_len tokens),
+the FFN at --batch and --prefill_len tokens, and the residual add + RMSNorm at --batch tokens. Decode attention is
 reported as bandwidth (K/V bytes read per second) against a measured device-to-device copy;
 prefill attention and the FFN as FLOP/s against a measured matmul of the same dtype. On CPU
 the Pallas kernels run through the interpreter (slow; the numbers check correctness only), so
@@ -14,6 +14,7 @@ the default sizes there are small; the C++ attention kernel ("cpu") runs compile
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -32,8 +33,13 @@ from tools.device_rates import matmul_rate, memory_bandwidth, timed
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("shapes", ["smollm2", "llama3_8b"], "Model shapes (jaxinfer.models.shapes).")
-flags.DEFINE_integer("batch", None, "Decode requests (default: 32 on GPU, 4 on CPU).")
-flags.DEFINE_integer("context", None, "Decode context length (default: 1024 GPU, 128 CPU).")
+flags.DEFINE_integer("batch", None, "FFN and norm tokens (default: 32 on GPU, 4 on CPU).")
+flags.DEFINE_list(
+    "decode_batches", None, "Decode attention requests (default: 32,128 on GPU, 4 on CPU)."
+)
+flags.DEFINE_list(
+    "contexts", None, "Decode attention context lengths (default: 1024,8192 GPU, 128 CPU)."
+)
 flags.DEFINE_integer("prefill_len", None, "Prefill tokens (default: 4096 GPU, 64 CPU).")
 flags.DEFINE_integer("block_size", 16, "KV-cache block size.")
 flags.DEFINE_list("impls", None, "Implementations to run (default: every one that runs here).")
@@ -74,7 +80,8 @@ def main(argv):
     gpu = on_gpu()
     dtype = jnp.bfloat16 if gpu else jnp.float32
     batch = FLAGS.batch or (32 if gpu else 4)
-    context = FLAGS.context or (1024 if gpu else 128)
+    decode_batches = [int(b) for b in FLAGS.decode_batches or ([32, 128] if gpu else [4])]
+    contexts = [int(c) for c in FLAGS.contexts or ([1024, 8192] if gpu else [128])]
     prefill = FLAGS.prefill_len or (4096 if gpu else 64)
     registry = default_registry()
     cpu_kernel = not gpu  # the C++ attention kernel ("cpu") is built and registered before use
@@ -121,12 +128,15 @@ def main(argv):
         scale = head_dim**-0.5
         impls = runnable(registry.names("attention"), cpu_kernel)
 
-        args = attention_inputs(cfg, [1] * batch, [context] * batch, dtype, FLAGS.block_size)
-        results = run_case(
-            "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
-        )
-        kv_bytes = 2 * batch * context * kv_heads * head_dim * itemsize
-        report(shape_name, f"decode attn b{batch} c{context}", results, kv_bytes, "GB/s")
+        for requests, context in itertools.product(decode_batches, contexts):
+            args = attention_inputs(
+                cfg, [1] * requests, [context] * requests, dtype, FLAGS.block_size
+            )
+            results = run_case(
+                "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
+            )
+            kv_bytes = 2 * requests * context * kv_heads * head_dim * itemsize
+            report(shape_name, f"decode attn b{requests} c{context}", results, kv_bytes, "GB/s")
 
         args = attention_inputs(cfg, [prefill], [prefill], dtype, FLAGS.block_size)
         results = run_case(

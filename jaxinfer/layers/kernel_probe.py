@@ -12,6 +12,7 @@ T: tokens, H: query heads, K: KV heads, D: head dim, E: hidden, I: FFN size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -75,26 +76,51 @@ REFERENCES: dict[str, Callable] = {
 }
 
 
-def probe_kernel(
+@dataclasses.dataclass(frozen=True)
+class KernelCheck:
+    """A kernel against its reference on inputs shaped like a model's."""
+
+    reason: str | None  # None: it compiled and matched
+    error: float | None = None  # max abs error against the reference (None: it did not run)
+    bound: float | None = None  # the error allowed
+
+
+def check_kernel(
     kind: str, kernel: Callable, arch: LlamaConfig, dtype: str, block_size: int
-) -> str | None:
-    """None if `kernel` (of `kind`) compiles and matches the reference on inputs shaped like
-    the model's, else why not."""
+) -> KernelCheck:
+    """Compile `kernel` (of `kind`) on inputs shaped like the model's and compare it with the
+    reference at the highest matmul precision."""
     args, static = _inputs(kind, arch, jnp.dtype(dtype), block_size)
     try:
         out = jax.block_until_ready(jax.jit(lambda *a: kernel(*a, **static))(*args))
     except Exception as error:  # anything the kernel's compiler or runtime raises
         text = " ".join(str(error).split())
-        return f"it failed on the model's shapes ({type(error).__name__}: {text[:300]})"
+        return KernelCheck(
+            f"it failed on the model's shapes ({type(error).__name__}: {text[:300]})"
+        )
     with jax.default_matmul_precision("highest"):
         expected = jax.jit(lambda *a: REFERENCES[kind](*a, **static))(*args)
-    pairs = zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True)
-    for got, want in pairs:
+    worst, bound = 0.0, 0.0
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(expected), strict=True):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         if got.shape != want.shape:
-            return f"it returned shape {got.shape}, the reference {want.shape}"
+            return KernelCheck(f"it returned shape {got.shape}, the reference {want.shape}")
         error = float(np.max(np.abs(got - want))) if got.size else 0.0
-        scale = max(1.0, float(np.max(np.abs(want))) if want.size else 0.0)
-        if not error <= TOLERANCE[dtype] * scale:  # (NaN fails too)
-            return f"it differs from the reference by {error:.3g} on the model's shapes"
-    return None
+        allowed = TOLERANCE[dtype] * max(1.0, float(np.max(np.abs(want))) if want.size else 0.0)
+        if not error <= allowed:  # (NaN fails too)
+            return KernelCheck(
+                f"it differs from the reference by {error:.3g} on the model's shapes",
+                error,
+                allowed,
+            )
+        if error / allowed >= worst / max(bound, 1e-30):
+            worst, bound = error, allowed
+    return KernelCheck(None, worst, bound)
+
+
+def probe_kernel(
+    kind: str, kernel: Callable, arch: LlamaConfig, dtype: str, block_size: int
+) -> str | None:
+    """None if `kernel` (of `kind`) compiles and matches the reference on inputs shaped like
+    the model's, else why not."""
+    return check_kernel(kind, kernel, arch, dtype, block_size).reason

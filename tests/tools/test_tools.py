@@ -29,7 +29,8 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
         "tools.kernel_bench",
         "--shapes=smollm2",
         "--batch=2",
-        "--context=40",
+        "--decode_batches=2,3",
+        "--contexts=40",
         "--prefill_len=32",
         "--repeats=1",
         f"--output_json={output}",
@@ -38,6 +39,7 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
     cases = {row["case"] for row in rows}
     assert cases == {
         "decode attn b2 c40",
+        "decode attn b3 c40",
         "prefill attn 32",
         "ffn t2",
         "ffn t32",

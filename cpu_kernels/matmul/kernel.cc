@@ -20,6 +20,12 @@
 //   faster over the default model's shapes at 8-32 rows (interleaved in one process).
 // Tiles of output columns are shared out over XLA's intra-op threads (common.h).
 //
+// Each output of the outer-product path is one FMA chain over k = 0 .. K-1 in order, whatever
+// the number of rows or the block that holds the row; the streaming path for up to 3 rows sums
+// 32 interleaved chains instead. With `fixed_order` (the engine's batch-invariant mode) every
+// row count takes the outer-product path (int8 weights converted to float32 likewise), so a
+// row's result does not depend on the rows beside it.
+//
 // GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled
 // (otherwise it stores every accumulator each iteration: a third of the FMA rate, measured);
 // hence the unroll pragmas.
@@ -63,6 +69,9 @@ struct Problem {
   // int8 weights with up to 3 rows: x rounded to int16, x ~= xq * x_scale per row.
   const int16_t* xq = nullptr;  // [M, K]
   const float* x_scale = nullptr;  // [M]
+  bool fixed_order = false;  // every row count through the outer-product path
+
+  bool Streams() const { return m <= 3 && !fixed_order; }
 
   void Store(int64_t row, int64_t col, float value) const {
     y[row * n + col] = scale == nullptr ? value : value * scale[col];
@@ -325,7 +334,7 @@ void OuterColumns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0
 // Output columns [col0, col1) for every row of x (x^T: `xt`, when there are more than 3 rows).
 template <typename W>
 void Columns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0, int64_t col1) {
-  if (p.m <= 3) {
+  if (p.Streams()) {
     for (int64_t col = col0; col < col1; ++col) {
       if constexpr (std::is_same_v<W, int8_t>) {
         if (p.m == 1) StreamRowInt16<1>(p, col);
@@ -348,7 +357,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const Problem<W>& p) {
   int64_t columns = kTile;
   std::vector<float> xt;
   int64_t mp = 0;
-  if (p.m <= 3) {
+  if (p.Streams()) {
     columns = p.n >= kStreamMinColumns ? kStreamColumns
                                        : std::max(kTile, (p.n + kStreamClaims - 1) / kStreamClaims);
   } else {
@@ -396,8 +405,9 @@ ffi::Error Shape(Problem<W>& p, const XBuffer& x, const WBuffer& w, const YBuffe
 
 ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      bool fixed_order, ffi::ResultBuffer<ffi::F32> y) {
   Problem<int8_t> p{x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data()};
+  p.fixed_order = fixed_order;
   if (ffi::Error error = Shape(p, x, w, *y, layer.typed_data()[0]); error.failure()) {
     return error;
   }
@@ -406,7 +416,7 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   }
   std::vector<int16_t> xq;
   float x_scale[3];
-  if (p.m <= 3) {
+  if (p.Streams()) {
     xq.resize(p.m * p.k);
     RoundRows(p.x, p.m, p.k, xq.data(), x_scale);
     p.xq = xq.data();
@@ -416,8 +426,10 @@ ffi::Error Int8Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::Buffer<ffi::S32> layer, bool fixed_order,
+                     ffi::ResultBuffer<ffi::F32> y) {
   Problem<float> p{x.typed_data(), w.typed_data(), nullptr, y->typed_data()};
+  p.fixed_order = fixed_order;
   if (ffi::Error error = Shape(p, x, w, *y, layer.typed_data()[0]); error.failure()) {
     return error;
   }
@@ -433,6 +445,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<bool>("fixed_order")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
 
@@ -442,6 +455,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [..., K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<bool>("fixed_order")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
 

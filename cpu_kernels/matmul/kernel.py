@@ -5,6 +5,7 @@ scales) on XLA:CPU through the C++ kernel in kernel.cc.
     y = matmul(x, w)                  # float32 w; inside or outside jit
     y = matmul(x, q, scale)           # int8 q
     y = matmul(x, stacked, layer=i)   # layer i of stacked weights [L, *out, K], in place
+    y = matmul(x, w, fixed_order=True)  # each row's sum in one order for any row count
 
 T: tokens (rows of x), K: the contracted (input) axis, *out: the weight's output axes.
 """
@@ -30,10 +31,13 @@ def matmul(
     scale: jax.Array | None = None,  # [*out] float32 (one layer's)
     *,
     layer: jax.Array | None = None,  # i32[]: which of the L stacked weights
+    fixed_order: bool = False,
 ) -> jax.Array:  # [T, *out] float32
     """(x @ w^T) (* scale) through the registered kernel (see load_matmul). With `layer`, w
     holds the weights of every layer and the kernel reads layer `layer` in place: under a
-    layer scan, slicing it instead would copy the weight every layer."""
+    layer scan, slicing it instead would copy the weight every layer. With `fixed_order`
+    every output is one FMA chain over K in order, whatever the number of rows (the
+    batch-invariant mode); without it up to 3 rows take a faster, differently ordered path."""
     int8 = w.dtype == jnp.int8
     if (
         x.dtype != jnp.float32
@@ -53,9 +57,11 @@ def matmul(
     result = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), x.dtype)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     if int8:
-        y = jax.ffi.ffi_call(INT8_TARGET, result)(x, w, scale.astype(jnp.float32), index)
+        y = jax.ffi.ffi_call(INT8_TARGET, result)(
+            x, w, scale.astype(jnp.float32), index, fixed_order=fixed_order
+        )
     else:
-        y = jax.ffi.ffi_call(F32_TARGET, result)(x, w, index)
+        y = jax.ffi.ffi_call(F32_TARGET, result)(x, w, index, fixed_order=fixed_order)
     return y.reshape(x.shape[0], *out)  # [T, *out]
 
 

@@ -117,6 +117,12 @@ class EngineOptions:
         "weights came from for steps of 1-3 tokens: auto, on (an error where impossible), off.",
         GGUF_MODES,
     )
+    batch_invariant: bool = option(
+        False,
+        "Each request's outputs bit-identical whatever else shares its steps (other requests, "
+        "batch size, prefill chunking): every kernel reduces in an order fixed per token. "
+        "CPU: the C++ matmul and attention kernels; slower than the default.",
+    )
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -136,6 +142,8 @@ class EngineOptions:
             raise ValueError(
                 f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}"
             )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         for name in ("attention_impl", "ffn_impl", "norm_impl"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")

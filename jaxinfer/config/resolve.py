@@ -16,6 +16,12 @@ The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and 
 - GGUF blocks: beside the matmul kernel, the Q4_1 and Q8_0 blocks of the GGUF file the
   float32 weights were dequantized from, multiplied directly for steps of 1-3 tokens
   (bit-identical products from a quarter of the bytes; jaxinfer.layers.gguf_weights).
+
+batch_invariant (CPU): every product through the C++ matmul kernel in its fixed order (one FMA
+chain over K per output, for every row count; no XLA GEMM, no GGUF blocks), attention through
+the C++ kernel (each row's softmax walks its own positions in one order, whatever shares its
+item or step), norms through the "invariant" reference (jaxinfer.layers.invariant) and the
+sampler's sums as fixed trees. A choice outside INVARIANT_KERNELS is a clear error.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class ResolvedOptions:
     gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
     layer_execution: str  # "scan" or "per_layer"
     async_scheduling: bool
+    batch_invariant: bool  # every kernel reduces in an order fixed per token
     compilation_cache_dir: str | None  # None: no persistent compilation cache
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
 
@@ -116,6 +123,41 @@ def _native(platform: Platform, name: str, option: str, value: str, reasons: lis
         return None, f"its build failed ({error})"
 
 
+# Implementations known to reduce in an order fixed per token (batch_invariant), by kind.
+INVARIANT_KERNELS = {
+    "attention": ("auto", "cpu", "pallas_interpret"),
+    "ffn": ("auto", "reference"),
+    "norm": ("auto", "invariant", "pallas", "pallas_interpret"),
+}
+
+
+def _check_invariant_request(options: EngineOptions, cpu: bool) -> None:
+    """Clear errors for batch_invariant with a choice that cannot honour it."""
+    if not cpu:
+        raise ValueError(
+            "batch_invariant runs on CPU only for now: on a GPU the projections go through "
+            "XLA's dot (cuBLAS), whose reduction order follows the number of rows"
+        )
+    for kind, allowed in INVARIANT_KERNELS.items():
+        name = getattr(options, f"{kind}_impl")
+        if name not in allowed:
+            raise ValueError(
+                f"batch_invariant: {kind}_impl {name!r} is not known to reduce in a fixed "
+                f"order per token; use one of {list(allowed)}"
+            )
+    fixed = {
+        "matmul_impl": ("auto", "cpu"),
+        "weight_layout": ("auto", "out_in"),
+        "gguf_weights": ("auto", "off"),
+    }
+    for name, allowed in fixed.items():
+        if getattr(options, name) not in allowed:
+            raise ValueError(
+                f"batch_invariant needs {name} in {list(allowed)}, got {getattr(options, name)!r}"
+                " (the C++ matmul kernel in its fixed order computes every projection)"
+            )
+
+
 def resolve(
     options: EngineOptions,
     platform: Platform,
@@ -132,6 +174,9 @@ def resolve(
     reasons: dict[str, str] = {}
     tp = options.tensor_parallel_size
     cpu = platform.backend == "cpu"
+    invariant = options.batch_invariant
+    if invariant:
+        _check_invariant_request(options, cpu)
 
     dtype = options.dtype
     if dtype == "auto":
@@ -140,6 +185,9 @@ def resolve(
 
     def pick(kind: str, name: str) -> str:
         asked = name
+        if name == "auto" and invariant and kind == "norm" and cpu:
+            reasons[kind] = "batch_invariant: the reference with one row per reduction"
+            return "invariant"
         if name == "auto":
             single_gpu = platform.backend == "gpu" and tp == 1
             name = "pallas" if single_gpu else "reference"
@@ -168,6 +216,9 @@ def resolve(
     norm = pick("norm", options.norm_impl)
     reference_ffn = registry.get("ffn", ffn) is fused_ffn_reference
     layout = options.weight_layout
+    if layout == "auto" and invariant:
+        layout = OUT_IN
+        reasons["weight_layout"] = "batch_invariant: the matmul kernel's layout"
     if layout == "auto":
         layout = OUT_IN if cpu and reference_ffn else IN_OUT
         reasons["weight_layout"] = (
@@ -187,9 +238,12 @@ def resolve(
         why = _common_reasons(platform, tp, dtype)
         if layout != OUT_IN:
             why.append("it takes the 'out_in' weight layout")
-        matmul_fn, why_not = _native(platform, "matmul", "matmul_impl", options.matmul_impl, why)
+        asked = "cpu" if invariant else options.matmul_impl  # invariant: required
+        matmul_fn, why_not = _native(platform, "matmul", "matmul_impl", asked, why)
         if options.matmul_impl == "auto":
             reasons["matmul"] = "the C++ kernel runs here" if matmul_fn else why_not
+            if invariant:
+                reasons["matmul"] += " (batch_invariant: its fixed order for every row count)"
     matmul = "cpu" if matmul_fn is not None else "xla"
 
     # attention: the C++ kernel for "cpu", and for "auto" where it runs
@@ -202,9 +256,8 @@ def resolve(
             )
         if options.block_size > 128:
             why.append(f"it takes a block_size up to 128, not {options.block_size}")
-        attention_fn, why_not = _native(
-            platform, "paged_attention", "attention_impl", options.attention_impl, why
-        )
+        asked = "cpu" if invariant else options.attention_impl  # invariant on CPU: required
+        attention_fn, why_not = _native(platform, "paged_attention", "attention_impl", asked, why)
     if attention_fn is not None:
         attention = "cpu"
         if options.attention_impl == "auto":
@@ -216,7 +269,9 @@ def resolve(
 
     # GGUF blocks beside the matmul kernel
     gguf_fn = None
-    if options.gguf_weights != "off":
+    if invariant and options.gguf_weights == "auto":
+        reasons["gguf_blocks"] = "off under batch_invariant: the block kernel's order is its own"
+    elif options.gguf_weights != "off":
         why = []
         if matmul_fn is None:
             why.append("they work beside the matmul kernel, which is not in use (matmul_impl)")
@@ -265,6 +320,7 @@ def resolve(
         gguf_blocks_required=options.gguf_weights == "on",
         layer_execution=layer_execution,
         async_scheduling=async_scheduling,
+        batch_invariant=invariant,
         compilation_cache_dir=cache_dir,
         reasons=tuple(sorted(reasons.items())),
     )
@@ -273,6 +329,9 @@ def resolve(
         ffn=registry.get("ffn", ffn),
         add_rms_norm=registry.get("norm", norm),
         weight_layout=layout,
-        matmul=None if matmul_fn is None else KernelMatmul(matmul_fn, gguf_kernel=gguf_fn),
+        matmul=None
+        if matmul_fn is None
+        else KernelMatmul(matmul_fn, gguf_kernel=gguf_fn, fixed_order=invariant),
+        batch_invariant=invariant,
     )
     return Resolution(resolved, kernels)

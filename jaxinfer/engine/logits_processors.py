@@ -2,13 +2,20 @@
 
 R: requests, V: vocabulary, W = ceil(V / 32) bitmask words, C: top candidates per row.
 Each function leaves a row unchanged when its parameter is at the neutral value (penalty 1 or
-0, min_p 0, top_k 0, top_p 1), so one compiled sampler serves any mix of requests.
+0, min_p 0, top_k 0, top_p 1), so one compiled sampler serves any mix of requests. With
+`invariant` (the batch-invariant mode) the float sums are jaxinfer.layers.invariant's trees,
+so a row's thresholds do not depend on the other rows; every other step is elementwise or a
+max, min or top-k, exact in any order.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.layers import invariant as fixed
 
 NUM_CANDIDATES = 256  # top-k / top-p thresholds come from this many candidates when they can
 
@@ -88,18 +95,31 @@ def _sortable(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(flipped, jnp.uint32)
 
 
+def _row_sums(invariant: bool):
+    """(sum, logsumexp, cumsum) over the last axis: XLA's, or fixed trees."""
+    if invariant:
+        return fixed.tree_sum, functools.partial(fixed.logsumexp, keepdims=True), fixed.cumsum
+    return (
+        functools.partial(jnp.sum, axis=-1),
+        functools.partial(jax.nn.logsumexp, axis=-1, keepdims=True),
+        functools.partial(jnp.cumsum, axis=-1),
+    )
+
+
 def _largest_key_reaching(
     keys: jax.Array,  # u32[R, V]
     weights: jax.Array,  # f32[R, V]
     target: jax.Array,  # f32[R]
+    invariant: bool = False,
 ) -> jax.Array:  # u32[R]
     """The largest t with sum(weights[keys >= t]) >= target, by bisection over the 32 key bits
     (exact, 32 passes over the row)."""
+    row_sum = _row_sums(invariant)[0]
 
     def body(_, bounds):
         low, high = bounds  # invariant: low reaches the target; the answer is in [low, high]
         mid = low + (high - low) // 2 + ((high - low) & 1)
-        mass = jnp.sum(jnp.where(keys >= mid[:, None], weights, 0.0), axis=-1)
+        mass = row_sum(jnp.where(keys >= mid[:, None], weights, 0.0))
         reaches = mass >= target
         return jnp.where(reaches, mid, low), jnp.where(reaches, high, mid - 1)
 
@@ -114,6 +134,7 @@ def apply_top_k_top_p(
     logits: jax.Array,  # f32[R, V], temperature already applied
     top_k: jax.Array,  # i32[R], 0 for all
     top_p: jax.Array,  # f32[R], 1 for all
+    invariant: bool = False,
 ) -> jax.Array:
     """Keeps the top_k largest logits (ties at the boundary kept), then the smallest set of
     those whose renormalized probability reaches top_p.
@@ -122,6 +143,7 @@ def apply_top_k_top_p(
     the NUM_CANDIDATES largest values of each row, and only rows whose top_k or nucleus
     reaches past them take an exact 32-pass bisection.
     """
+    _, logsumexp, cumsum = _row_sums(invariant)
     vocab = logits.shape[-1]
     num_candidates = min(NUM_CANDIDATES, vocab)
     k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
@@ -131,7 +153,8 @@ def apply_top_k_top_p(
     k_exact = k > num_candidates  # the k-th value is beyond the candidates
 
     def exact_kth(_):
-        key = _largest_key_reaching(_sortable(logits), jnp.ones_like(logits), k.astype(jnp.float32))
+        ones = jnp.ones_like(logits)
+        key = _largest_key_reaching(_sortable(logits), ones, k.astype(jnp.float32), invariant)
         return jnp.where(k_exact[:, None], _value_of_key(logits, key)[:, None], kth)
 
     kth = jax.lax.cond(jnp.any(k_exact & (k < vocab)), exact_kth, lambda _: kth, None)
@@ -139,9 +162,9 @@ def apply_top_k_top_p(
     logits = jnp.where(keep_k, logits, -jnp.inf)
 
     # top-p over the top-k survivors, renormalized.
-    log_norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    log_norm = logsumexp(logits)
     candidates = jnp.where(jnp.arange(num_candidates) < k[:, None], candidates, -jnp.inf)
-    cumulative = jnp.cumsum(jnp.exp(candidates - log_norm), axis=-1)  # [R, C]
+    cumulative = cumsum(jnp.exp(candidates - log_norm))  # [R, C]
     # The nucleus ends at the first candidate where the cumulative mass reaches top_p.
     reached = cumulative >= top_p[:, None]
     last = jnp.argmax(reached, axis=-1)
@@ -150,7 +173,7 @@ def apply_top_k_top_p(
 
     def exact_p(_):
         probs = jnp.exp(logits - log_norm)
-        key = _largest_key_reaching(_sortable(logits), probs, top_p)
+        key = _largest_key_reaching(_sortable(logits), probs, top_p, invariant)
         return jnp.where(p_exact[:, None], _value_of_key(logits, key)[:, None], threshold)
 
     threshold = jax.lax.cond(jnp.any(p_exact), exact_p, lambda _: threshold, None)

@@ -83,9 +83,17 @@ def _sample_and_record(
     request_rows: jax.Array,  # i32[R]
     *,
     num_logprobs: int,
+    batch_invariant: bool,
 ) -> tuple[SamplerOutput, jax.Array, SamplerState]:
     """The sampler, then each row's sampled token and output counts kept for the next step."""
-    sampled = sample(logits, sampling, sampler_state, request_rows, num_logprobs=num_logprobs)
+    sampled = sample(
+        logits,
+        sampling,
+        sampler_state,
+        request_rows,
+        num_logprobs=num_logprobs,
+        batch_invariant=batch_invariant,
+    )
     last_tokens, sampler_state = record_sampled(
         last_tokens, sampler_state, request_rows, sampled.token_ids, sampling.keeps
     )
@@ -100,8 +108,8 @@ def _prompt_logprobs(
     hidden: jax.Array,
     targets: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[P], i32[P, K], f32[P, K]
-    logits = lm_head(config, params, hidden, partitioner, kernels.weight_layout, kernels.matmul)
-    return token_logprobs(logits, targets, MAX_LOGPROBS)
+    logits = lm_head(config, params, hidden, kernels, partitioner)
+    return token_logprobs(logits, targets, MAX_LOGPROBS, kernels.batch_invariant)
 
 
 def _layer_of(stacked: jax.Array, layer: int, partitioner: Partitioner) -> jax.Array:
@@ -157,10 +165,7 @@ class ModelRunner:
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache
-        layout = kernels.weight_layout
-        logits_fn = functools.partial(
-            compute_logits, arch, partitioner=part, weight_layout=layout, matmul=kernels.matmul
-        )
+        logits_fn = functools.partial(compute_logits, arch, kernels=kernels, partitioner=part)
         self._logits = jax.jit(logits_fn)
         self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part, kernels))
@@ -207,7 +212,7 @@ class ModelRunner:
         self._set_bitmask_rows = jax.jit(set_bitmask_rows, donate_argnums=0)
         self._assemble = jax.jit(assemble_batch)
         self._sample = jax.jit(
-            _sample_and_record,
+            functools.partial(_sample_and_record, batch_invariant=kernels.batch_invariant),
             static_argnames=("num_logprobs",),
             donate_argnames=("sampler_state", "last_tokens"),
         )

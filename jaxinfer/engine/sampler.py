@@ -28,6 +28,7 @@ from jaxinfer.engine.logits_processors import (
     first_argmax,
     unpack_bitmask,
 )
+from jaxinfer.layers import invariant
 
 
 @jax.tree_util.register_dataclass
@@ -104,7 +105,9 @@ def _stages_used(metadata: SamplingMetadata) -> tuple[jax.Array, jax.Array, jax.
     return jnp.any(metadata.has_bias > 0), uses_penalties, jnp.any(metadata.constrained > 0)
 
 
-def draw(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:  # i32[R]
+def draw(
+    logits: jax.Array, metadata: SamplingMetadata, batch_invariant: bool = False
+) -> jax.Array:  # i32[R]
     """Temperature, min_p, top-k, top-p, then the Gumbel-max draw."""
     temperature = metadata.temperature
     scaled = logits / jnp.where(temperature == 0, 1.0, temperature)[:, None]
@@ -114,7 +117,7 @@ def draw(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:  # i32[R]
     truncates = jnp.any((metadata.top_k > 0) | (metadata.top_p < 1))
     scaled = jax.lax.cond(
         truncates,
-        lambda x: apply_top_k_top_p(x, metadata.top_k, metadata.top_p),
+        lambda x: apply_top_k_top_p(x, metadata.top_k, metadata.top_p, batch_invariant),
         lambda x: x,
         scaled,
     )
@@ -123,7 +126,7 @@ def draw(logits: jax.Array, metadata: SamplingMetadata) -> jax.Array:  # i32[R]
     return first_argmax(scaled - jnp.log(exponential))
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant"))
 def sample(
     logits: jax.Array,  # f32[R, V]
     metadata: SamplingMetadata,
@@ -131,7 +134,10 @@ def sample(
     rows: jax.Array,  # i32[R], each request's row in `state`
     *,
     num_logprobs: int,
+    batch_invariant: bool = False,
 ) -> SamplerOutput:
+    """`batch_invariant`: every float sum over a row as a fixed tree (jaxinfer.layers.invariant),
+    so a row's result does not depend on the other rows."""
     logits = logits.astype(jnp.float32)
     is_greedy = metadata.temperature == 0
 
@@ -141,7 +147,7 @@ def sample(
         return jax.lax.cond(
             jnp.all(is_greedy),
             lambda: greedy_ids,
-            lambda: jnp.where(is_greedy, greedy_ids, draw(processed, metadata)),
+            lambda: jnp.where(is_greedy, greedy_ids, draw(processed, metadata, batch_invariant)),
         )
 
     # Every row greedy with nothing to apply: the argmax of the logits as they are. Without
@@ -152,16 +158,19 @@ def sample(
     token_ids = jax.lax.cond(plain, first_argmax, processed_ids, logits)
     if not num_logprobs:
         return SamplerOutput(token_ids, None, None, None)
-    return SamplerOutput(token_ids, *token_logprobs(logits, token_ids, num_logprobs))
+    logprobs = token_logprobs(logits, token_ids, num_logprobs, batch_invariant)
+    return SamplerOutput(token_ids, *logprobs)
 
 
 def token_logprobs(
     logits: jax.Array,  # f32[N, V], the model's own (before any processing)
     token_ids: jax.Array,  # i32[N]
     num_top: int,
+    batch_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[N], i32[N, K], f32[N, K]
     """Log-probabilities of the given tokens, and the num_top most likely tokens with theirs."""
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    log_softmax = invariant.log_softmax if batch_invariant else jax.nn.log_softmax
+    logprobs = log_softmax(logits.astype(jnp.float32))
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
     return chosen, top_ids.astype(jnp.int32), top_logprobs

@@ -10,7 +10,8 @@ Three kinds, each with the signature of its pure-JAX reference:
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
 for attention, "cpu" (the C++ kernel of cpu_kernels.paged_attention, which the engine builds
-and registers before use). What "auto" picks is settled in jaxinfer.config.resolve. Research
+and registers before use); for norm, "invariant" (the reference with one row per reduction,
+jaxinfer.layers.invariant). What "auto" picks is settled in jaxinfer.config.resolve. Research
 code registers its own
 function under a new name on a registry it passes to the engine (`LLM(kernels=registry,
 attention_impl="mine")`); the model calls whatever is selected inside the same jitted step.
@@ -22,7 +23,10 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
+import jax.numpy as jnp
+
 from cpu_kernels.paged_attention.kernel import paged_attention
+from jaxinfer.layers import invariant
 from jaxinfer.layers.linear import IN_OUT
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
@@ -48,6 +52,13 @@ class ModelKernels:
     # (float, or int8 with scale [*out]) -> [T, *out]; under a layer scan w is a
     # linear.StackedWeight, to be read in place. None: XLA (jaxinfer.layers.native_kernels).
     matmul: Callable | None = None
+    # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
+    # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
+    batch_invariant: bool = False
+
+    def rms_norm(self, x, weight, eps: float):  # [N, E], the final norm
+        """RMSNorm alone, through the selected norm kernel (adding zeros is exact)."""
+        return self.add_rms_norm(x, jnp.zeros_like(x), weight, eps=eps)[0]
 
 
 class KernelRegistry:
@@ -86,6 +97,7 @@ def default_registry() -> KernelRegistry:
         "norm": (add_rms_norm_reference, add_rms_norm),
     }
     registry.register("attention", "cpu", paged_attention)
+    registry.register("norm", "invariant", invariant.add_rms_norm)
     for kind, (reference, kernel) in builtins.items():
         registry.register(kind, "reference", reference)
         registry.register(kind, "pallas", kernel)

@@ -39,9 +39,12 @@ class KernelMatmul:
     max_float_rows: int = KERNEL_MAX_FLOAT_ROWS
     gguf_kernel: Callable | None = None
     max_block_rows: int = KERNEL_MAX_BLOCK_ROWS
+    # Batch-invariant mode: every product through `kernel` in its fixed order, whatever the
+    # number of rows (no XLA GEMM for long chunks; resolve leaves out the GGUF blocks).
+    fixed_order: bool = False
 
     def float32(self, x, w):  # x [T, in], w [*out, in] -> [T, *out]
-        if x.shape[0] > self.max_float_rows:
+        if x.shape[0] > self.max_float_rows and not self.fixed_order:
             return xla_dense(x, unstacked(w), OUT_IN)
         return self._kernel(x, w, None)
 
@@ -49,9 +52,10 @@ class KernelMatmul:
         return self._kernel(x, q, scale)
 
     def _kernel(self, x, w, scale):
+        order = {"fixed_order": True} if self.fixed_order else {}
         if isinstance(w, StackedWeight):
-            return self.kernel(x, w.stacked, scale, layer=w.layer)
-        return self.kernel(x, w, scale)
+            return self.kernel(x, w.stacked, scale, layer=w.layer, **order)
+        return self.kernel(x, w, scale, **order)
 
     def blocks(self, x, weight):
         """A weight with GGUF blocks (jaxinfer.layers.weights.GGUFBlocks)."""

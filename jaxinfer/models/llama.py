@@ -10,8 +10,6 @@ The decoder layers' parameters are stacked along a leading [L] axis and run unde
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +23,6 @@ from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
-from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.ragged_paged_attention.reference import write_kv_reference
 
 REFERENCE_KERNELS = ModelKernels()
@@ -158,15 +155,7 @@ class LlamaForCausalLM(nnx.Module):
             kv_cache, batch, kernels=kernels, partitioner=partitioner
         )
         params = nnx.to_pure_dict(nnx.state(self))
-        logits = compute_logits(
-            self.config,
-            params,
-            hidden,
-            batch,
-            partitioner,
-            kernels.weight_layout,
-            kernels.matmul,
-        )
+        logits = compute_logits(self.config, params, hidden, batch, kernels, partitioner)
         return kv_cache, logits
 
     def hidden_states(
@@ -291,29 +280,29 @@ def compute_logits(
     params: dict,
     hidden: jax.Array,
     batch: BatchInputs,
+    kernels: ModelKernels = REFERENCE_KERNELS,
     partitioner: Partitioner | None = None,
-    weight_layout: str = IN_OUT,
-    matmul: Callable | None = None,
 ) -> jax.Array:  # f32[R, V]
     """Final norm and LM head on the rows that sample only (one per request)."""
     rows = hidden[batch.logits_indices]
-    return lm_head(config, params, rows, partitioner, weight_layout, matmul)
+    return lm_head(config, params, rows, kernels, partitioner)
 
 
 def lm_head(
     config: LlamaConfig,
     params: dict,
     hidden: jax.Array,
+    kernels: ModelKernels = REFERENCE_KERNELS,
     partitioner: Partitioner | None = None,
-    weight_layout: str = IN_OUT,
-    matmul: Callable | None = None,
 ) -> jax.Array:  # f32[N, V], whole on every device (the sampler needs every logit)
-    """Final norm and LM head of some hidden rows [N, E] (`matmul`: the kernel that computes
-    an "out_in" head, see ModelKernels)."""
+    """Final norm (through the norm kernel) and LM head (through the matmul kernel of an
+    "out_in" head, see ModelKernels) of some hidden rows [N, E]."""
     with jax.named_scope("lm_head"):
-        x = rms_norm(hidden, params["norm"], config.rms_norm_eps)
+        x = kernels.rms_norm(hidden, params["norm"], config.rms_norm_eps)
         head = params[head_name(config)]
-        logits = lm_logits(x, head, weight_layout, config.tie_word_embeddings, matmul)
+        logits = lm_logits(
+            x, head, kernels.weight_layout, config.tie_word_embeddings, kernels.matmul
+        )
         logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))

@@ -131,7 +131,7 @@ def make_llm(tiny_model_dir):
     def make(preset: str = "tiny", **overrides):
         key = (preset, tuple(sorted(overrides.items())))
         if key not in engines:
-            engines[key] = LLM(model=str(tiny_model_dir), **PRESETS[preset], **overrides)
+            engines[key] = LLM(model=str(tiny_model_dir), **{**PRESETS[preset], **overrides})
         return engines[key]
 
     return make

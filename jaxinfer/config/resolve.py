@@ -27,6 +27,7 @@ sampler's sums as fixed trees. A choice outside INVARIANT_KERNELS is a clear err
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -324,8 +325,12 @@ def resolve(
         compilation_cache_dir=cache_dir,
         reasons=tuple(sorted(reasons.items())),
     )
+    if attention_fn is None:
+        attention_fn = registry.get("attention", attention)
+        if invariant:  # a Pallas kernel (INVARIANT_KERNELS): one BQ, no kv splits
+            attention_fn = functools.partial(attention_fn, batch_invariant=True)
     kernels = ModelKernels(
-        attention=attention_fn or registry.get("attention", attention),
+        attention=attention_fn,
         ffn=registry.get("ffn", ffn),
         add_rms_norm=registry.get("norm", norm),
         weight_layout=layout,

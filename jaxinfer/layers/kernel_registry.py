@@ -29,7 +29,7 @@ from cpu_kernels.paged_attention.kernel import paged_attention
 from jaxinfer.layers import invariant
 from jaxinfer.layers.linear import IN_OUT
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
-from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
+from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference, rms_norm
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
@@ -57,7 +57,10 @@ class ModelKernels:
     batch_invariant: bool = False
 
     def rms_norm(self, x, weight, eps: float):  # [N, E], the final norm
-        """RMSNorm alone, through the selected norm kernel (adding zeros is exact)."""
+        """RMSNorm alone: the reference's, or under batch_invariant through the selected norm
+        kernel (adding zeros is exact)."""
+        if not self.batch_invariant:
+            return rms_norm(x, weight, eps)
         return self.add_rms_norm(x, jnp.zeros_like(x), weight, eps=eps)[0]
 
 

@@ -14,6 +14,15 @@ computed in the wrapper from query_start_loc, so a padding program sees an empty
 costs a launch only. With S > 1 kv splits (Flash-Decoding), each program covers a slice of the
 blocks and the wrapper merges the S partial results by log-sum-exp.
 
+Batch invariance (`batch_invariant=True`). A row's result must not depend on the other rows:
+the default picks BQ and S from the number of tokens (S splits the context by a count, so a
+long context reduces in another order beside few tokens than beside many). Invariant: one BQ
+for every batch and no splits, so every row walks its positions in iterations of P blocks
+from the same block, in one order whether its token is a decode or part of a prefill chunk.
+Iterations always start at a multiple of P blocks (a sliding window's first block rounded
+down): where a program's rows start does not move a row's iteration boundaries, and an
+iteration with nothing visible to a row leaves its sums exactly as they were.
+
 Layouts. Queries are regrouped once to [K, (T + BQ) * Gp, D] so a program's rows are one
 contiguous tile (the BQ padding tokens keep the last tile in bounds). Each program writes its
 own private output tile [BM, D], so no two programs store to the same rows and no masked
@@ -128,7 +137,9 @@ def _attention_kernel(
         else jnp.maximum(0, context - (end - first) - sliding_window + 1)
     )
     hi = jnp.maximum(hi, lo)
-    first_block, end_block = lo // block_size, (hi + block_size - 1) // block_size
+    # iterations aligned to multiples of P blocks (see the module docstring)
+    first_block = lo // block_size // blocks_per_iter * blocks_per_iter
+    end_block = (hi + block_size - 1) // block_size
     iters_total = (end_block - first_block + blocks_per_iter - 1) // blocks_per_iter
     per_split = (iters_total + num_splits - 1) // num_splits
     it_lo = jnp.minimum(split * per_split, iters_total)
@@ -184,9 +195,11 @@ def ragged_paged_attention(
     block_q: int | None = None,
     kv_blocks_per_iter: int | None = None,
     num_kv_splits: int | None = None,
+    batch_invariant: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
-    """The Pallas kernel with the reference's signature (see the module docstring)."""
+    """The Pallas kernel with the reference's signature (see the module docstring).
+    `batch_invariant`: each row's result independent of the other rows (one BQ, no splits)."""
     num_tokens, num_heads, head_dim = q.shape
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
@@ -196,6 +209,11 @@ def ragged_paged_attention(
         raise ValueError(f"{num_heads} query heads do not split over {num_kv_heads} kv heads")
     group = num_heads // num_kv_heads
     group_p = _next_power_of_two(group)
+    if batch_invariant:
+        if num_kv_splits not in (None, 1):
+            raise ValueError("batch_invariant attention takes no kv splits (they split by count)")
+        block_q = block_q or default_block_q(0, group)
+        num_kv_splits = 1
     block_q = block_q or default_block_q(num_tokens, group)
     rows = block_q * group_p
     blocks_per_iter = kv_blocks_per_iter or max(1, 64 // block_size)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
-from pallas_kernels.fused_ffn.kernel import largest_power_of_two_divisor
+from pallas_kernels.tiles import largest_power_of_two_divisor
 
 
 def _add_rms_norm_kernel(x_ref, res_ref, w_ref, out_ref, sum_ref, *, block_e, eps):

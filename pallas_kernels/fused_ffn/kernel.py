@@ -6,8 +6,12 @@ reduction step over E.
 A program computes one [BT, BI] tile of h = silu(x @ W_gate) * (x @ W_up): it walks E in steps
 of BK, multiplying the same x tile by the matching columns of W_gate and W_up (the two halves
 of the stacked [E, 2, I] weight, read as [E, 2I]), and applies the activation in registers,
-so only h [T, I] is written, never the [T, 2I] product. The down projection h @ W_down is one plain matmul (cuBLAS through
-XLA on GPU), which is already at the matmul roofline.
+so only h [T, I] is written, never the [T, 2I] product. The down projection h @ W_down is one
+plain matmul (cuBLAS through XLA on GPU), which is already at the matmul roofline.
+
+Batch invariance (`batch_invariant=True`): BT is fixed (it otherwise grows with T) and the down
+projection runs through the Pallas matmul, whose tiles do not depend on T either
+(pallas_kernels/matmul), so a row's result does not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -19,13 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
-
-
-def largest_power_of_two_divisor(n: int, cap: int) -> int:
-    size = 1
-    while size * 2 <= cap and n % (size * 2) == 0:
-        size *= 2
-    return size
+from pallas_kernels.matmul.kernel import BLOCK_T, matmul
+from pallas_kernels.tiles import largest_power_of_two_divisor
 
 
 def default_block_t(num_tokens: int) -> int:
@@ -112,7 +111,13 @@ def fused_ffn(
     down: jax.Array,  # [I, E]
     *,
     interpret: bool = False,
+    batch_invariant: bool = False,
     **tiles,
 ) -> jax.Array:  # [T, E]
-    """The Pallas kernel with the reference's signature: down(silu(x @ W_gate) * (x @ W_up))."""
-    return gate_up_activation(x, gate_up, interpret=interpret, **tiles) @ down
+    """The Pallas kernel with the reference's signature: down(silu(x @ W_gate) * (x @ W_up)).
+    `batch_invariant`: tiles independent of T, the down projection through the Pallas matmul."""
+    if not batch_invariant:
+        return gate_up_activation(x, gate_up, interpret=interpret, **tiles) @ down
+    tiles.setdefault("block_t", BLOCK_T)
+    h = gate_up_activation(x, gate_up, interpret=interpret, **tiles)
+    return matmul(h, down, interpret=interpret)

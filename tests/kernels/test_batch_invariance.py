@@ -14,6 +14,10 @@ import pytest
 
 from jaxinfer.layers import invariant
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
+from pallas_kernels.fused_ffn.kernel import fused_ffn
+from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.matmul.kernel import matmul as pallas_matmul
+from pallas_kernels.matmul.reference import matmul_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 33, 64)
@@ -74,6 +78,32 @@ def test_the_matmul_kernel_in_fixed_order_is_row_invariant(cpu_matmul):
     assert changed_rows(jax.jit(lambda a: fixed(a, q, scale)), x) == []
     reference = x.astype(np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_allclose(fixed(jnp.asarray(x), w), reference, rtol=1e-4, atol=1e-3)
+
+
+def test_the_pallas_matmul_is_row_invariant():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 576)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((576, 192)), jnp.float32)
+    # XLA's dot, which picks its blocking from the whole shape, is caught ...
+    assert changed_rows(jax.jit(lambda a: a @ w), x)
+    # ... the Pallas kernel's fixed tiles are not.
+    kernel = jax.jit(lambda a: pallas_matmul(a, w, interpret=True))
+    assert changed_rows(kernel, x) == []
+    with jax.default_matmul_precision("highest"):
+        expected = matmul_reference(jnp.asarray(x), w)
+    np.testing.assert_allclose(kernel(x), expected, rtol=2e-5, atol=2e-4)
+
+
+def test_the_pallas_ffn_in_invariant_form_is_row_invariant():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    gate_up = jnp.asarray(rng.standard_normal((64, 2, 112)) / 8, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((112, 64)) / 10, jnp.float32)
+    kernel = jax.jit(lambda a: fused_ffn(a, gate_up, down, interpret=True, batch_invariant=True))
+    assert changed_rows(kernel, x) == []
+    with jax.default_matmul_precision("highest"):
+        expected = fused_ffn_reference(jnp.asarray(x), gate_up, down)
+    np.testing.assert_allclose(kernel(x), expected, rtol=2e-5, atol=2e-4)
 
 
 @pytest.mark.parametrize("norm", ["invariant", "pallas_interpret"])

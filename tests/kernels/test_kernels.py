@@ -16,6 +16,7 @@ from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.matmul.kernel import matmul as pallas_matmul
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -238,6 +239,23 @@ def _attention_lowering(num_tokens, num_heads, num_kv_heads, head_dim, dtype, **
 def test_attention_lowers_for_the_gpu(shape):
     text = _attention_lowering(**{"dtype": jnp.bfloat16, **shape})
     assert _triton_calls(text) == 1
+
+
+def test_the_batch_invariant_forms_lower_for_the_gpu():
+    x = jnp.zeros((32, 576), jnp.bfloat16)
+    text = gpu_lowering.lower_for_gpu(
+        lambda a, w: pallas_matmul(a, w), x, jnp.zeros((576, 1536), jnp.bfloat16)
+    )
+    assert _triton_calls(text) == 1
+    gate_up = jnp.zeros((576, 2, 1536), jnp.bfloat16)
+    down = jnp.zeros((1536, 576), jnp.bfloat16)
+    text = gpu_lowering.lower_for_gpu(
+        lambda a, g, d: fused_ffn(a, g, d, batch_invariant=True), x, gate_up, down
+    )
+    assert _triton_calls(text) == 2  # the gate/up kernel and the down projection's matmul
+    assert (
+        _triton_calls(_attention_lowering(8, 32, 8, 128, jnp.bfloat16, batch_invariant=True)) == 1
+    )
 
 
 def test_ffn_and_norm_lower_for_the_gpu():

@@ -364,7 +364,8 @@ def test_a_failing_step_ends_every_request_in_flight_or_queued(tiny_model_dir):
         deadline = time.monotonic() + 30
         while async_engine._commands.qsize() < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert async_engine._commands.qsize() == 4  # admissions waiting behind the step
+        # the 4 admissions wait behind the step (with any command a client's going sent)
+        assert async_engine._commands.qsize() >= 4
         go.set()
         in_flight.join(40)
         later.join(40)

@@ -49,7 +49,8 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
         impls = {row["impl"]: row for row in rows if row["case"] == case}
         # attention also has the C++ kernel (built by the tool) where a compiler exists
         cpu = {"cpu"} if "attn" in case and can_build() else set()
-        assert set(impls) == {"reference", "pallas_interpret", *cpu}
+        invariant = {"invariant"} if "rmsnorm" in case else set()  # the batch-invariant norm
+        assert set(impls) == {"reference", "pallas_interpret", *cpu, *invariant}
         assert impls["pallas_interpret"]["max_abs_error"] < 1e-4, case
         if cpu:
             assert impls["cpu"]["max_abs_error"] < 1e-4, case

@@ -17,7 +17,6 @@ Exits 1 when a prompt fails either bound (or the prompts tokenize differently: a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
-from jaxinfer.model_loader.model_cache import source_gguf
+from jaxinfer.model_loader.model_cache import file_sha256, source_gguf
 
 FLAGS = flags.FLAGS
 define_engine_flags()
@@ -58,13 +57,7 @@ def _engine() -> LLM:
 def _model_sha256(llm: LLM) -> str | None:
     """The digest of the GGUF file the model came from, where it came from one."""
     path = source_gguf(FLAGS.model, Path(llm.engine.config.model.path))
-    if path is None:
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return None if path is None else file_sha256(path)
 
 
 def generate(llm: LLM) -> list[dict]:

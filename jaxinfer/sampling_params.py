@@ -119,6 +119,8 @@ class SamplingParams:
             Lark grammar).
         output_kind: what each engine step reports for the request (cumulative outputs,
             deltas, or only the final output).
+        num_speculative_tokens: with speculative decoding on, the most tokens proposed for
+            this request per step (0: none); unset: the engine's num_speculative_tokens.
     """
 
     n: int = 1
@@ -144,6 +146,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    num_speculative_tokens: int | None = None
     best_of: None = None  # refused: vLLM v1 dropped it too; use n
 
     def __post_init__(self):
@@ -217,6 +220,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.num_speculative_tokens is not None:
+            _integer("num_speculative_tokens", self.num_speculative_tokens, 0, None)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

@@ -35,10 +35,26 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     token_buckets: tuple[int, ...]  # padded step sizes, ascending; each is compiled once
+    # Most proposed tokens a request verifies in one step (0: no speculative decoding).
+    num_speculative_tokens: int = 0
 
     def request_bucket(self, num_tokens_bucket: int) -> int:
         """Padded request count that goes with a token bucket (a step has <= 1 request/token)."""
         return min(num_tokens_bucket, self.max_num_seqs)
+
+    def sample_bucket(self, num_tokens_bucket: int) -> int:
+        """Padded count of the rows sampled in a step of a token bucket: one per request,
+        plus one per proposed token verified (never more than the step's tokens)."""
+        requests = self.request_bucket(num_tokens_bucket)
+        return min(num_tokens_bucket, requests * (1 + self.num_speculative_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "none" or "ngram"
+    num_speculative_tokens: int  # most proposals per request and step (0 when off)
+    prompt_lookup_min: int
+    prompt_lookup_max: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +70,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     resolved: ResolvedOptions  # every "auto" settled (jaxinfer.config.resolve)
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig("none", 0, 1, 1)
 
     @property
     def layer_execution(self) -> str:  # "scan" or "per_layer" (see ModelRunner)
@@ -117,6 +134,7 @@ def build_engine_config(
     num_blocks = options.num_kv_blocks or max(
         2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
     )
+    num_speculative = options.num_speculative_tokens if options.speculative_method != "none" else 0
     return EngineConfig(
         model=ModelConfig(
             path=model_path,
@@ -135,7 +153,14 @@ def build_engine_config(
             max_num_batched_tokens=options.max_num_batched_tokens,
             max_model_len=max_model_len,
             token_buckets=token_buckets(options.max_num_batched_tokens),
+            num_speculative_tokens=num_speculative,
         ),
         resolved=resolved,
         parallel=ParallelConfig(tensor_parallel_size=tp, kv_replicas=replicas),
+        speculative=SpeculativeConfig(
+            method=options.speculative_method,
+            num_speculative_tokens=num_speculative,
+            prompt_lookup_min=options.prompt_lookup_min,
+            prompt_lookup_max=options.prompt_lookup_max,
+        ),
     )

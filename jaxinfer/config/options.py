@@ -20,6 +20,8 @@ WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 QUANTIZATIONS = tuple(QUANTIZERS)
 MATMUL_IMPLS = ("auto", "xla", "cpu")
 GGUF_MODES = ("auto", "on", "off")
+SPECULATIVE_METHODS = ("none", "ngram")
+MAX_SPECULATIVE_TOKENS = 15
 
 
 def option(default: Any, help: str, choices: tuple | None = None, **kwargs) -> Any:
@@ -123,6 +125,20 @@ class EngineOptions:
         "batch size, prefill chunking): every kernel reduces in an order fixed per token. "
         "CPU: the C++ matmul and attention kernels; slower than the default.",
     )
+    speculative_method: str = option(
+        "none",
+        "Speculative decoding: none, or ngram (prompt lookup: the tokens that followed the "
+        "latest earlier occurrence of the sequence's last n-gram are proposed and verified "
+        "in one step).",
+        SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = option(
+        5,
+        "Most tokens proposed per request and step (a request may ask for fewer, and each "
+        "request's count shrinks while its proposals are rejected).",
+    )
+    prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up.")
+    prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -130,8 +146,25 @@ class EngineOptions:
             choices = field.metadata["choices"]
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{field.name} must be one of {choices}, got {value!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+        ):
             _positive(name, getattr(self, name))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None and (

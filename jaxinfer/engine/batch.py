@@ -3,7 +3,8 @@ build it on the device.
 
 T: tokens in the step (padded to a bucket), R: requests (padded), MB: blocks per request,
 S: rows of the device-resident block table (max_num_seqs, plus one row for padding requests),
-U: block-table rows rewritten in a step (padded to a power of two).
+U: block-table rows rewritten in a step (padded to a power of two), P: sample rows (one per
+request, plus one per proposed token under speculative decoding; padded).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class BatchInputs:
     block_tables: np.ndarray  # i32[R, MB], each request's blocks in order
     seq_lens: np.ndarray  # i32[R], context length after this step's tokens
     query_start_loc: np.ndarray  # i32[R + 1], start of each request's tokens (cu_seqlens)
-    logits_indices: np.ndarray  # i32[R], the token whose logits each request samples from
+    logits_indices: np.ndarray  # i32[P], the token whose logits each sample row reads
     num_seqs: np.ndarray  # i32[1], requests that are real
 
     @property
@@ -44,24 +45,29 @@ class BatchInputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-request sampling parameters as arrays (R rows, padded like the batch; neutral
-    values in padding rows and for parameters a request does not use)."""
+    """Sampling parameters of each sample row as arrays (P rows, padded like the batch;
+    neutral values in padding rows and for parameters a request does not use). A request
+    takes one row, plus one per proposed token it verifies (speculative decoding): its rows
+    are consecutive, each for the next output position."""
 
-    temperature: np.ndarray  # f32[R]; 0 means greedy
-    top_k: np.ndarray  # i32[R]; 0 means all
-    top_p: np.ndarray  # f32[R]; 1 means all
-    min_p: np.ndarray  # f32[R]; 0 means off
-    repetition_penalty: np.ndarray  # f32[R]; 1 means off
-    presence_penalty: np.ndarray  # f32[R]
-    frequency_penalty: np.ndarray  # f32[R]
-    has_bias: np.ndarray  # i32[R], 1 where the request's bias row applies
-    constrained: np.ndarray  # i32[R], 1 where the request's bitmask row applies this step
-    seeds: np.ndarray  # u32[R, 2], low and high words of each request's seed
-    output_positions: np.ndarray  # i32[R], index of the token being sampled in its output
-    keeps: np.ndarray  # i32[R], 1 where the sample is kept (the step ends the request's tokens)
+    temperature: np.ndarray  # f32[P]; 0 means greedy
+    top_k: np.ndarray  # i32[P]; 0 means all
+    top_p: np.ndarray  # f32[P]; 1 means all
+    min_p: np.ndarray  # f32[P]; 0 means off
+    repetition_penalty: np.ndarray  # f32[P]; 1 means off
+    presence_penalty: np.ndarray  # f32[P]
+    frequency_penalty: np.ndarray  # f32[P]
+    has_bias: np.ndarray  # i32[P], 1 where the request's bias row applies
+    constrained: np.ndarray  # i32[P], 1 where the request's bitmask row applies this step
+    seeds: np.ndarray  # u32[P, 2], low and high words of each request's seed
+    output_positions: np.ndarray  # i32[P], index of the token being sampled in its output
+    keeps: np.ndarray  # i32[P], 1 where the sample is kept (the step ends the request's tokens)
+    state_rows: np.ndarray  # i32[P], the request's row of the device's per-request state
+    drafts: np.ndarray  # i32[P], the proposal the row's sample is checked against, else -1
+    first_rows: np.ndarray  # i32[P], the first sample row of the row's request
 
     @classmethod
-    def neutral(cls, num_reqs: int) -> SamplingMetadata:
+    def neutral(cls, num_reqs: int, padding_row: int = 0) -> SamplingMetadata:
         """Greedy rows with every other parameter off (what padding rows hold)."""
         return cls(
             temperature=np.zeros(num_reqs, np.float32),
@@ -76,6 +82,9 @@ class SamplingMetadata:
             seeds=np.zeros((num_reqs, 2), np.uint32),
             output_positions=np.zeros(num_reqs, np.int32),
             keeps=np.zeros(num_reqs, np.int32),
+            state_rows=np.full(num_reqs, padding_row, np.int32),
+            drafts=np.full(num_reqs, -1, np.int32),
+            first_rows=np.arange(num_reqs, dtype=np.int32),
         )
 
 
@@ -93,7 +102,7 @@ class StepInputs:
     request_rows: np.ndarray  # i32[R], each request's block-table row (padding: the last row)
     seq_lens: np.ndarray  # i32[R]
     query_start_loc: np.ndarray  # i32[R + 1]
-    logits_indices: np.ndarray  # i32[R]
+    logits_indices: np.ndarray  # i32[P]
     num_seqs: np.ndarray  # i32[1]
 
     @property

@@ -32,9 +32,15 @@ class BatchBuilder:
         self.scheduler_config = config.scheduler
         self.rows = RowTable(config.scheduler.max_num_seqs)
         self.padding_row = self.rows.padding_row  # the last row of per-request arrays
+        # Bitmask rows per request row: one per position a step may sample for it.
+        self.mask_rows_per_request = 1 + config.scheduler.num_speculative_tokens
+        largest = max(
+            config.scheduler.max_num_seqs,
+            config.scheduler.sample_bucket(config.scheduler.token_buckets[-1]),
+        )
         self.update_buckets = tuple(
-            1 << i for i in range((config.scheduler.max_num_seqs - 1).bit_length() + 1)
-        )  # 1, 2, 4, ... up to the first power of two >= max_num_seqs
+            1 << i for i in range((largest - 1).bit_length() + 1)
+        )  # 1, 2, 4, ... up to the first power of two >= max_num_seqs (and the sample rows)
 
     def bucket(self, num_tokens: int) -> int:
         buckets = self.scheduler_config.token_buckets
@@ -50,6 +56,7 @@ class BatchBuilder:
         """An all-padding step of a token bucket (what build() fills in; also warm-up's input).
         Padding tokens write into the null block; padding requests see nothing."""
         num_reqs = self.scheduler_config.request_bucket(num_tokens)
+        num_samples = self.scheduler_config.sample_bucket(num_tokens)
         inputs = StepInputs(
             token_ids=np.zeros(num_tokens, np.int32),
             token_rows=np.full(num_tokens, -1, np.int32),
@@ -58,10 +65,10 @@ class BatchBuilder:
             request_rows=np.full(num_reqs, self.padding_row, np.int32),
             seq_lens=np.zeros(num_reqs, np.int32),
             query_start_loc=np.zeros(num_reqs + 1, np.int32),
-            logits_indices=np.zeros(num_reqs, np.int32),
+            logits_indices=np.zeros(num_samples, np.int32),
             num_seqs=np.zeros(1, np.int32),
         )
-        sampling = SamplingMetadata.neutral(num_reqs)
+        sampling = SamplingMetadata.neutral(num_samples, self.padding_row)
         return inputs, sampling
 
     def padding_updates(self, num_rows: int) -> RowUpdates:
@@ -77,7 +84,8 @@ class BatchBuilder:
             ),
             bias=RowValues(rows, np.zeros((num_rows, self.vocab_size), np.float32)),
             bitmask=RowValues(
-                rows, np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32)
+                rows * self.mask_rows_per_request,
+                np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32),
             ),
         )
 
@@ -96,6 +104,7 @@ class BatchBuilder:
         constrained: list[tuple[int, ScheduledRequest]] = []
         prompt_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, position, count)
         start = 0
+        sample = 0  # the next sample row
         for index, item in enumerate(items):
             first, count = item.num_computed_tokens, item.num_new_tokens
             row = (
@@ -106,6 +115,7 @@ class BatchBuilder:
             end = start + count
             known = len(item.token_ids)
             assert count - known <= 1, "only a step's last token can be in flight"
+            assert known == count or not item.draft_token_ids, "proposals need the tokens"
             inputs.token_ids[start : start + known] = item.token_ids
             inputs.token_rows[start + known : end] = row
             positions = np.arange(first, first + count, dtype=np.int32)
@@ -123,7 +133,11 @@ class BatchBuilder:
             inputs.request_rows[index] = row
             inputs.seq_lens[index] = first + count
             inputs.query_start_loc[index + 1] = end
-            self._sampling_row(sampling, index, item)
+            num_rows = item.num_sample_rows
+            inputs.logits_indices[sample : sample + num_rows] = np.arange(
+                end - num_rows, end, dtype=np.int32
+            )
+            self._sampling_rows(sampling, sample, row, item)
             if item.params.prompt_logprobs is not None:
                 # Token p's hidden state scores prompt token p + 1.
                 last = min(first + count, item.num_prompt_tokens - 1)
@@ -131,10 +145,10 @@ class BatchBuilder:
                     prompt_spans.append((index, start, first + 1, last - first))
             if item.bitmask is not None:
                 constrained.append((row, item))
-                sampling.constrained[index] = 1
+                sampling.constrained[sample : sample + num_rows] = 1
             start = end
+            sample += num_rows
         inputs.query_start_loc[num_reqs + 1 :] = start
-        inputs.logits_indices[:] = np.maximum(inputs.query_start_loc[1:] - 1, 0)
         inputs.num_seqs[0] = num_reqs
         flags = SamplingFlags(
             num_logprobs=MAX_LOGPROBS
@@ -161,19 +175,27 @@ class BatchBuilder:
         )
         return PromptLogprobRows(rows, targets, tuple((r, p, n) for r, _, p, n in spans))
 
-    def _sampling_row(self, sampling: SamplingMetadata, row: int, item: ScheduledRequest) -> None:
+    def _sampling_rows(
+        self, sampling: SamplingMetadata, first: int, state_row: int, item: ScheduledRequest
+    ) -> None:
+        """The request's sample rows: first, first + 1, ... (one per output position)."""
         params = item.params
-        sampling.temperature[row] = params.temperature
-        sampling.top_k[row] = params.top_k_or_all(self.vocab_size)
-        sampling.top_p[row] = params.top_p
-        sampling.min_p[row] = params.min_p
-        sampling.repetition_penalty[row] = params.repetition_penalty
-        sampling.presence_penalty[row] = params.presence_penalty
-        sampling.frequency_penalty[row] = params.frequency_penalty
-        sampling.has_bias[row] = item.has_bias
-        sampling.seeds[row] = (item.seed & 0xFFFFFFFF, (item.seed >> 32) & 0xFFFFFFFF)
-        sampling.output_positions[row] = item.output_position
-        sampling.keeps[row] = item.samples
+        rows = slice(first, first + item.num_sample_rows)
+        sampling.temperature[rows] = params.temperature
+        sampling.top_k[rows] = params.top_k_or_all(self.vocab_size)
+        sampling.top_p[rows] = params.top_p
+        sampling.min_p[rows] = params.min_p
+        sampling.repetition_penalty[rows] = params.repetition_penalty
+        sampling.presence_penalty[rows] = params.presence_penalty
+        sampling.frequency_penalty[rows] = params.frequency_penalty
+        sampling.has_bias[rows] = item.has_bias
+        sampling.seeds[rows] = (item.seed & 0xFFFFFFFF, (item.seed >> 32) & 0xFFFFFFFF)
+        sampling.output_positions[rows] = item.output_position + np.arange(item.num_sample_rows)
+        sampling.keeps[rows] = item.samples
+        sampling.state_rows[rows] = state_row
+        sampling.first_rows[rows] = first
+        if item.draft_token_ids:
+            sampling.drafts[first : first + len(item.draft_token_ids)] = item.draft_token_ids
 
     def _rows(self, count: int) -> np.ndarray:
         return np.full(self.update_bucket(count), self.padding_row, np.int32)
@@ -215,11 +237,17 @@ class BatchBuilder:
         return RowValues(rows, values)
 
     def _bitmask_rows(self, constrained: list[tuple[int, ScheduledRequest]]) -> RowValues | None:
+        """Each constrained request's rows of the bitmask table (mask_rows_per_request per
+        request row, one per sample row)."""
         if not constrained:
             return None
-        rows = self._rows(len(constrained))
+        rows = self._rows(sum(len(item.bitmask) for _, item in constrained))
+        rows *= self.mask_rows_per_request
         values = np.full((len(rows), bitmask_width(self.vocab_size)), -1, np.int32)
-        for index, (row, item) in enumerate(constrained):
-            rows[index] = row
-            values[index] = item.bitmask
+        index = 0
+        for row, item in constrained:
+            count = len(item.bitmask)
+            rows[index : index + count] = row * self.mask_rows_per_request + np.arange(count)
+            values[index : index + count] = item.bitmask
+            index += count
         return RowValues(rows, values)

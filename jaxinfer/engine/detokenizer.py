@@ -16,6 +16,11 @@ class IncrementalDetokenizer:
         self._token_ids: list[int] = []
         self.text = ""
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens added so far."""
+        return len(self._token_ids)
+
     def add(self, token_id: int) -> str:
         """Appends a token; returns the new text it completes (possibly empty)."""
         self._token_ids.append(token_id)

@@ -13,7 +13,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.batch import BatchInputs, PenaltyRows, RowValues, StepInputs
+from jaxinfer.engine.batch import (
+    BatchInputs,
+    PenaltyRows,
+    RowValues,
+    SamplingMetadata,
+    StepInputs,
+)
 from jaxinfer.engine.sampler import SamplerState
 
 
@@ -71,18 +77,34 @@ def assemble_batch(
     )
 
 
+def accepted_rows(
+    token_ids: jax.Array,  # i32[P], sampled
+    sampling: SamplingMetadata,
+) -> jax.Array:  # bool[P]
+    """Sample rows whose token is kept: the request's sample is kept (sampling.keeps) and no
+    earlier row of the same request sampled something other than its proposal (the host's
+    verification, jaxinfer.engine.scheduler, keeps the same rows)."""
+    mismatch = ((sampling.drafts >= 0) & (token_ids != sampling.drafts)).astype(jnp.int32)
+    before = jnp.cumsum(mismatch) - mismatch  # mismatches in rows before each row
+    return (sampling.keeps > 0) & (before == before[sampling.first_rows])
+
+
 def record_sampled(
     last_tokens: jax.Array,  # i32[S]
     state: SamplerState,
-    request_rows: jax.Array,  # i32[R]
-    token_ids: jax.Array,  # i32[R]
-    keeps: jax.Array,  # i32[R], 1 where the row's sample is kept
+    token_ids: jax.Array,  # i32[P]
+    sampling: SamplingMetadata,
 ) -> tuple[jax.Array, SamplerState]:
-    """Keeps each request's sampled token where the next step's input reads it, and counts the
-    kept ones in the output counts of the penalties. Rows that did not sample (prefill
-    chunks, padding) write last_tokens too; nothing reads those values."""
-    counts = state.output_counts.at[request_rows, token_ids].add(keeps)
+    """Counts each kept sample in the output counts of the penalties, and keeps each request's
+    last kept token where the next step's input reads it."""
+    rows = sampling.state_rows
+    kept = accepted_rows(token_ids, sampling)
+    counts = state.output_counts.at[rows, token_ids].add(kept.astype(jnp.int32))
+    following = jnp.roll(kept, -1) & (jnp.roll(sampling.first_rows, -1) == sampling.first_rows)
+    following = following.at[-1].set(False)
+    last = kept & ~following
+    targets = jnp.where(last, rows, last_tokens.shape[0])  # out of range: dropped
     return (
-        last_tokens.at[request_rows].set(token_ids),
+        last_tokens.at[targets].set(token_ids, mode="drop"),
         dataclasses.replace(state, output_counts=counts),
     )

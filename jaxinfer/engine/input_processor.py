@@ -58,8 +58,8 @@ class InputProcessor:
         tokenizer_json: its file, for the grammar compiler (built on first use).
         vocab_size: the model's vocabulary (token ids must be below it).
         eos_token_ids: end-of-sequence tokens (blocked with stop tokens under min_tokens).
-        check_admissible: raises ValueError for a (prompt length, max_tokens) the engine
-            could never serve.
+        check_admissible: raises ValueError for a (prompt length, params) the engine could
+            never serve.
     """
 
     def __init__(
@@ -68,7 +68,7 @@ class InputProcessor:
         tokenizer_json: Path,
         vocab_size: int,
         eos_token_ids: frozenset[int],
-        check_admissible: Callable[[int, int | None], None],
+        check_admissible: Callable[[int, SamplingParams], None],
     ):
         self.tokenizer = tokenizer
         self.tokenizer_json = tokenizer_json
@@ -112,7 +112,7 @@ class InputProcessor:
             token_ids = ids.astype(np.int64).tolist()
         else:
             raise TypeError(f"a prompt is text or token ids, not {type(prompt).__name__}")
-        self.check_admissible(len(token_ids), params.max_tokens)
+        self.check_admissible(len(token_ids), params)
         for name, ids in [
             ("stop_token_ids", params.stop_token_ids),
             ("allowed_token_ids", params.allowed_token_ids or ()),

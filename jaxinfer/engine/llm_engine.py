@@ -23,6 +23,7 @@ from jaxinfer.engine.parent_request import ParentRequest
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerStats
+from jaxinfer.engine.speculative import make_proposer
 from jaxinfer.engine.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
@@ -77,6 +78,7 @@ class LLMEngine:
             self.config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, arch.vocab_size)
+        self.proposer = make_proposer(self.config.speculative)
         self.input_processor = InputProcessor(
             self.tokenizer,
             folder / "tokenizer.json",
@@ -202,6 +204,8 @@ class LLMEngine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             stop_token_ids=prepared.stop_token_ids,
         )
+        if self.proposer is not None and params.num_speculative_tokens != 0:
+            request.spec = self.proposer.new_state(params.num_speculative_tokens)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -299,12 +303,32 @@ class LLMEngine:
         return outputs
 
     def _needs_tokens_on_host(self) -> bool:
-        """True when a running request's next bitmask row depends on the tokens of the step
-        in flight (grammars, multi-token bad words): then that step is processed first."""
+        """True when a running request's next step depends on the tokens of the step in
+        flight (grammars, multi-token bad words, proposals): then that step is processed
+        first."""
         return any(
-            r.constraints is not None and r.constraints.depends_on_tokens
+            (r.constraints is not None and r.constraints.depends_on_tokens)
+            or (r.spec is not None and r.spec.limit > 0)
             for r in self.scheduler.running
         )
+
+    def _propose(self) -> None:
+        """Sets the proposals of each running request caught up to its last token."""
+        max_model_len = self.config.scheduler.max_model_len
+        for request in self.scheduler.running:
+            if (
+                request.spec is None
+                or request.num_output_placeholders
+                or request.num_tokens - request.num_computed_tokens != 1
+            ):
+                continue
+            room = max_model_len - 1 - request.num_tokens
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = self.proposer.propose(
+                request.spec, request.all_token_ids, room
+            )
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
         scheduler_output = self.scheduler.schedule()
@@ -341,18 +365,9 @@ class LLMEngine:
             else:
                 metrics.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
-            detokenizer = self._detokenizers[request.request_id]
-            delta = detokenizer.add(request.output_token_ids[-1])
-            stops = request.sampling_params.stop
-            ended = request.status.finished
-            if stops and delta and request.status is not RequestStatus.FINISHED_STOPPED:
-                stop, index = find_stop_string(detokenizer.text, len(delta), stops)
-                if index >= 0:
-                    keep = index + len(stop) * request.sampling_params.include_stop_str_in_output
-                    detokenizer.text = detokenizer.text[:keep]
-                    self.scheduler.stop(request, stop)
-                    if not ended:
-                        finished.append(request)
+            self._detokenize(request, finished)
+        if self.proposer is not None:
+            self._propose()
         for request in finished:
             request.metrics.finished_time = now
             if not isinstance(request.stop_reason, str):
@@ -378,6 +393,32 @@ class LLMEngine:
             if parent.finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
+
+    def _detokenize(self, request: Request, finished: list[Request]) -> None:
+        """Adds the request's new tokens to its text, one at a time, and ends it at the first
+        stop string they complete (dropping the tokens after it)."""
+        detokenizer = self._detokenizers[request.request_id]
+        new_tokens = request.output_token_ids[detokenizer.num_tokens :]
+        stops = request.sampling_params.stop
+        ended = request.status.finished
+        for index, token in enumerate(new_tokens):
+            delta = detokenizer.add(token)
+            last = index == len(new_tokens) - 1
+            if (
+                not stops
+                or not delta
+                or (last and request.status is RequestStatus.FINISHED_STOPPED)
+            ):
+                continue
+            stop, position = find_stop_string(detokenizer.text, len(delta), stops)
+            if position >= 0:
+                keep = position + len(stop) * request.sampling_params.include_stop_str_in_output
+                detokenizer.text = detokenizer.text[:keep]
+                request.truncate_output(detokenizer.num_tokens)
+                self.scheduler.stop(request, stop)
+                if not ended:
+                    finished.append(request)
+                return
 
     def _record_prompt_logprobs(self, step: DispatchedStep) -> None:
         """Appends each prompt position's logprobs to its request (once: a chunk recomputed
@@ -415,20 +456,30 @@ class LLMEngine:
     def _to_step_output(
         self, scheduler_output: SchedulerOutput, sampled: SamplerOutput
     ) -> StepOutput:
-        num_reqs = len(scheduler_output.scheduled)
         host = fetch(sampled)  # the one device-to-host transfer of the step
-        token_ids = host.token_ids[:num_reqs].tolist()
-        logprobs: list[dict[int, float] | None] = [None] * num_reqs
-        for row, item in enumerate(scheduler_output.scheduled):
+        num_rows = sum(item.num_sample_rows for item in scheduler_output.scheduled)
+        flat = host.token_ids[:num_rows].tolist()
+        token_ids, logprobs = [], []
+        first = 0
+        for item in scheduler_output.scheduled:
+            rows = range(first, first + item.num_sample_rows)
+            first = rows.stop
+            token_ids.append(flat[rows.start : rows.stop])
             wanted = item.params.logprobs
             if wanted is None or not item.samples:
+                logprobs.append([None] * len(rows))
                 continue
-            logprobs[row] = _top_logprobs(
-                host.top_ids[row],
-                host.top_logprobs[row],
-                wanted,
-                token_ids[row],
-                host.sampled_logprobs[row],
+            logprobs.append(
+                [
+                    _top_logprobs(
+                        host.top_ids[row],
+                        host.top_logprobs[row],
+                        wanted,
+                        flat[row],
+                        host.sampled_logprobs[row],
+                    )
+                    for row in rows
+                ]
             )
         return StepOutput(token_ids=token_ids, logprobs=logprobs)
 

@@ -76,26 +76,28 @@ def _scan_step(
 
 
 def _sample_and_record(
-    logits: jax.Array,  # f32[R, V]
+    logits: jax.Array,  # f32[P, V]
     sampling: SamplingMetadata,
     sampler_state: SamplerState,
     last_tokens: jax.Array,  # i32[S]
-    request_rows: jax.Array,  # i32[R]
     *,
     num_logprobs: int,
     batch_invariant: bool,
+    num_speculative: int,
 ) -> tuple[SamplerOutput, jax.Array, SamplerState]:
-    """The sampler, then each row's sampled token and output counts kept for the next step."""
+    """The sampler, then each request's last kept token and the output counts kept for the
+    next step."""
     sampled = sample(
         logits,
         sampling,
         sampler_state,
-        request_rows,
+        sampling.state_rows,
         num_logprobs=num_logprobs,
         batch_invariant=batch_invariant,
+        num_speculative=num_speculative,
     )
     last_tokens, sampler_state = record_sampled(
-        last_tokens, sampler_state, request_rows, sampled.token_ids, sampling.keeps
+        last_tokens, sampler_state, sampled.token_ids, sampling
     )
     return sampled, last_tokens, sampler_state
 
@@ -204,7 +206,11 @@ class ModelRunner:
             output_counts=part.zeros((num_rows, vocab), jnp.int32),
             prompt_mask=part.zeros((num_rows, vocab), bool),
             bias=part.zeros((num_rows, vocab), jnp.float32),
-            bitmask=part.full((num_rows, bitmask_width(vocab)), -1, jnp.int32),
+            bitmask=part.full(
+                (num_rows * (1 + config.scheduler.num_speculative_tokens), bitmask_width(vocab)),
+                -1,
+                jnp.int32,
+            ),
         )
         self._set_rows = jax.jit(set_rows, donate_argnums=0)
         self._set_penalty_rows = jax.jit(set_penalty_rows, donate_argnums=0)
@@ -212,7 +218,11 @@ class ModelRunner:
         self._set_bitmask_rows = jax.jit(set_bitmask_rows, donate_argnums=0)
         self._assemble = jax.jit(assemble_batch)
         self._sample = jax.jit(
-            functools.partial(_sample_and_record, batch_invariant=kernels.batch_invariant),
+            functools.partial(
+                _sample_and_record,
+                batch_invariant=kernels.batch_invariant,
+                num_speculative=config.scheduler.num_speculative_tokens,
+            ),
             static_argnames=("num_logprobs",),
             donate_argnames=("sampler_state", "last_tokens"),
         )
@@ -312,7 +322,6 @@ class ModelRunner:
             step.sampling,
             self.sampler_state,
             self.last_tokens,
-            inputs.request_rows,
             num_logprobs=step.flags.num_logprobs,
         )
         prompt = step.prompt_logprobs
@@ -345,7 +354,7 @@ class ModelRunner:
             )
 
     def warmup(self, builder: BatchBuilder) -> float:
-        """Compiles every token bucket, the sampler of each request bucket (with and without
+        """Compiles every token bucket, the sampler of each sample-row bucket (with and without
         logprobs) and every size of per-request row updates, by running all-padding steps from
         the batch builder; returns the seconds it took."""
         start = time.perf_counter()
@@ -353,9 +362,9 @@ class ModelRunner:
         sampled_buckets = set()
         for num_tokens in sched.token_buckets:
             inputs, sampling = builder.padding_batch(num_tokens)
-            num_reqs = inputs.num_reqs
-            variants = [0] if num_reqs in sampled_buckets else [0, MAX_LOGPROBS]
-            sampled_buckets.add(num_reqs)
+            num_samples = sampling.temperature.shape[0]
+            variants = [0] if num_samples in sampled_buckets else [0, MAX_LOGPROBS]
+            sampled_buckets.add(num_samples)
             prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
             for num_logprobs in variants:
                 step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)

@@ -13,6 +13,7 @@ from jaxinfer.outputs import RequestMetrics
 
 if TYPE_CHECKING:
     from jaxinfer.engine.parent_request import ParentRequest
+    from jaxinfer.engine.speculative import SpecState
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -81,6 +82,8 @@ class Request:
     # What DELTA outputs have reported so far (output tokens, characters of text).
     num_reported_tokens: int = 0
     num_reported_chars: int = 0
+    spec: SpecState | None = None  # its speculative decoding state (None: it never proposes)
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # for the next step
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -113,3 +116,18 @@ class Request:
         self.num_output_placeholders -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_accepted_token(self, token_id: int) -> None:
+        """Appends a token a step sampled after an accepted proposal (no placeholder: the
+        proposal's position was scheduled as a computed token)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drops the output tokens past the first num_output_tokens (a finished request whose
+        stop string ended earlier than the step's last accepted token)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[-drop:]
+            del self.all_token_ids[-drop:]
+            del self.logprobs[num_output_tokens:]

@@ -1,7 +1,12 @@
 """The vectorized sampler: one jitted call over the logits of every request in the step.
 
-R: requests, V: vocabulary, K: logprobs returned per row, S: rows of the per-request
-state the device keeps), W = ceil(V / 32).
+R: sample rows (one per request, plus one per proposed token it verifies under speculative
+decoding), V: vocabulary, K: logprobs returned per row, S: rows of the per-request state the
+device keeps, W = ceil(V / 32), D: most proposals per request (num_speculative).
+
+A request's sample rows are consecutive, for consecutive output positions; a row after
+proposals sees them as accepted output (the penalties count them, the bitmask row is the
+grammar's state after them), exactly as the step that would sample there without speculation.
 
 Order, as in the seeds: logit bias (with allowed_token_ids and bad words), penalties and the
 token bitmask (structured outputs, min_tokens) change the logits; greedy rows take the argmax
@@ -40,7 +45,7 @@ class SamplerState:
     output_counts: jax.Array  # i32[S, V], each token's count in the request's output
     prompt_mask: jax.Array  # bool[S, V], tokens of the request's prompt
     bias: jax.Array  # f32[S, V], logit_bias, allowed_token_ids and single-token bad words
-    bitmask: jax.Array  # i32[S, W], allowed tokens of the current step (constrained rows)
+    bitmask: jax.Array  # i32[S * (1 + D), W], allowed tokens of each sample row of a request
 
 
 @jax.tree_util.register_dataclass
@@ -67,9 +72,24 @@ def process_logits(
     metadata: SamplingMetadata,
     state: SamplerState,
     rows: jax.Array,  # i32[R]
+    num_speculative: int = 0,
 ) -> jax.Array:
     """Bias, penalties and the bitmask: what greedy and random rows both see."""
     vocab = logits.shape[-1]
+    index = jnp.arange(logits.shape[0], dtype=jnp.int32)
+    position = index - metadata.first_rows  # [R], the row's place among its request's rows
+
+    def output_counts():
+        counts = state.output_counts[rows]  # [R, V]
+        if not num_speculative:
+            return counts
+        # The proposals before the row, as if accepted: drafts[first .. row - 1].
+        earlier = metadata.first_rows[:, None] + jnp.arange(num_speculative)[None, :]  # [R, D]
+        valid = earlier < index[:, None]
+        tokens = metadata.drafts[jnp.minimum(earlier, logits.shape[0] - 1)]
+        valid &= tokens >= 0
+        row_ids = jnp.broadcast_to(index[:, None], tokens.shape)
+        return counts.at[row_ids, jnp.maximum(tokens, 0)].add(valid.astype(counts.dtype))
 
     def bias(x):
         bias_rows = state.bias[rows]
@@ -78,7 +98,7 @@ def process_logits(
     def penalties(x):
         return apply_penalties(
             x,
-            state.output_counts[rows],
+            output_counts(),
             state.prompt_mask[rows],
             metadata.repetition_penalty,
             metadata.presence_penalty,
@@ -86,7 +106,8 @@ def process_logits(
         )
 
     def bitmask(x):
-        allowed = unpack_bitmask(state.bitmask[rows], vocab)
+        mask_rows = rows * (1 + num_speculative) + jnp.clip(position, 0, num_speculative)
+        allowed = unpack_bitmask(state.bitmask[mask_rows], vocab)
         return jnp.where((metadata.constrained[:, None] > 0) & ~allowed, -jnp.inf, x)
 
     uses_bias, uses_penalties, uses_bitmask = _stages_used(metadata)
@@ -126,23 +147,25 @@ def draw(
     return first_argmax(scaled - jnp.log(exponential))
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant"))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant", "num_speculative"))
 def sample(
     logits: jax.Array,  # f32[R, V]
     metadata: SamplingMetadata,
     state: SamplerState,
-    rows: jax.Array,  # i32[R], each request's row in `state`
+    rows: jax.Array,  # i32[R], each row's request row in `state`
     *,
     num_logprobs: int,
     batch_invariant: bool = False,
+    num_speculative: int = 0,
 ) -> SamplerOutput:
     """`batch_invariant`: every float sum over a row as a fixed tree (jaxinfer.layers.invariant),
-    so a row's result does not depend on the other rows."""
+    so a row's result does not depend on the other rows. `num_speculative`: the most proposals
+    a request verifies in a step (D)."""
     logits = logits.astype(jnp.float32)
     is_greedy = metadata.temperature == 0
 
     def processed_ids(logits):
-        processed = process_logits(logits, metadata, state, rows)
+        processed = process_logits(logits, metadata, state, rows, num_speculative)
         greedy_ids = first_argmax(processed)
         return jax.lax.cond(
             jnp.all(is_greedy),

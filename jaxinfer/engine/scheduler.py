@@ -11,6 +11,15 @@ placeholders with the sampled tokens and applies stops. So the engine may schedu
 while step N runs on the device (async scheduling): a decode's input token is then step N's
 placeholder, read on the device; the results of steps that a preemption or abort overtook are
 dropped.
+
+Speculative decoding: a running request caught up to its last token whose proposals are set
+(request.spec_token_ids) schedules them too, 1 + D tokens; proposals are dropped, never the
+request, when the budget or the pool is short. The step samples after each; update_from_output
+keeps the samples up to the first that differs from its proposal and moves
+num_computed_tokens back over the rejected ones (their KV slots are written again later, their
+blocks kept for the tokens to come). Only tokens known on the host are ever hashed into the
+prefix cache, so a rejected proposal never is. Steps with proposals need the tokens on the host
+(the engine processes the step in flight first).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from jaxinfer.engine.constraints import bitmask_width
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.step import RowInit, ScheduledRequest, SchedulerOutput, StepOutput
+from jaxinfer.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +48,29 @@ class SchedulerStats:
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int
     num_generated_tokens: int  # sampled tokens kept, of every request (finished or not)
+    spec: SpecStats | None = None  # speculative decoding's counts (None when it is off)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counts of speculative decoding since the start."""
+
+    num_drafts: int = 0  # request steps that verified at least one proposal
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0  # of which accepted
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # by index
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def snapshot(self) -> SpecStats:
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
 
 class Scheduler:
@@ -56,10 +89,23 @@ class Scheduler:
         self._arrivals = 0
         self._admissions = 0  # each admission's epoch: a stale step's rows never match
         self._released: list[str] = []  # ids that left the running set since the last step
+        self.spec_stats = SpecStats() if config.num_speculative_tokens else None
 
-    def check_admissible(self, prompt_len: int, max_tokens: int | None) -> None:
-        """Raises ValueError for a request that could never complete (it reads only the
-        configuration, so any thread may call it)."""
+    def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raises ValueError for a request that could never complete, or asks for what the
+        engine cannot do (it reads only the configuration, so any thread may call it)."""
+        max_tokens = params.max_tokens
+        wanted = params.num_speculative_tokens
+        if wanted and wanted > self.config.num_speculative_tokens:
+            if not self.config.num_speculative_tokens:
+                raise ValueError(
+                    "num_speculative_tokens: speculative decoding is off in this engine "
+                    "(its speculative_method is none)"
+                )
+            raise ValueError(
+                f"num_speculative_tokens must be at most the engine's "
+                f"{self.config.num_speculative_tokens}, got {wanted}"
+            )
         if prompt_len == 0:
             raise ValueError("the prompt is empty")
         if prompt_len >= self.config.max_model_len:
@@ -77,7 +123,7 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
-        self.check_admissible(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.check_admissible(request.num_prompt_tokens, request.sampling_params)
         request.arrival_index = self._arrivals
         self._arrivals += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
@@ -94,13 +140,18 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
-            )
+            base = request.num_tokens_with_placeholders - request.num_computed_tokens
+            num_new = min(base, budget)
             if num_new <= 0 or self._sampled_enough(request):
                 index += 1  # its in-flight step finishes it, or there is nothing to compute
                 continue
+            if base == 1 and request.spec_token_ids:
+                assert not request.num_output_placeholders, "proposals need the tokens"
+                num_new = min(1 + len(request.spec_token_ids), budget)
             while not self.kv.allocate_blocks(request, num_new):
+                if num_new > base:
+                    num_new = base  # the proposals go first
+                    continue
                 # The lowest priority, latest arrival gives its blocks back; if it was already
                 # scheduled in this step (a lower priority ahead of this one), so are its tokens.
                 victim = max(self.running, key=lambda r: r.sort_key)
@@ -174,7 +225,10 @@ class Scheduler:
         """Advances the request by a scheduled step (before the step runs) and describes the
         step's part for it."""
         first = request.num_computed_tokens
-        samples = first + num_new == request.num_tokens_with_placeholders
+        num_drafts = max(first + num_new - request.num_tokens_with_placeholders, 0)
+        drafts = tuple(request.spec_token_ids[:num_drafts])
+        request.spec_token_ids = []
+        samples = first + num_new >= request.num_tokens_with_placeholders
         output_position = request.num_output_tokens + request.num_output_placeholders
         params = request.sampling_params
         row_init = None
@@ -188,7 +242,7 @@ class Scheduler:
             request_id=request.request_id,
             num_computed_tokens=first,
             num_new_tokens=num_new,
-            token_ids=tuple(request.all_token_ids[first : first + num_new]),
+            token_ids=tuple(request.all_token_ids[first : first + num_new - num_drafts]) + drafts,
             block_ids=tuple(request.block_ids),
             samples=samples,
             output_position=output_position,
@@ -197,25 +251,62 @@ class Scheduler:
             seed=request.seed,
             has_bias=request.bias is not None,
             prompt_token_ids=request.prompt_token_ids,
-            bitmask=self._bitmask(request, output_position) if samples else None,
+            bitmask=self._bitmask(request, output_position, drafts) if samples else None,
             row_init=row_init,
+            draft_token_ids=drafts,
         )
         request.num_computed_tokens = first + num_new
         if samples:
             request.num_output_placeholders += 1
         return item
 
-    def _bitmask(self, request: Request, output_position: int) -> np.ndarray | None:
-        """The tokens the request's grammar (or multi-token bad words) allows for the sample
-        at `output_position`, or None where nothing is constrained."""
+    def _bitmask(
+        self, request: Request, output_position: int, drafts: tuple[int, ...]
+    ) -> np.ndarray | None:
+        """The tokens the request's grammar (or multi-token bad words, or min_tokens) allows
+        at `output_position` and after each proposal (i32[1 + D, W]), or None where nothing is
+        constrained. The grammar advances over the proposals it accepts and is rolled back;
+        the row after the first proposal it forbids (which that row's sample then cannot
+        equal) and the rows past it allow everything."""
         constraints = request.constraints
-        if constraints is None or not constraints.active(output_position):
+        if constraints is None or not any(
+            constraints.active(output_position + j) for j in range(len(drafts) + 1)
+        ):
             return None
         if constraints.depends_on_tokens:
             assert request.num_output_placeholders == 0, "a sampled token is still in flight"
-        values = np.full((1, bitmask_width(self.vocab_size)), -1, np.int32)
-        constraints.fill(values, 0, request.output_token_ids, output_position)
-        return values[0]
+        values = np.full((len(drafts) + 1, bitmask_width(self.vocab_size)), -1, np.int32)
+        outputs = request.output_token_ids
+        consumed = 0
+        for j in range(len(drafts) + 1):
+            if constraints.active(output_position + j):
+                constraints.fill(values, j, outputs + list(drafts[:j]), output_position + j)
+            if j == len(drafts) or not _allows(values[j], drafts[j]):
+                break
+            if constraints.matcher is not None:
+                if constraints.matcher.is_stopped() or not constraints.matcher.consume_token(
+                    drafts[j]
+                ):
+                    break
+                consumed += 1
+        if consumed:
+            constraints.matcher.rollback(consumed)
+        return values
+
+    def _verify(self, request: Request, item: ScheduledRequest, sampled: list[int]) -> list[int]:
+        """The tokens a step gives a request: its samples up to and including the first that
+        differs from the proposal at its position (all of them when every proposal matched);
+        num_computed_tokens moves back over the rejected proposals."""
+        drafts = item.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        if drafts:
+            request.num_computed_tokens -= len(drafts) - accepted
+            self.spec_stats.record(len(drafts), accepted)
+            if request.spec is not None:
+                request.spec.record(len(drafts), accepted)
+        return sampled[: accepted + 1]
 
     def _release(self, request: Request) -> None:
         """Gives back everything a request holds that leaves the running set (its device row
@@ -227,6 +318,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)  # ahead of later arrivals
@@ -253,15 +345,23 @@ class Scheduler:
                 updated.append(request)
                 finished.append(request)
                 continue
-            request.append_output_token(step_output.token_ids[row])
-            self.num_generated_tokens += 1
-            if request.constraints is not None:
-                request.constraints.accept(step_output.token_ids[row])
-            if step_output.logprobs[row] is not None:
-                request.logprobs.append(step_output.logprobs[row])
+            tokens = self._verify(request, item, step_output.token_ids[row])
+            status = None
+            for position, token in enumerate(tokens):
+                if position == 0:
+                    request.append_output_token(token)
+                else:
+                    request.append_accepted_token(token)
+                self.num_generated_tokens += 1
+                if request.constraints is not None:
+                    request.constraints.accept(token)
+                if step_output.logprobs[row][position] is not None:
+                    request.logprobs.append(step_output.logprobs[row][position])
+                status = self._stop_status(request)
+                if status is not None:
+                    break  # the tokens after a stop are dropped
             self.kv.cache_full_blocks(request)
             updated.append(request)
-            status = self._stop_status(request)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -312,6 +412,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
+            spec=self.spec_stats.snapshot() if self.spec_stats is not None else None,
         )
 
     def abort(self, request: Request) -> None:
@@ -325,3 +426,8 @@ class Scheduler:
             self.running.remove(request)
             self._release(request)
         request.status = RequestStatus.FINISHED_ABORTED
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    """Whether a bitmask row (i32[W]) allows `token`."""
+    return bool((int(row.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)

@@ -10,7 +10,8 @@ Nothing here holds a live Request: downstream of the scheduler a request is its 
 numbers the step needs. Per-request device rows (the block table, sampler state) are the
 runner side's: the batch builder's RowTable gives each running request id a row.
 
-T: tokens in the step (padded to a bucket), R: requests (padded), W: bitmask words.
+T: tokens in the step (padded to a bucket), R: requests (padded), W: bitmask words, D: tokens
+proposed for a request (speculative decoding).
 """
 
 from __future__ import annotations
@@ -50,8 +51,18 @@ class ScheduledRequest:
     seed: int
     has_bias: bool
     prompt_token_ids: tuple[int, ...] | list[int]  # the prompt (never changed)
-    bitmask: np.ndarray | None = None  # i32[W], the tokens allowed this step (grammars)
+    # i32[1 + D, W]: the tokens allowed at each sampled position (grammars): the request's
+    # next token and one more after each proposal.
+    bitmask: np.ndarray | None = None
     row_init: RowInit | None = None  # set when the request takes a device row this step
+    # Proposed tokens (speculative decoding), the step's last D tokens: the step samples at
+    # each of them too, and keeps the samples up to the first that differs from a proposal.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows of the sampler this request takes: one, plus one per proposal."""
+        return 1 + len(self.draft_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -108,10 +119,11 @@ class HostStep:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """Sampled results of one step, on the host, one row per scheduled request."""
+    """Sampled results of one step, on the host, one entry per scheduled request: the token
+    sampled at each of its sample rows (one, plus one per proposal) and their logprobs."""
 
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float] | None]]
 
 
 @dataclasses.dataclass(frozen=True)

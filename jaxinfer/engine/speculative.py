@@ -1,0 +1,118 @@
+"""Speculative decoding on the host: n-gram proposals and each request's proposal length.
+
+A request's proposals are scheduled as more tokens of its next step (jaxinfer.engine.scheduler):
+the step samples at the request's last token and at each proposal, every position exactly as a
+step without proposals would (same logits processors, same random key for the same output
+position), and the leading proposals equal to the tokens sampled before them are accepted.
+With one-hot proposals (n-gram) that is rejection sampling: proposal d is accepted with
+probability p(d) = min(1, p(d) / q(d)), and a rejected position's sample is a draw from p
+without d, which is the normalized max(p - q, 0). So the output distribution, and with a seed
+the tokens themselves, are those of decoding without speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.config import SpeculativeConfig
+
+MAX_COOLDOWN = 64  # most steps a request waits before proposing again after backing off
+
+
+class NgramIndex:
+    """Where each n-gram of a token sequence (n in [min_n, max_n]) last occurred, extended as
+    tokens arrive: a lookup costs max_n - min_n + 1 dict probes and each new token as many
+    inserts, so proposing does not grow with the sequence."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end index of its last
+        self.num_indexed = 0  # n-grams ending before this index are in the table
+
+    def extend(self, tokens: list[int]) -> None:
+        """Indexes the n-grams that end before the last token (each has a successor)."""
+        for end in range(self.num_indexed, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.last_end[tuple(tokens[end - n + 1 : end + 1])] = end
+        self.num_indexed = max(self.num_indexed, len(tokens) - 1)
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` found (at most `count` of them)."""
+        if count <= 0:
+            return []
+        self.extend(tokens)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            end = self.last_end.get(tuple(tokens[len(tokens) - n :]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + count]
+        return []
+
+
+@dataclasses.dataclass
+class SpecState:
+    """One request's proposal length: it grows back while proposals are accepted and halves on
+    each step that accepts none; at 0 the request rests for a cooldown (doubling each time,
+    up to MAX_COOLDOWN steps) and then tries one proposal again."""
+
+    limit: int  # the most proposals per step (the request's or the engine's)
+    length: int = 0
+    cooldown: int = 0  # steps left before the next try
+    backoff: int = 4  # the next cooldown
+    index: NgramIndex | None = None
+
+    def __post_init__(self):
+        self.length = self.limit
+
+    def wanted(self) -> int:
+        """Proposals to ask for now (0 while resting; a resting step counts down)."""
+        if self.length == 0 and self.limit > 0:
+            self.cooldown -= 1
+            if self.cooldown <= 0:
+                self.length = 1
+        return self.length
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed == 0:
+            return
+        if num_accepted == num_proposed:
+            self.length = min(self.limit, self.length + 1)
+            self.backoff = 4
+        elif num_accepted == 0:
+            self.length //= 2
+            if self.length == 0:
+                self.cooldown = self.backoff
+                self.backoff = min(2 * self.backoff, MAX_COOLDOWN)
+        else:
+            self.length = max(1, min(self.length, num_accepted + 1))
+
+
+class NgramProposer:
+    """Prompt lookup: proposes from each request's own tokens (prompt and output)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def new_state(self, requested: int | None) -> SpecState:
+        limit = self.config.num_speculative_tokens
+        if requested is not None:
+            limit = min(limit, requested)
+        return SpecState(
+            limit=limit,
+            index=NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max),
+        )
+
+    def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
+        """At most `room` proposals (what max_tokens and max_model_len leave) after `tokens`."""
+        count = min(state.wanted(), room)
+        if count <= 0:
+            return []
+        return state.index.propose(tokens, count)
+
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | None:
+    if config.method == "none":
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ValueError(f"unknown speculative_method {config.method!r}")

@@ -37,15 +37,20 @@ class NgramIndex:
         self.num_indexed = max(self.num_indexed, len(tokens) - 1)
 
     def propose(self, tokens: list[int], count: int) -> list[int]:
-        """The tokens that followed the latest earlier occurrence of the longest suffix of
-        `tokens` found (at most `count` of them)."""
+        """The `count` tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` found, copied as LZ77 copies a match that overlaps its own output: where
+        the copy reaches the end of `tokens` it goes on over the tokens it proposed (a loop of
+        period p, found p tokens back, is proposed for `count` tokens, not p)."""
         if count <= 0:
             return []
         self.extend(tokens)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             end = self.last_end.get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
-                return tokens[end + 1 : end + 1 + count]
+                proposed = tokens[end + 1 : end + 1 + count]
+                while len(proposed) < count:
+                    proposed.append(proposed[len(proposed) - (len(tokens) - end - 1)])
+                return proposed
         return []
 
 

@@ -52,6 +52,20 @@ class ServerMetrics:
             "compilations_after_warmup", "XLA compilations after warm-up (should stay 0)."
         )
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "generated": 0}
+        self.spec = None
+        if engine.config.speculative.method != "none":
+            self.spec = {
+                "drafts": counter("spec_decode_num_drafts", "Request steps with proposals."),
+                "draft_tokens": counter("spec_decode_num_draft_tokens", "Tokens proposed."),
+                "accepted": counter("spec_decode_num_accepted_tokens", "Proposals accepted."),
+            }
+            self.spec_per_position = prom.Counter(
+                "jaxinfer:spec_decode_num_accepted_tokens_per_pos",
+                "Proposals accepted, by their index among a step's proposals.",
+                ["position"],
+                registry=self.registry,
+            )
+            self._last_per_position: list[int] = []
         jax.monitoring.register_event_duration_secs_listener(self._on_compile)
 
     def _on_compile(self, event: str, duration: float, **kwargs) -> None:
@@ -85,4 +99,20 @@ class ServerMetrics:
             ]:
                 metric.inc(value - self._last[key])
                 self._last[key] = value
+            if self.spec is not None and stats.spec is not None:
+                self._render_spec(stats.spec)
         return prom.generate_latest(self.registry)
+
+    def _render_spec(self, spec) -> None:
+        for key, value in [
+            ("drafts", spec.num_drafts),
+            ("draft_tokens", spec.num_draft_tokens),
+            ("accepted", spec.num_accepted_tokens),
+        ]:
+            self.spec[key].inc(value - self._last.get("spec_" + key, 0))
+            self._last["spec_" + key] = value
+        seen = self._last_per_position
+        for position, value in enumerate(spec.accepted_per_position):
+            before = seen[position] if position < len(seen) else 0
+            self.spec_per_position.labels(position=str(position)).inc(value - before)
+        self._last_per_position = list(spec.accepted_per_position)

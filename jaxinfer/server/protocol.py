@@ -82,6 +82,7 @@ class _SamplingFields(_Body):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: dict[str, Any] | None = None
+    num_speculative_tokens: int | None = None  # jaxinfer: this request's proposal limit
 
     def check_streaming(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -114,6 +115,7 @@ class _SamplingFields(_Body):
             "allowed_token_ids",
             "bad_words",
             "prompt_logprobs",
+            "num_speculative_tokens",
         ]
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.logit_bias is not None:

@@ -1,11 +1,13 @@
 """Property-based tests of the scheduler and KV-cache manager, with a stand-in for the model.
 
-Random sequences of add, step and abort, with random lengths, budgets and pool sizes; after
-every step the block accounting and the scheduling limits must hold.
+Random sequences of add, step and abort, with random lengths, budgets and pool sizes, with and
+without speculative proposals (some right, some wrong); after every step the block accounting
+and the scheduling limits must hold, and the outputs are the stand-in model's own.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -24,20 +26,47 @@ from jaxinfer.sampling_params import SamplingParams
 PREFIXES = [[7] * 40, list(range(3, 43))]  # shared prompt starts, so the prefix cache is hit
 
 
-def fake_token(request: Request) -> int:
+def fake_next(tokens: list[int]) -> int:
     """Deterministic 'model': the next token depends only on the sequence so far."""
-    return (sum(request.all_token_ids) * 31 + request.num_tokens) % 1000 + 3
+    return (sum(tokens) * 31 + len(tokens)) % 1000 + 3
+
+
+def fake_token(request: Request) -> int:
+    return fake_next(request.all_token_ids)
 
 
 def process(scheduler: Scheduler, output) -> None:
     """The stand-in model's results of a step, computed when the step is processed: by then
-    every earlier step is, so each request's tokens are those its sample is drawn after."""
+    every earlier step is, so each request's tokens are those its sample is drawn after. A
+    row after proposals samples as if they were accepted."""
     running = {r.request_id: r for r in scheduler.running}
-    tokens = [
-        fake_token(running[item.request_id]) if item.request_id in running else 0
-        for item in output.scheduled
-    ]  # (rows of requests that left the running set are dropped)
-    scheduler.update_from_output(output, StepOutput(tokens, [None] * len(tokens)))
+    tokens = []
+    for item in output.scheduled:
+        if item.request_id not in running:
+            tokens.append([0] * item.num_sample_rows)  # (dropped: it left the running set)
+            continue
+        known = running[item.request_id].all_token_ids
+        drafts = list(item.draft_token_ids)
+        tokens.append([fake_next(known + drafts[:j]) for j in range(item.num_sample_rows)])
+    logprobs = [[None] * len(row) for row in tokens]
+    scheduler.update_from_output(output, StepOutput(tokens, logprobs))
+
+
+def propose(scheduler: Scheduler, rng, num_speculative: int) -> None:
+    """Proposals for the requests caught up to their last token: the stand-in model's true
+    continuation, corrupted at a random point (or not at all)."""
+    for request in scheduler.running:
+        if request.num_output_placeholders or request.num_tokens - request.num_computed_tokens != 1:
+            continue
+        count = min(rng.randrange(num_speculative + 1), 128 - 1 - request.num_tokens)
+        tokens = list(request.all_token_ids)
+        drafts = []
+        for _ in range(max(count, 0)):
+            drafts.append(fake_next(tokens + drafts))
+        wrong = rng.randrange(len(drafts) + 2)
+        if wrong < len(drafts):
+            drafts[wrong] += 1
+        request.spec_token_ids = drafts
 
 
 def run_to_completion(scheduler: Scheduler, pipelined: bool) -> None:
@@ -55,6 +84,9 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
     kv, config = scheduler.kv, scheduler.config
     pool = kv.pool
     holders = Counter()
+    proposed = {}  # proposals scheduled in `output`, by request id
+    if output is not None:
+        proposed = {item.request_id: len(item.draft_token_ids) for item in output.scheduled}
     for request in requests:
         blocks = request.block_ids
         assert len(set(blocks)) == len(blocks), "a request holds a block twice"
@@ -62,7 +94,12 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
             assert not blocks, f"{request.status} request holds blocks"
             continue
         assert 0 not in blocks, "the null block was handed out"
-        assert request.num_computed_tokens <= request.num_tokens_with_placeholders
+        in_flight = proposed.get(request.request_id, 0)
+        assert request.num_computed_tokens <= request.num_tokens_with_placeholders + in_flight
+        # Only tokens known on the host are in the prefix cache (never a proposal).
+        assert request.num_cached_blocks * kv.block_size <= request.num_tokens
+        for index in range(request.num_cached_blocks):  # (None: a twin block was cached)
+            assert pool.block_hash[blocks[index]] in (None, kv.block_hashes(request)[index])
         assert request.num_tokens_with_placeholders <= config.max_model_len
         assert len(blocks) * kv.block_size >= request.num_computed_tokens
         holders.update(blocks)
@@ -127,16 +164,29 @@ operations = st.lists(
     budget=st.integers(1, 96),
     prefix_caching=st.booleans(),
     pipelined=st.booleans(),
+    num_speculative=st.sampled_from([0, 0, 3, 8]),
+    seed=st.integers(0, 2**16),
 )
 def test_random_add_step_abort_keeps_block_accounting(
-    ops, block_size, num_blocks, max_num_seqs, budget, prefix_caching, pipelined
+    ops,
+    block_size,
+    num_blocks,
+    max_num_seqs,
+    budget,
+    prefix_caching,
+    pipelined,
+    num_speculative,
+    seed,
 ):
     max_model_len = 128
+    pipelined = pipelined and not num_speculative  # (proposals need the tokens on the host)
+    rng = random.Random(seed)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         token_buckets=token_buckets(budget),
+        num_speculative_tokens=num_speculative,
     )
     kv = KVCacheManager(block_size, num_blocks, prefix_caching)
     scheduler = Scheduler(config, kv)
@@ -147,6 +197,8 @@ def test_random_add_step_abort_keeps_block_accounting(
     rows = RowTable(max_num_seqs)  # the batch builder's, fed as the engine feeds it
 
     def step():
+        if num_speculative:
+            propose(scheduler, rng, num_speculative)
         output = scheduler.schedule()
         check_invariants(scheduler, requests, output)
         if output.scheduled:  # (the engine builds only steps that schedule something)
@@ -195,7 +247,14 @@ def test_random_add_step_abort_keeps_block_accounting(
                 request.sampling_params.max_tokens, max_model_len - request.num_prompt_tokens
             )
             assert request.num_output_tokens == expected
+            tokens = list(request.prompt_token_ids)
+            for token in request.output_token_ids:  # the stand-in model's, proposals or not
+                assert token == fake_next(tokens)
+                tokens.append(token)
     assert all(count == 0 for count in kv.pool.ref_counts)
+    if num_speculative and scheduler.spec_stats.num_drafts:
+        stats = scheduler.spec_stats
+        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     assert kv.pool.num_free_blocks == num_blocks - 1
 
 

@@ -1,0 +1,253 @@
+"""Speculative decoding (n-gram proposals): outputs equal to decoding without it, token for
+token with batch_invariant (greedy and seeded sampling, every sampling parameter, grammars,
+stop strings, n > 1, preemption, async scheduling, aborts) and logprob-close without it; the
+sampled distribution unchanged (chi-square, shown first to reject a biased verifier).
+Proposal rollback under random add/step/abort: tests/unit/test_scheduler_properties.py."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer import SamplingParams
+from jaxinfer.engine.scheduler import Scheduler
+from tests.engine.test_default_model import check_logprobs_close
+
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=8, prompt_lookup_min=1)
+
+
+def prompts_and_params(count: int, seed: int = 0) -> tuple[list, list]:
+    """Prompts that repeat a motif (so n-gram proposals are found) or are random, each with
+    its own sampling parameters and proposal limit (None: the engine's, 0 to 8)."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(count):
+        if i % 4 == 3:
+            prompts.append([rng.randrange(3, 300) for _ in range(rng.randrange(4, 40))])
+        else:
+            motif = [rng.randrange(3, 300) for _ in range(rng.randrange(2, 7))]
+            prompts.append((motif * 20)[: rng.randrange(8, 48)])
+        extra = [
+            {},
+            {"temperature": 0.8, "top_p": 0.9},
+            {"temperature": 1.0, "top_k": 20},
+            {"temperature": 0.7, "min_p": 0.05},
+            {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.3},
+            {"logit_bias": {5: 3.0, 7: -100.0}},
+            {"stop": ["ab", "e"], "include_stop_str_in_output": bool(i % 2)},
+            {"stop_token_ids": [prompts[-1][1]]},
+            {"min_tokens": 6, "stop_token_ids": [prompts[-1][0]]},
+            {"bad_words": ["the", " a"]},
+            {"structured_outputs": {"regex": "[a-f]{2,12}( [0-9]+)?"}},
+            {"n": 2, "temperature": 0.9},
+        ][i % 12]
+        params.append(
+            SamplingParams(
+                **{
+                    "temperature": 0.0,
+                    "seed": 1000 + i,
+                    "max_tokens": rng.randrange(8, 40),
+                    "logprobs": 2 if i % 3 == 0 else None,
+                    "num_speculative_tokens": rng.choice([None, 0, 1, 2, 3, 4, 5, 6, 7, 8]),
+                    **extra,
+                }
+            )
+        )
+    return prompts, params
+
+
+def without_override(params: SamplingParams) -> SamplingParams:
+    return SamplingParams(**{**params.__dict__, "num_speculative_tokens": None})
+
+
+def completions(outputs) -> list:
+    return [
+        [(c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs]
+        for o in outputs
+    ]
+
+
+def record_draft_counts(llm) -> list[set[int]]:
+    """Wraps the engine's scheduler to record, per step, the proposal counts scheduled."""
+    seen: list[set[int]] = []
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def recording():
+        output = schedule()
+        seen.append({len(item.draft_token_ids) for item in output.scheduled})
+        return output
+
+    scheduler.schedule = recording
+    return seen
+
+
+@pytest.fixture(scope="module")
+def baseline(make_llm):
+    # (test_batch_invariant's engine: 16 tokens a step, 20 blocks; outputs do not depend on
+    # either under batch_invariant)
+    return make_llm("tiny", batch_invariant=True, num_kv_blocks=20, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def speculative(make_llm):
+    # 64 tokens a step, async scheduling on, and a pool of 32 blocks that 8 requests running
+    # long outgrow: preemptions.
+    return make_llm("served", batch_invariant=True, async_scheduling=True, num_kv_blocks=32, **SPEC)
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return prompts_and_params(48)
+
+
+@pytest.fixture(scope="module")
+def expected(baseline, cases):
+    prompts, params = cases
+    return completions(
+        baseline.generate(prompts, [without_override(p) for p in params], use_tqdm=False)
+    )
+
+
+def test_bit_identical_to_no_speculation(speculative, cases, expected):
+    prompts, params = cases
+    before = speculative.engine.stats().spec
+    seen = record_draft_counts(speculative)
+    got = completions(speculative.generate(prompts, params, use_tqdm=False))
+    mismatched = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of {len(got)} differ: {mismatched}"
+    spec = speculative.engine.stats().spec
+    accepted = spec.num_accepted_tokens - before.num_accepted_tokens
+    proposed = spec.num_draft_tokens - before.num_draft_tokens
+    print(f"proposed {proposed}, accepted {accepted}")
+    assert accepted > 100 and proposed > accepted  # proposals were made, some rejected
+    assert len(spec.accepted_per_position) == 8 and spec.accepted_per_position[7] > 0
+    assert any(len(counts) >= 3 and 0 in counts for counts in seen), "mixed proposal counts"
+    assert speculative.engine.stats().num_preemptions > 0
+
+
+def test_aborts_free_everything(speculative, cases, expected):
+    engine = speculative.engine
+    prompts, params = cases
+    ids = [f"abort-{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(prompt, p, request_id=request_id)
+    finished = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        if step in (3, 9, 20):
+            for request_id in ids[step % 5 :: 5]:
+                engine.abort_request(request_id)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    for i, request_id in enumerate(ids):
+        if request_id in finished:
+            assert completions([finished[request_id]])[0] == expected[i]
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1, "blocks leaked"
+    # (rows go back with the next step; the ones still held are those released since)
+    assert set(engine.batch_builder.rows._rows) <= set(engine.scheduler._released)
+
+
+def test_logprob_close_without_batch_invariance(make_llm, cases):
+    prompts, params = cases
+    greedy = [
+        SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=5, ignore_eos=True)
+        for p in params[:16]
+    ]
+    plain = make_llm("served").generate(prompts[:16], greedy, use_tqdm=False)
+    spec = make_llm("served", **SPEC).generate(prompts[:16], greedy, use_tqdm=False)
+    for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        a, b = a.outputs[0], b.outputs[0]
+        check_logprobs_close((a.token_ids, a.logprobs), (b.token_ids, b.logprobs), f"prompt {i}")
+
+
+def test_request_override_beyond_the_engine_is_refused(speculative, baseline):
+    with pytest.raises(ValueError, match="at most the engine's 8"):
+        speculative.generate([[5, 6]], SamplingParams(num_speculative_tokens=9), use_tqdm=False)
+    with pytest.raises(ValueError, match="speculative decoding is off"):
+        baseline.generate([[5, 6]], SamplingParams(num_speculative_tokens=2), use_tqdm=False)
+    # 0 turns it off for the request: no proposals at all.
+    before = speculative.engine.stats().spec.num_drafts
+    speculative.generate(
+        [[5, 6, 5, 6, 5, 6]],
+        SamplingParams(temperature=0, max_tokens=12, num_speculative_tokens=0),
+        use_tqdm=False,
+    )
+    assert speculative.engine.stats().spec.num_drafts == before
+
+
+# -- the sampled distribution --------------------------------------------------------------
+
+DISTRIBUTION_PROMPT = [11, 12, 13, 14, 11, 12, 13, 14, 11, 12, 13, 14, 11, 12]
+# The tiny model's own distributions are nearly flat; a bias on five tokens (applied to p at
+# every position, as any logits processor) concentrates them, the prompt's pattern among
+# them, so proposals are made and often accepted, and 1200 samples fill the categories.
+BIAS = {11: 7.0, 12: 7.0, 13: 7.0, 14: 7.0, 20: 7.0}
+NUM_SAMPLES = 1200
+
+
+def pairs(llm, params: SamplingParams, seeds: range) -> collections.Counter:
+    """Counts of (2nd, 3rd) output tokens: the first sampled in steps that verify proposals."""
+    outputs = llm.generate(
+        [DISTRIBUTION_PROMPT] * len(seeds),
+        [SamplingParams(**{**params.__dict__, "seed": seed}) for seed in seeds],
+        use_tqdm=False,
+    )
+    return collections.Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outputs)
+
+
+def homogeneity_pvalue(a: collections.Counter, b: collections.Counter) -> float:
+    """Chi-square test that two samples come from one distribution (categories seen fewer
+    than 10 times in all pooled)."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    rest_a = sum(a.values()) - sum(a[k] for k in keys)
+    rest_b = sum(b.values()) - sum(b[k] for k in keys)
+    table = np.array([[a[k] for k in keys] + [rest_a], [b[k] for k in keys] + [rest_b]])
+    table = table[:, table.sum(axis=0) > 0]
+    return stats.chi2_contingency(table).pvalue
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias=BIAS),
+        SamplingParams(
+            temperature=1.3, top_k=4, top_p=0.9, max_tokens=3, ignore_eos=True, logit_bias=BIAS
+        ),
+    ],
+    ids=["temperature", "top_k_top_p"],
+)
+def test_distribution_unchanged(make_llm, params, monkeypatch):
+    plain = make_llm("served")
+    spec = make_llm("served", **SPEC)
+    reference = pairs(plain, params, range(NUM_SAMPLES))
+    # A verifier that accepts every proposal: the test must see the bias.
+    before = spec.engine.stats().spec
+
+    def accept_all(self, request, item, sampled):
+        drafts = item.draft_token_ids
+        if drafts:
+            request.spec.record(len(drafts), len(drafts))
+        return [*drafts, sampled[len(drafts)]]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Scheduler, "_verify", accept_all)
+        biased = pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))
+    assert homogeneity_pvalue(reference, biased) < 1e-6
+    got = pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))
+    spec_stats = spec.engine.stats().spec
+    accepted = spec_stats.num_accepted_tokens - before.num_accepted_tokens
+    proposed = spec_stats.num_draft_tokens - before.num_draft_tokens
+    assert accepted > NUM_SAMPLES // 8 and proposed > accepted
+    pvalue = homogeneity_pvalue(reference, got)
+    print(f"p = {pvalue:.3f}; {len(got)} pairs seen; proposed {proposed}, accepted {accepted}")
+    assert pvalue > 1e-3
+    # With the same seeds, the very same tokens.
+    assert pairs(spec, params, range(200)) == pairs(plain, params, range(200))

@@ -52,6 +52,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags, parse_overrides
+from tools.chat_topics import TOPICS
 from tools.peers import HFPeer, LlamaCppPeer, find_gguf
 
 PEERS = ("hf", "llamacpp")
@@ -98,25 +99,6 @@ SYSTEM_SENTENCE = (
     "You are a careful assistant for a library of technical manuals; answer briefly, cite the "
     "manual section when you can, and say so plainly when a question falls outside them. "
 )
-
-TOPICS = [
-    "the history of the printing press",
-    "how vaccines train the immune system",
-    "why the sky is blue",
-    "the rules of chess",
-    "how a compiler works",
-    "the water cycle",
-    "black holes",
-    "the French revolution",
-    "photosynthesis",
-    "how to bake bread",
-    "the stock market",
-    "plate tectonics",
-    "the life of bees",
-    "quantum computing",
-    "the Roman empire",
-    "how airplanes fly",
-]
 
 
 def build_workload(llm: LLM) -> tuple[list[list[int]], list[int]]:

@@ -37,6 +37,9 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...]  # padded step sizes, ascending; each is compiled once
     # Most proposed tokens a request verifies in one step (0: no speculative decoding).
     num_speculative_tokens: int = 0
+    # Step size up to which proposals may grow a step past its token bucket (above it they
+    # only fill the bucket's padding): steps this small cost about as much as a one-token step.
+    spec_free_tokens: int = 1
 
     def request_bucket(self, num_tokens_bucket: int) -> int:
         """Padded request count that goes with a token bucket (a step has <= 1 request/token)."""
@@ -154,6 +157,7 @@ def build_engine_config(
             max_model_len=max_model_len,
             token_buckets=token_buckets(options.max_num_batched_tokens),
             num_speculative_tokens=num_speculative,
+            spec_free_tokens=resolved.speculative_free_tokens,
         ),
         resolved=resolved,
         parallel=ParallelConfig(tensor_parallel_size=tp, kv_replicas=replicas),

@@ -139,6 +139,12 @@ class EngineOptions:
     )
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up.")
     prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
+    speculative_free_tokens: int | None = option(
+        None,
+        "Proposals may grow a step to this many tokens (past that they only fill the padding "
+        "of the step's token bucket): steps this small cost about as much as one token's. "
+        "Unset: 8 on CPU, 64 on accelerators.",
+    )
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -160,6 +166,8 @@ class EngineOptions:
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative_free_tokens is not None:
+            _positive("speculative_free_tokens", self.speculative_free_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "

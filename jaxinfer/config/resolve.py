@@ -65,6 +65,7 @@ class ResolvedOptions:
     layer_execution: str  # "scan" or "per_layer"
     async_scheduling: bool
     batch_invariant: bool  # every kernel reduces in an order fixed per token
+    speculative_free_tokens: int  # proposals may grow a step up to this many tokens
     compilation_cache_dir: str | None  # None: no persistent compilation cache
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
 
@@ -305,6 +306,15 @@ def resolve(
         reasons["async_scheduling"] = (
             "off on CPU, where the device is the host's own cores" if cpu else "on accelerators"
         )
+    free_tokens = options.speculative_free_tokens
+    if free_tokens is None:
+        free_tokens = 8 if cpu else 64
+        reasons["speculative_free_tokens"] = (
+            "on CPU a step of more than a few tokens is bound by compute"
+            if cpu
+            else "an accelerator reads the weights longer than it computes in small steps "
+            "(an estimate, not measured)"
+        )
     cache_dir = None
     if options.compilation_cache:
         cache_dir = options.compilation_cache_dir or str(Path(options.cache_dir) / "xla")
@@ -322,6 +332,7 @@ def resolve(
         layer_execution=layer_execution,
         async_scheduling=async_scheduling,
         batch_invariant=invariant,
+        speculative_free_tokens=free_tokens,
         compilation_cache_dir=cache_dir,
         reasons=tuple(sorted(reasons.items())),
     )

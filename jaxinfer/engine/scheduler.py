@@ -140,18 +140,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            base = request.num_tokens_with_placeholders - request.num_computed_tokens
-            num_new = min(base, budget)
+            num_new = min(
+                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
+            )
             if num_new <= 0 or self._sampled_enough(request):
                 index += 1  # its in-flight step finishes it, or there is nothing to compute
                 continue
-            if base == 1 and request.spec_token_ids:
-                assert not request.num_output_placeholders, "proposals need the tokens"
-                num_new = min(1 + len(request.spec_token_ids), budget)
             while not self.kv.allocate_blocks(request, num_new):
-                if num_new > base:
-                    num_new = base  # the proposals go first
-                    continue
                 # The lowest priority, latest arrival gives its blocks back; if it was already
                 # scheduled in this step (a lower priority ahead of this one), so are its tokens.
                 victim = max(self.running, key=lambda r: r.sort_key)
@@ -200,6 +195,9 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
+        if self.config.num_speculative_tokens and scheduled:
+            budget = self._add_proposals(scheduled, budget)
+
         released = ()
         if scheduled:  # (an empty output is never built: the rows wait for the next one)
             released, self._released = tuple(self._released), []
@@ -212,6 +210,36 @@ class Scheduler:
             preempted=tuple(preempted),
             released=released,
         )
+
+    def _add_proposals(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        """Adds the proposals of scheduled requests caught up to their last token, in order,
+        as long as they fit the budget, the pool (no preemption for a proposal) and the step's
+        room: the padding of the token bucket the step fills anyway, or up to
+        spec_free_tokens tokens (steps of so few tokens cost about the same as one: they
+        read the weights more than they compute). Returns the budget left."""
+        config = self.config
+        used = config.max_num_batched_tokens - budget
+        buckets = config.token_buckets
+        room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
+        room = min(room, budget)
+        for index, (request, num_new) in enumerate(scheduled):
+            if room <= 0:
+                break
+            proposals = request.spec_token_ids
+            if (
+                not proposals
+                or num_new != 1
+                or request.num_tokens - request.num_computed_tokens != 1
+                or request.num_output_placeholders
+            ):
+                continue
+            count = min(len(proposals), room)
+            if not self.kv.allocate_blocks(request, 1 + count):
+                continue
+            scheduled[index] = (request, 1 + count)
+            room -= count
+            budget -= count
+        return budget
 
     def _sampled_enough(self, request: Request) -> bool:
         """True when the steps in flight already sample the request's last token."""

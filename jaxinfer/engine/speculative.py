@@ -17,6 +17,7 @@ import dataclasses
 from jaxinfer.config import SpeculativeConfig
 
 MAX_COOLDOWN = 64  # most steps a request waits before proposing again after backing off
+RESET_ACCEPTED = 4  # proposals accepted in one step that reset the cooldown
 
 
 class NgramIndex:
@@ -56,9 +57,13 @@ class NgramIndex:
 
 @dataclasses.dataclass
 class SpecState:
-    """One request's proposal length: it grows back while proposals are accepted and halves on
-    each step that accepts none; at 0 the request rests for a cooldown (doubling each time,
-    up to MAX_COOLDOWN steps) and then tries one proposal again."""
+    """One request's proposal length. Every proposal accepted: it grows by two; at least half
+    accepted: one past the accepted ones; fewer: it halves. At 0 the request rests for a
+    cooldown (doubling each time, up to MAX_COOLDOWN steps, until a step accepts
+    RESET_ACCEPTED or more) and then tries one proposal again. Rejected proposals are work
+    that produced nothing: where steps are bound by compute rather than by reading the
+    weights (large batches), they cost as much as accepted ones, so a request whose
+    proposals are mostly wrong soon stops making them."""
 
     limit: int  # the most proposals per step (the request's or the engine's)
     length: int = 0
@@ -80,16 +85,17 @@ class SpecState:
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
             return
-        if num_accepted == num_proposed:
-            self.length = min(self.limit, self.length + 1)
+        if num_accepted >= RESET_ACCEPTED:
             self.backoff = 4
-        elif num_accepted == 0:
+        if num_accepted == num_proposed:
+            self.length = min(self.limit, self.length + 2)
+        elif 2 * num_accepted >= num_proposed:
+            self.length = num_accepted + 1
+        else:
             self.length //= 2
             if self.length == 0:
                 self.cooldown = self.backoff
                 self.backoff = min(2 * self.backoff, MAX_COOLDOWN)
-        else:
-            self.length = max(1, min(self.length, num_accepted + 1))
 
 
 class NgramProposer:
@@ -108,8 +114,11 @@ class NgramProposer:
         )
 
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
-        """At most `room` proposals (what max_tokens and max_model_len leave) after `tokens`."""
-        count = min(state.wanted(), room)
+        """Up to the request's limit of proposals (at most `room`: what max_tokens and
+        max_model_len leave) after `tokens`, unless it rests. The scheduler takes them only
+        where a step has room for them for free (jaxinfer.engine.scheduler), and as many as
+        fit there: within such room a step costs the same however many it holds."""
+        count = min(state.limit if state.wanted() else 0, room)
         if count <= 0:
             return []
         return state.index.propose(tokens, count)

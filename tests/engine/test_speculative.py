@@ -17,7 +17,13 @@ from jaxinfer import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from tests.engine.test_default_model import check_logprobs_close
 
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=8, prompt_lookup_min=1)
+# (proposals may grow any step up to the budget, not only small ones)
+SPEC = dict(
+    speculative_method="ngram",
+    num_speculative_tokens=8,
+    prompt_lookup_min=1,
+    speculative_free_tokens=64,
+)
 
 
 def prompts_and_params(count: int, seed: int = 0) -> tuple[list, list]:

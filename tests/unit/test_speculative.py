@@ -1,0 +1,172 @@
+"""Speculative decoding's host and device pieces against plain references: n-gram proposals
+(brute force), the proposal-length policy, the sampler's rows after proposals (penalties as
+if the proposals were output, numpy), the kept rows, and the Prometheus counters."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxinfer.engine.batch import SamplingMetadata
+from jaxinfer.engine.device_inputs import accepted_rows, record_sampled
+from jaxinfer.engine.sampler import SamplerState, process_logits
+from jaxinfer.engine.scheduler import SpecStats
+from jaxinfer.engine.speculative import MAX_COOLDOWN, NgramIndex, SpecState
+
+
+def brute_force_proposal(tokens: list[int], count: int, min_n: int, max_n: int) -> list[int]:
+    """The longest suffix (n in [min_n, max_n]) found earlier, its latest occurrence, and what
+    follows it in the sequence extended by its own continuation."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                extended = list(tokens)
+                while len(extended) < len(tokens) + count:
+                    extended.append(extended[end + 1 + len(extended) - len(tokens)])
+                return extended[len(tokens) :]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    more=st.lists(st.integers(0, 4), max_size=10),
+    count=st.integers(0, 8),
+    lengths=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+)
+def test_ngram_proposals_match_brute_force(tokens, more, count, lengths):
+    min_n, max_n = lengths[0], lengths[0] + lengths[1]
+    index = NgramIndex(min_n, max_n)
+    index.propose(tokens, 1)  # indexed incrementally: first the prefix, then the rest
+    full = tokens + more
+    assert index.propose(full, count) == brute_force_proposal(full, count, min_n, max_n)
+
+
+def test_ngram_continues_a_loop_past_its_period():
+    assert NgramIndex(1, 3).propose([5, 6, 7, 5, 6], 4) == [7, 5, 6, 7]
+    assert NgramIndex(2, 2).propose([1, 2, 3], 2) == []
+
+
+def test_proposal_length_policy():
+    state = SpecState(limit=6)
+    assert state.wanted() == 6
+    state.record(6, 6)
+    assert state.length == 6  # capped at the limit
+    state.record(6, 3)
+    assert state.length == 4  # half or more accepted: one past them
+    state.record(4, 1)
+    assert state.length == 2  # fewer than half: halved
+    state.record(2, 0)
+    state.record(1, 0)
+    assert state.length == 0
+    waits = []
+    for _ in range(6):  # each back-off doubles the rest
+        steps = 1
+        while state.wanted() == 0:
+            steps += 1
+        waits.append(steps)
+        state.record(1, 0)
+    assert waits == [4, 8, 16, 32, 64, 64] and MAX_COOLDOWN == 64
+    state.record(0, 0)  # no proposal found: nothing changes
+    assert state.length == 0
+
+
+def metadata(drafts, first_rows, keeps=None) -> SamplingMetadata:
+    rows = len(drafts)
+    base = SamplingMetadata.neutral(rows)
+    made = SamplingMetadata(
+        **{
+            **base.__dict__,
+            "repetition_penalty": np.full(rows, 1.5, np.float32),
+            "frequency_penalty": np.full(rows, 0.5, np.float32),
+            "presence_penalty": np.full(rows, 0.25, np.float32),
+            "keeps": np.ones(rows, np.int32) if keeps is None else np.asarray(keeps, np.int32),
+            "drafts": np.asarray(drafts, np.int32),
+            "first_rows": np.asarray(first_rows, np.int32),
+            "state_rows": np.asarray([0, 0, 0, 1, 1, 2], np.int32)[:rows],
+        }
+    )
+    return jax.tree.map(jnp.asarray, made)
+
+
+def test_rows_after_proposals_see_them_as_output():
+    """Request A: rows 0-2 (proposals 4, 4), request B: rows 3-4 (proposal 7), C: row 5."""
+    vocab = 12
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, vocab)).astype(np.float32) * 3
+    counts = rng.integers(0, 3, size=(3, vocab)).astype(np.int32)
+    prompt = rng.random((3, vocab)) < 0.2
+    state = SamplerState(
+        output_counts=jnp.asarray(counts),
+        prompt_mask=jnp.asarray(prompt),
+        bias=jnp.zeros((3, vocab), jnp.float32),
+        bitmask=jnp.full((3 * 3, 1), -1, jnp.int32),
+    )
+    md = metadata([4, 4, -1, 7, -1, -1], [0, 0, 0, 3, 3, 5])
+    got = np.asarray(process_logits(jnp.asarray(logits), md, state, md.state_rows, 2))
+    earlier = [[], [4], [4, 4], [], [7], []]
+    for row in range(6):
+        c = counts[int(md.state_rows[row])].copy()
+        for token in earlier[row]:
+            c[token] += 1
+        seen = prompt[int(md.state_rows[row])] | (c > 0)
+        x = logits[row].copy()
+        x = np.where(seen, np.where(x > 0, x / 1.5, x * 1.5), x)
+        x = x - 0.5 * c - 0.25 * (c > 0)
+        np.testing.assert_allclose(got[row], x, rtol=1e-6, atol=1e-6, err_msg=f"row {row}")
+
+
+def test_kept_rows_and_recorded_tokens():
+    md = metadata([4, 4, -1, 7, -1, -1], [0, 0, 0, 3, 3, 5], keeps=[1, 1, 1, 1, 1, 0])
+    # A: 4 matches, then 5 != 4: rows 0-1 kept. B: 9 != 7: row 3 kept. C: not kept.
+    sampled = jnp.asarray([4, 5, 6, 9, 8, 2], jnp.int32)
+    assert np.asarray(accepted_rows(sampled, md)).tolist() == [1, 1, 0, 1, 0, 0]
+    state = SamplerState(
+        output_counts=jnp.zeros((4, 12), jnp.int32),
+        prompt_mask=jnp.zeros((4, 12), bool),
+        bias=jnp.zeros((4, 12), jnp.float32),
+        bitmask=jnp.zeros((4, 1), jnp.int32),
+    )
+    last, state = record_sampled(jnp.full(4, -1, jnp.int32), state, sampled, md)
+    assert np.asarray(last).tolist() == [5, 9, -1, -1]  # each request's last kept token
+    counts = np.asarray(state.output_counts)
+    assert counts[0, 4] == 1 and counts[0, 5] == 1 and counts[1, 9] == 1 and counts.sum() == 3
+
+
+def test_prometheus_counters():
+    from jaxinfer.server.metrics import ServerMetrics
+
+    spec = SpecStats()
+    stats = types.SimpleNamespace(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        num_preemptions=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_generated_tokens=0,
+        spec=spec,
+    )
+    engine = types.SimpleNamespace(
+        config=types.SimpleNamespace(speculative=types.SimpleNamespace(method="ngram")),
+        stats=lambda: stats,
+    )
+    metrics = ServerMetrics(engine)
+    spec.record(3, 2)
+    spec.record(5, 0)
+    stats.spec = spec.snapshot()
+    text = metrics.render().decode()
+    spec.record(1, 1)
+    stats.spec = spec.snapshot()
+    text = metrics.render().decode()
+    assert "jaxinfer:spec_decode_num_drafts_total 3.0" in text
+    assert "jaxinfer:spec_decode_num_draft_tokens_total 9.0" in text
+    assert "jaxinfer:spec_decode_num_accepted_tokens_total 3.0" in text
+    assert 'jaxinfer:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 2.0' in text
+    assert 'jaxinfer:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text

@@ -57,13 +57,13 @@ class NgramIndex:
 
 @dataclasses.dataclass
 class SpecState:
-    """One request's proposal length. Every proposal accepted: it grows by two; at least half
-    accepted: one past the accepted ones; fewer: it halves. At 0 the request rests for a
-    cooldown (doubling each time, up to MAX_COOLDOWN steps, until a step accepts
-    RESET_ACCEPTED or more) and then tries one proposal again. Rejected proposals are work
-    that produced nothing: where steps are bound by compute rather than by reading the
-    weights (large batches), they cost as much as accepted ones, so a request whose
-    proposals are mostly wrong soon stops making them."""
+    """One request's trust in its proposals, as a length. Every proposal accepted: it grows by
+    two; at least half accepted: one past the accepted ones; fewer: it halves. At 0 the
+    request rests, proposing nothing, for a cooldown (doubling each time, up to MAX_COOLDOWN
+    steps, until a step accepts RESET_ACCEPTED or more), then tries again. While it does not
+    rest it proposes up to its limit: the scheduler only takes proposals where a step has
+    room for them for free, and there as many as fit. So a request whose proposals are
+    mostly wrong soon stops making them (no host work, no rows in the sampler)."""
 
     limit: int  # the most proposals per step (the request's or the engine's)
     length: int = 0

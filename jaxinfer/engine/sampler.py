@@ -127,9 +127,57 @@ def _stages_used(metadata: SamplingMetadata) -> tuple[jax.Array, jax.Array, jax.
 
 
 def draw(
-    logits: jax.Array, metadata: SamplingMetadata, batch_invariant: bool = False
+    logits: jax.Array,
+    metadata: SamplingMetadata,
+    batch_invariant: bool = False,
+    draft_probs: jax.Array | None = None,  # f32[R, V]
 ) -> jax.Array:  # i32[R]
-    """Temperature, min_p, top-k, top-p, then the Gumbel-max draw."""
+    """Temperature, min_p, top-k, top-p, then the Gumbel-max draw; with `draft_probs`, rows
+    verifying a draft model's proposal take rejection_sample's token instead."""
+    scaled = truncated(logits, metadata, batch_invariant)
+    keys = request_keys(metadata.seeds, metadata.output_positions)
+    exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
+    sampled = first_argmax(scaled - jnp.log(exponential))
+    if draft_probs is None:
+        return sampled
+    verified = rejection_sample(scaled, draft_probs, metadata.drafts, keys, batch_invariant)
+    return jnp.where(metadata.drafts >= 0, verified, sampled)
+
+
+def rejection_sample(
+    scaled: jax.Array,  # f32[R, V], the target's logits as drawn from (temperature, truncation)
+    draft_probs: jax.Array,  # f32[R, V], q: the distribution each proposal was drawn from
+    drafts: jax.Array,  # i32[R], the proposal each row verifies (rows without one: any)
+    keys: jax.Array,  # [R], each row's key (the request's seed and output position)
+    batch_invariant: bool = False,
+) -> jax.Array:  # i32[R]
+    """Speculative sampling (Leviathan et al., Chen et al.): the proposal d is kept with
+    probability min(1, p(d) / q(d)); otherwise the token is drawn from the normalized
+    max(p - q, 0). Either way the token is distributed as p. A rejected row never returns d
+    (where p(d) < q(d) the residual is 0 at d; elsewhere d is always kept), so a row's token
+    equals its proposal exactly when the proposal was accepted. The uniform and the residual's
+    Gumbel noise come from the row's key folded with streams of their own."""
+    log_softmax = invariant.log_softmax if batch_invariant else jax.nn.log_softmax
+    p = jnp.exp(log_softmax(scaled))  # [R, V]
+    index = jnp.maximum(drafts, 0)[:, None]
+    p_d = jnp.take_along_axis(p, index, axis=-1)[:, 0]
+    q_d = jnp.take_along_axis(draft_probs, index, axis=-1)[:, 0]
+    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)
+    accepted = uniform * q_d < p_d
+    residual = jnp.maximum(p - draft_probs, 0.0)
+    gumbel_keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys)
+    exponential = jax.vmap(lambda k: jax.random.exponential(k, scaled.shape[-1:]))(gumbel_keys)
+    # argmax of log(r) - log(E): a draw from r / sum(r) (zero entries never win).
+    corrected = first_argmax(
+        jnp.where(residual > 0, jnp.log(residual), -jnp.inf) - jnp.log(exponential)
+    )
+    return jnp.where(accepted, drafts, corrected)
+
+
+def truncated(
+    logits: jax.Array, metadata: SamplingMetadata, batch_invariant: bool = False
+) -> jax.Array:  # f32[R, V]
+    """The logits a random row draws from: temperature, then min_p, top-k and top-p."""
     temperature = metadata.temperature
     scaled = logits / jnp.where(temperature == 0, 1.0, temperature)[:, None]
     scaled = jax.lax.cond(
@@ -142,9 +190,7 @@ def draw(
         lambda x: x,
         scaled,
     )
-    keys = request_keys(metadata.seeds, metadata.output_positions)
-    exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
-    return first_argmax(scaled - jnp.log(exponential))
+    return scaled
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant", "num_speculative"))
@@ -157,10 +203,13 @@ def sample(
     num_logprobs: int,
     batch_invariant: bool = False,
     num_speculative: int = 0,
+    draft_probs: jax.Array | None = None,
 ) -> SamplerOutput:
     """`batch_invariant`: every float sum over a row as a fixed tree (jaxinfer.layers.invariant),
     so a row's result does not depend on the other rows. `num_speculative`: the most proposals
-    a request verifies in a step (D)."""
+    a request verifies in a step (D). `draft_probs` (f32[R, V]): the distributions a draft
+    model drew the rows' proposals from; random rows then verify them by rejection sampling.
+    Without it a proposal is one-hot (n-gram): the row's own draw is the verification."""
     logits = logits.astype(jnp.float32)
     is_greedy = metadata.temperature == 0
 
@@ -170,7 +219,9 @@ def sample(
         return jax.lax.cond(
             jnp.all(is_greedy),
             lambda: greedy_ids,
-            lambda: jnp.where(is_greedy, greedy_ids, draw(processed, metadata, batch_invariant)),
+            lambda: jnp.where(
+                is_greedy, greedy_ids, draw(processed, metadata, batch_invariant, draft_probs)
+            ),
         )
 
     # Every row greedy with nothing to apply: the argmax of the logits as they are. Without

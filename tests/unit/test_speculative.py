@@ -170,3 +170,39 @@ def test_prometheus_counters():
     assert "jaxinfer:spec_decode_num_accepted_tokens_total 3.0" in text
     assert 'jaxinfer:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 2.0' in text
     assert 'jaxinfer:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Proposals drawn from a draft distribution q, verified against p: the tokens follow p
+    (chi-square), a row returns its proposal exactly when it was accepted, and the accepted
+    share is sum(min(p, q)); the check first rejects a verifier that keeps every proposal."""
+    from scipy import stats as scipy_stats
+
+    from jaxinfer.engine.sampler import rejection_sample, request_keys
+
+    vocab, trials = 6, 20000
+    rng = np.random.default_rng(1)
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.1, 0.0])
+    q = np.array([0.1, 0.3, 0.3, 0.05, 0.05, 0.2])
+    drafts = rng.choice(vocab, size=trials, p=q).astype(np.int32)
+    scaled = np.log(np.maximum(p, 1e-30)).astype(np.float32)
+    scaled[p == 0] = -np.inf
+    seeds = np.stack([np.arange(trials), np.zeros(trials)], axis=1).astype(np.uint32)
+    keys = request_keys(jnp.asarray(seeds), jnp.zeros(trials, jnp.int32))
+    tokens = np.asarray(
+        rejection_sample(
+            jnp.asarray(np.tile(scaled, (trials, 1))),
+            jnp.asarray(np.tile(q, (trials, 1)).astype(np.float32)),
+            jnp.asarray(drafts),
+            keys,
+        )
+    )
+
+    def pvalue(samples):
+        observed = np.bincount(samples, minlength=vocab)[:5]
+        return scipy_stats.chisquare(observed, p[:5] / p[:5].sum() * observed.sum()).pvalue
+
+    assert pvalue(drafts[drafts < 5]) < 1e-6  # keeping every proposal: the draft's q
+    assert pvalue(tokens) > 1e-3 and not np.any(tokens == 5)
+    accepted = (tokens == drafts).mean()
+    assert abs(accepted - np.minimum(p, q).sum()) < 0.02

@@ -167,8 +167,8 @@ def test_logprob_close_without_batch_invariance(make_llm, cases):
         SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=5, ignore_eos=True)
         for p in params[:16]
     ]
-    plain = make_llm("served").generate(prompts[:16], greedy, use_tqdm=False)
-    spec = make_llm("served", **SPEC).generate(prompts[:16], greedy, use_tqdm=False)
+    plain = make_llm("tiny").generate(prompts[:16], greedy, use_tqdm=False)
+    spec = make_llm("tiny", **SPEC).generate(prompts[:16], greedy, use_tqdm=False)
     for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
         a, b = a.outputs[0], b.outputs[0]
         check_logprobs_close((a.token_ids, a.logprobs), (b.token_ids, b.logprobs), f"prompt {i}")
@@ -231,8 +231,8 @@ def homogeneity_pvalue(a: collections.Counter, b: collections.Counter) -> float:
     ids=["temperature", "top_k_top_p"],
 )
 def test_distribution_unchanged(make_llm, params, monkeypatch):
-    plain = make_llm("served")
-    spec = make_llm("served", **SPEC)
+    plain = make_llm("tiny")
+    spec = make_llm("tiny", **SPEC)
     reference = pairs(plain, params, range(NUM_SAMPLES))
     # A verifier that accepts every proposal: the test must see the bias.
     before = spec.engine.stats().spec

@@ -3,7 +3,9 @@
     python -m tools.bench_spec --rounds=3
 
 Two workloads, each run by an engine without speculation and one with n-gram proposals
-(--speculative_method and the other engine flags set the second; none is the first):
+(--speculative_method and the other engine flags set the second; none is the first). A draft
+model: --speculative_method=draft --draft_model=FOLDER (tools/truncated_model.py makes one
+from the default model's first layers).
 - edit: prompts asking to rewrite or lightly edit a given text or code, run one at a time
   (batch 1), greedy, until the end of sequence or --edit_max_tokens: the output repeats much
   of the input, which prompt lookup proposes.
@@ -149,7 +151,11 @@ def main(argv):
     options = engine_options_from_flags()
     method = options.speculative_method if options.speculative_method != "none" else "ngram"
     engines = {
-        "off": LLM(**dataclasses.asdict(dataclasses.replace(options, speculative_method="none"))),
+        "off": LLM(
+            **dataclasses.asdict(
+                dataclasses.replace(options, speculative_method="none", draft_model=None)
+            )
+        ),
         method: LLM(**dataclasses.asdict(dataclasses.replace(options, speculative_method=method))),
     }
     spec_llm = engines[method]

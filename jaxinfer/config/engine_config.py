@@ -40,6 +40,9 @@ class SchedulerConfig:
     # Step size up to which proposals may grow a step past its token bucket (above it they
     # only fill the bucket's padding): steps this small cost about as much as a one-token step.
     spec_free_tokens: int = 1
+    # KV blocks a request that proposes is given past its step's tokens, where possible: a
+    # draft model writes the K/V of the tokens it proposes next there (0 for n-gram).
+    spec_lookahead: int = 0
 
     def request_bucket(self, num_tokens_bucket: int) -> int:
         """Padded request count that goes with a token bucket (a step has <= 1 request/token)."""
@@ -54,10 +57,11 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "none" or "ngram"
+    method: str  # "none", "ngram" or "draft"
     num_speculative_tokens: int  # most proposals per request and step (0 when off)
     prompt_lookup_min: int
     prompt_lookup_max: int
+    draft_model: str | None = None  # "draft": the proposing model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,7 @@ def build_engine_config(
             token_buckets=token_buckets(options.max_num_batched_tokens),
             num_speculative_tokens=num_speculative,
             spec_free_tokens=resolved.speculative_free_tokens,
+            spec_lookahead=num_speculative if options.speculative_method == "draft" else 0,
         ),
         resolved=resolved,
         parallel=ParallelConfig(tensor_parallel_size=tp, kv_replicas=replicas),
@@ -166,5 +171,6 @@ def build_engine_config(
             num_speculative_tokens=num_speculative,
             prompt_lookup_min=options.prompt_lookup_min,
             prompt_lookup_max=options.prompt_lookup_max,
+            draft_model=options.draft_model,
         ),
     )

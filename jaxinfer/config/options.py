@@ -20,7 +20,7 @@ WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 QUANTIZATIONS = tuple(QUANTIZERS)
 MATMUL_IMPLS = ("auto", "xla", "cpu")
 GGUF_MODES = ("auto", "on", "off")
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 15
 
 
@@ -127,15 +127,22 @@ class EngineOptions:
     )
     speculative_method: str = option(
         "none",
-        "Speculative decoding: none, or ngram (prompt lookup: the tokens that followed the "
+        "Speculative decoding: none; ngram (prompt lookup: the tokens that followed the "
         "latest earlier occurrence of the sequence's last n-gram are proposed and verified "
-        "in one step).",
+        "in one step); or draft (a smaller model with the same tokenizer, draft_model, "
+        "proposes them token by token).",
         SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = option(
         5,
         "Most tokens proposed per request and step (a request may ask for fewer, and each "
         "request's count shrinks while its proposals are rejected).",
+    )
+    draft_model: str | None = option(
+        None,
+        "draft: the proposing model, a Hugging Face folder or a .gguf file with the model's "
+        "vocabulary. Its KV cache has the model's number of blocks, in memory of its own "
+        "beyond kv_cache_memory_gb.",
     )
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up.")
     prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
@@ -166,6 +173,12 @@ class EngineOptions:
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                "speculative_method draft needs a draft_model"
+                if self.draft_model is None
+                else "draft_model is only used with speculative_method draft"
+            )
         if self.speculative_free_tokens is not None:
             _positive("speculative_free_tokens", self.speculative_free_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:

@@ -108,3 +108,14 @@ def record_sampled(
         last_tokens.at[targets].set(token_ids, mode="drop"),
         dataclasses.replace(state, output_counts=counts),
     )
+
+
+def verified_probs(
+    draft_probs: jax.Array,  # f32[S * K, V]
+    sampling: SamplingMetadata,  # the target step's sample rows [P]
+    num_speculative: int,
+) -> jax.Array:  # f32[P, V]
+    """q of the proposal each sample row verifies (rows without one: any row's)."""
+    index = jnp.arange(sampling.first_rows.shape[0]) - sampling.first_rows
+    index = jnp.clip(index, 0, num_speculative - 1)
+    return draft_probs[sampling.state_rows * num_speculative + index]

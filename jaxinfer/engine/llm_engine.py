@@ -16,6 +16,7 @@ from jaxinfer.engine import compilation_cache, output_builder
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxinfer.engine.draft_model import load_draft
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
@@ -57,9 +58,20 @@ class LLMEngine:
             folder, self.config, self.partitioner, gguf_source if resolved.gguf_blocks else None
         )  # gguf_weights: the weights kept with GGUF blocks too
 
+        self.draft = None  # speculative decoding's draft model
+        if self.config.speculative.method == "draft":
+            self.draft = load_draft(
+                options,
+                self.config,
+                self.tokenizer.tokenizer.get_vocab(),
+                self.partitioner,
+                kernels,
+            )
         self.batch_builder = BatchBuilder(self.config)
         logger.info("engine: %s", json.dumps(self.describe()))
-        self.runner = ModelRunner(self.config, graphdef, state, model_kernels, self.partitioner)
+        self.runner = ModelRunner(
+            self.config, graphdef, state, model_kernels, self.partitioner, draft=self.draft
+        )
         with compilation_cache.CompileCounter() as counter:
             self.warmup_seconds = self.runner.warmup(self.batch_builder)
         self.warmup_programs, self.warmup_cache_hits = counter.programs, counter.cache_hits
@@ -78,7 +90,7 @@ class LLMEngine:
             self.config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, arch.vocab_size)
-        self.proposer = make_proposer(self.config.speculative)
+        self.proposer = self.draft or make_proposer(self.config.speculative)
         self.input_processor = InputProcessor(
             self.tokenizer,
             folder / "tokenizer.json",
@@ -257,6 +269,7 @@ class LLMEngine:
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
             "quantization": config.model.quantization,
             "gguf_block_weights": list(self.gguf_weights),
+            "draft_model": None if self.draft is None else str(self.draft.config.model.path),
             "resolved": config.resolved.describe(),
         }
 
@@ -314,6 +327,9 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Sets the proposals of each running request caught up to its last token."""
+        if self.draft is not None:
+            self._propose_with_draft()
+            return
         max_model_len = self.config.scheduler.max_model_len
         for request in self.scheduler.running:
             if (
@@ -329,6 +345,41 @@ class LLMEngine:
             request.spec_token_ids = self.proposer.propose(
                 request.spec, request.all_token_ids, room
             )
+
+    def _propose_with_draft(self) -> None:
+        """The draft model's proposals for each running request caught up to its last token,
+        up to its proposal length, what max_tokens and max_model_len leave, and the KV slots
+        its blocks hold for the tokens the draft writes (the last and each proposal but the
+        final one)."""
+        max_model_len = self.config.scheduler.max_model_len
+        block_size = self.config.cache.block_size
+        wanted = []
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if (
+                request.spec is None
+                or request.num_output_placeholders
+                or request.num_tokens - request.num_computed_tokens != 1
+                or not request.spec.wanted()
+            ):
+                continue
+            count = min(
+                request.spec.length,
+                max_model_len - 1 - request.num_tokens,
+                len(request.block_ids) * block_size - request.num_tokens + 1,
+            )
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                count = min(count, max_tokens - request.num_output_tokens - 1)
+            if count > 0:
+                row = self.batch_builder.rows.row(request.request_id)
+                wanted.append((row, request, count))
+        if not wanted:
+            return
+        runner = self.runner
+        proposals = self.draft.propose(runner.block_table, runner.sampler_state.bias, wanted)
+        for (_, request, _), tokens in zip(wanted, proposals, strict=True):
+            request.spec_token_ids = tokens
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
         scheduler_output = self.scheduler.schedule()

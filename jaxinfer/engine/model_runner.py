@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jaxinfer.engine.device_inputs import (
     set_bitmask_rows,
     set_penalty_rows,
     set_rows,
+    verified_probs,
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.engine.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
@@ -36,6 +38,9 @@ from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, l
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.draft_model import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +89,12 @@ def _sample_and_record(
     num_logprobs: int,
     batch_invariant: bool,
     num_speculative: int,
+    draft_probs: jax.Array | None = None,  # f32[S * K, V], a draft model's q by request row
 ) -> tuple[SamplerOutput, jax.Array, SamplerState]:
     """The sampler, then each request's last kept token and the output counts kept for the
     next step."""
+    if draft_probs is not None:
+        draft_probs = verified_probs(draft_probs, sampling, num_speculative)  # [P, V]
     sampled = sample(
         logits,
         sampling,
@@ -95,6 +103,7 @@ def _sample_and_record(
         num_logprobs=num_logprobs,
         batch_invariant=batch_invariant,
         num_speculative=num_speculative,
+        draft_probs=draft_probs,
     )
     last_tokens, sampler_state = record_sampled(
         last_tokens, sampler_state, sampled.token_ids, sampling
@@ -142,9 +151,16 @@ class ModelRunner:
         state: nnx.State,
         kernels: ModelKernels = ModelKernels(),  # noqa: B008 (frozen)
         partitioner: Partitioner | None = None,
+        *,
+        sampling: bool = True,
+        draft: DraftModel | None = None,
     ):
         """`state`: the model's parameters, already placed by `partitioner` (build_llama);
-        everything else the runner keeps on the device is placed on the same mesh."""
+        everything else the runner keeps on the device is placed on the same mesh.
+        `sampling`: False for a draft model's runner, which keeps no per-request rows
+        and only runs its layers and LM head. `draft`: a draft model (speculative decoding)
+        that runs over each step's batch too, and whose q the sampler verifies against."""
+        self.draft = draft
         self.config = config
         self.kernels = kernels
         if partitioner is None:
@@ -194,6 +210,9 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
             self._add = jax.jit(jnp.add)
+        self.warmup_seconds: float | None = None
+        if not sampling:
+            return
         # Kept on the device between steps, by request row (the last row is the padding
         # requests'): block-table rows, each row's last sampled token, the sampler's state.
         num_rows = config.scheduler.max_num_seqs + 1
@@ -226,7 +245,6 @@ class ModelRunner:
             static_argnames=("num_logprobs",),
             donate_argnames=("sampler_state", "last_tokens"),
         )
-        self.warmup_seconds: float | None = None
 
     def forward(self, batch: BatchInputs) -> jax.Array:
         """Runs the model on a device batch, updating the KV cache; returns logits f32[R, V]."""
@@ -317,12 +335,19 @@ class ModelRunner:
             batch = self._assemble(inputs, self.block_table, self.last_tokens)
             hidden = self.hidden_states(batch)
             logits = self._logits(self.top_params, hidden, batch)
+        draft_probs = None
+        if self.draft is not None:
+            if self.layer_execution == "scan":
+                batch = self._assemble(inputs, self.block_table, self.last_tokens)
+            self.draft.extend(batch)
+            draft_probs = self.draft.draft_probs
         sampled, self.last_tokens, self.sampler_state = self._sample(
             logits,
             step.sampling,
             self.sampler_state,
             self.last_tokens,
             num_logprobs=step.flags.num_logprobs,
+            draft_probs=draft_probs,
         )
         prompt = step.prompt_logprobs
         if prompt is None:
@@ -372,6 +397,8 @@ class ModelRunner:
                 prompt = None  # compiled for this token bucket
         for num_rows in builder.update_buckets:
             self.apply_updates(builder.padding_updates(num_rows))
+        if self.draft is not None:
+            self.draft.warmup(self.block_table, self.sampler_state.bias)
         jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))
         self.warmup_seconds = time.perf_counter() - start
         logger.info(

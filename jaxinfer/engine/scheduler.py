@@ -197,6 +197,8 @@ class Scheduler:
 
         if self.config.num_speculative_tokens and scheduled:
             budget = self._add_proposals(scheduled, budget)
+        if self.config.spec_lookahead:
+            self._allocate_lookahead(scheduled)
 
         released = ()
         if scheduled:  # (an empty output is never built: the rows wait for the next one)
@@ -240,6 +242,19 @@ class Scheduler:
             room -= count
             budget -= count
         return budget
+
+    def _allocate_lookahead(self, scheduled: list[tuple[Request, int]]) -> None:
+        """Gives each proposing request that samples in the step blocks for spec_lookahead
+        tokens past it, where the pool has them free (never by preemption): a draft model
+        writes the K/V of its next proposals there before the step that verifies them
+        (jaxinfer.engine.draft_model). A request without them proposes fewer tokens."""
+        for request, num_new in scheduled:
+            end = request.num_computed_tokens + num_new
+            if request.spec is None or end < request.num_tokens_with_placeholders:
+                continue
+            extra = min(self.config.spec_lookahead, self.config.max_model_len - end)
+            if extra > 0:
+                self.kv.allocate_blocks(request, num_new + extra)
 
     def _sampled_enough(self, request: Request) -> bool:
         """True when the steps in flight already sample the request's last token."""

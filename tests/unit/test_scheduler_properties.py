@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.config import SchedulerConfig, token_buckets
+from jaxinfer.engine.speculative import SpecState
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.row_table import RowTable
@@ -166,6 +167,7 @@ operations = st.lists(
     pipelined=st.booleans(),
     num_speculative=st.sampled_from([0, 0, 3, 8]),
     spec_free_tokens=st.sampled_from([1, 8, 96]),
+    spec_lookahead=st.sampled_from([0, 0, 5]),
     seed=st.integers(0, 2**16),
 )
 def test_random_add_step_abort_keeps_block_accounting(
@@ -178,6 +180,7 @@ def test_random_add_step_abort_keeps_block_accounting(
     pipelined,
     num_speculative,
     spec_free_tokens,
+    spec_lookahead,
     seed,
 ):
     max_model_len = 128
@@ -190,6 +193,7 @@ def test_random_add_step_abort_keeps_block_accounting(
         token_buckets=token_buckets(budget),
         num_speculative_tokens=num_speculative,
         spec_free_tokens=spec_free_tokens,
+        spec_lookahead=spec_lookahead if num_speculative else 0,  # (a draft model's blocks)
     )
     kv = KVCacheManager(block_size, num_blocks, prefix_caching)
     scheduler = Scheduler(config, kv)
@@ -226,6 +230,7 @@ def test_random_add_step_abort_keeps_block_accounting(
                 seed=0,
                 metrics=RequestMetrics(arrival_time=0.0),
                 priority=priority,
+                spec=SpecState(limit=num_speculative) if num_speculative else None,
             )
             try:
                 scheduler.add_request(request)

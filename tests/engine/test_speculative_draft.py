@@ -1,0 +1,180 @@
+"""Speculative decoding with a draft model: a draft identical to the model accepts every
+proposal (greedy, and at temperature 1, where q = p); another draft leaves greedy outputs
+token for token those of decoding without it (batch_invariant; mixed parameters, grammars,
+preemption, aborts), and the sampled distribution unchanged (chi-square, shown first to reject
+a verifier that accepts every proposal). The engine refuses a draft of another vocabulary."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import EngineOptions
+from jaxinfer.engine.scheduler import Scheduler
+from tests.conftest import PRESETS, make_tiny_model
+from tests.engine.test_speculative import (
+    BIAS,
+    NUM_SAMPLES,
+    completions,
+    homogeneity_pvalue,
+    pairs,
+    prompts_and_params,
+    without_override,
+)
+
+DRAFT = dict(speculative_method="draft", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    """A draft: the tiny model's shape and tokenizer, other random weights."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_draft"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(make_llm):
+    # (test_speculative's baseline engine; outputs do not depend on its sizes)
+    return make_llm("tiny", batch_invariant=True, num_kv_blocks=20, max_num_seqs=8)
+
+
+def spec_counts(llm, run) -> tuple[int, int]:
+    """(proposed, accepted) during run()."""
+    before = llm.engine.stats().spec
+    run()
+    after = llm.engine.stats().spec
+    return (
+        after.num_draft_tokens - before.num_draft_tokens,
+        after.num_accepted_tokens - before.num_accepted_tokens,
+    )
+
+
+def test_identical_draft_accepts_every_proposal(make_llm, tiny_model_dir, baseline):
+    spec = make_llm("tiny", batch_invariant=True, draft_model=str(tiny_model_dir), **DRAFT)
+    prompts, _ = prompts_and_params(12, seed=3)
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    expected = completions(baseline.generate(prompts, greedy, use_tqdm=False))
+    got = []
+    proposed, accepted = spec_counts(
+        spec, lambda: got.extend(completions(spec.generate(prompts, greedy, use_tqdm=False)))
+    )
+    assert got == expected
+    assert proposed > 100 and accepted == proposed
+    # At temperature 1 the draft draws from q = p (the same logits, bit for bit under
+    # batch_invariant, the same top-k/top-p), so min(1, p/q) = 1: every proposal kept.
+    for extra in ({}, {"top_k": 20, "top_p": 0.9}):
+        sampled = [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True, **extra)
+            for i in range(len(prompts))
+        ]
+        proposed, accepted = spec_counts(
+            spec, lambda p=sampled: spec.generate(prompts, p, use_tqdm=False)
+        )
+        assert proposed > 100 and accepted == proposed, extra
+
+
+@pytest.fixture(scope="module")
+def other_draft(make_llm, other_model_dir):
+    # A pool of 24 blocks that 4 requests running long outgrow: preemptions.
+    return make_llm(
+        "tiny",
+        batch_invariant=True,
+        num_kv_blocks=24,
+        draft_model=str(other_model_dir),
+        **DRAFT,
+    )
+
+
+def greedy_cases(count: int) -> tuple[list, list]:
+    prompts, params = prompts_and_params(count)
+    wanted = [p.num_speculative_tokens for p in params]
+    return prompts, [
+        SamplingParams(
+            **{
+                **p.__dict__,
+                "temperature": 0.0,
+                "n": 1,
+                "num_speculative_tokens": None if k is None else min(k, 4),
+            }
+        )
+        for p, k in zip(params, wanted, strict=True)
+    ]
+
+
+def test_greedy_outputs_unchanged_by_another_draft(other_draft, baseline):
+    prompts, params = greedy_cases(40)
+    expected = completions(
+        baseline.generate(prompts, [without_override(p) for p in params], use_tqdm=False)
+    )
+    got = []
+    proposed, accepted = spec_counts(
+        other_draft,
+        lambda: got.extend(completions(other_draft.generate(prompts, params, use_tqdm=False))),
+    )
+    mismatched = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+    assert not mismatched, f"{len(mismatched)} of {len(got)} differ: {mismatched}"
+    print(f"proposed {proposed}, accepted {accepted}")
+    assert proposed > 100 and 0 < accepted < proposed
+    assert other_draft.engine.stats().num_preemptions > 0
+    # Aborts midway free every block.
+    engine = other_draft.engine
+    ids = [f"abort-{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(prompt, p, request_id=request_id)
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        if step in (3, 9, 20):
+            for request_id in ids[step % 5 :: 5]:
+                engine.abort_request(request_id)
+        engine.step()
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1, "blocks leaked"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias=BIAS),
+        SamplingParams(
+            temperature=1.3, top_k=4, top_p=0.9, max_tokens=3, ignore_eos=True, logit_bias=BIAS
+        ),
+    ],
+    ids=["temperature", "top_k_top_p"],
+)
+def test_distribution_unchanged(make_llm, other_draft, params, monkeypatch):
+    plain = make_llm("tiny")
+    spec = other_draft
+    reference = pairs(plain, params, range(NUM_SAMPLES))
+
+    # A verifier that accepts every proposal: the tokens are then the draft's, from q.
+    def accept_all(self, request, item, sampled):
+        drafts = item.draft_token_ids
+        if drafts:
+            request.spec.record(len(drafts), len(drafts))
+        return [*drafts, sampled[len(drafts)]]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Scheduler, "_verify", accept_all)
+        biased = pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))
+    assert homogeneity_pvalue(reference, biased) < 1e-6
+    got = collections.Counter()
+    proposed, accepted = spec_counts(
+        spec,
+        lambda: got.update(pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))),
+    )
+    assert accepted > NUM_SAMPLES // 4 and proposed > accepted
+    pvalue = homogeneity_pvalue(reference, got)
+    print(f"p = {pvalue:.3f}; proposed {proposed}, accepted {accepted}")
+    assert pvalue > 1e-3
+
+
+def test_draft_options_are_checked(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="needs a draft_model"):
+        EngineOptions(speculative_method="draft")
+    with pytest.raises(ValueError, match="only used with speculative_method draft"):
+        EngineOptions(draft_model=str(tiny_model_dir))
+    other_vocab = make_tiny_model(tmp_path / "vocab", vocab_size=256)
+    with pytest.raises(ValueError, match="must have the model's vocabulary"):
+        LLM(model=str(tiny_model_dir), draft_model=str(other_vocab), **DRAFT, **PRESETS["tiny"])

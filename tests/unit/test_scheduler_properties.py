@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.config import SchedulerConfig, token_buckets
-from jaxinfer.engine.speculative import SpecState
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.request import Request, RequestStatus
 from jaxinfer.engine.row_table import RowTable
 from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.speculative import SpecState
 from jaxinfer.engine.step import StepOutput
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams

@@ -15,7 +15,8 @@ from the default model's first layers).
 Reports output tokens per second of each engine (medians over --rounds, the engines taking
 turns), the ratio, and the speculative engine's acceptance rate (accepted / proposed tokens)
 and mean acceptance length (tokens a request gains per step that verifies proposals: 1 + the
-accepted ones).
+accepted ones), and the share of its run spent proposing (the host's n-gram lookups, or the
+draft model's steps).
 """
 
 from __future__ import annotations
@@ -146,6 +147,22 @@ def spec_counts(llm: LLM) -> tuple[int, int, int]:
     return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
 
 
+class ProposeTimer:
+    """Wraps an engine's proposal step (host n-gram lookup, or the draft model's steps) and
+    adds up its seconds."""
+
+    def __init__(self, engine):
+        self.seconds = 0.0
+        propose = engine._propose
+
+        def timed():
+            start = time.perf_counter()
+            propose()
+            self.seconds += time.perf_counter() - start
+
+        engine._propose = timed
+
+
 def main(argv):
     del argv
     options = engine_options_from_flags()
@@ -159,12 +176,14 @@ def main(argv):
         method: LLM(**dataclasses.asdict(dataclasses.replace(options, speculative_method=method))),
     }
     spec_llm = engines[method]
+    timer = ProposeTimer(spec_llm.engine)
     for workload in FLAGS.workloads:
         run = WORKLOADS[workload]
         for llm in engines.values():
             run(llm)  # a first pass: every shape of this workload compiled, caches warm
         runs = {name: [] for name in engines}
         before = spec_counts(spec_llm)
+        timer.seconds = 0.0
         for _ in range(FLAGS.rounds):
             for name, llm in engines.items():
                 llm.engine.reset_prefix_cache()
@@ -183,6 +202,11 @@ def main(argv):
         print(
             f"  acceptance rate {rate:.2f} ({accepted} of {proposed} proposed), mean acceptance "
             f"length {length:.2f} over {drafts} request steps with proposals"
+        )
+        total = sum(r.seconds for r in runs[method])
+        print(
+            f"  proposing ({method}): {timer.seconds:.2f} s of the {total:.1f} s it ran "
+            f"({100 * timer.seconds / total:.1f}%)"
         )
 
 

@@ -350,9 +350,11 @@ class LLMEngine:
         """The draft model's proposals for each running request caught up to its last token,
         up to its proposal length, what max_tokens and max_model_len leave, and the KV slots
         its blocks hold for the tokens the draft writes (the last and each proposal but the
-        final one)."""
+        final one); in all, at most what the next step has room for (each costs a draft
+        step), given in the order the scheduler takes them."""
         max_model_len = self.config.scheduler.max_model_len
         block_size = self.config.cache.block_size
+        room = self.scheduler.proposal_room()
         wanted = []
         for request in self.scheduler.running:
             request.spec_token_ids = []
@@ -371,7 +373,9 @@ class LLMEngine:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 count = min(count, max_tokens - request.num_output_tokens - 1)
+            count = min(count, room)
             if count > 0:
+                room -= count
                 row = self.batch_builder.rows.row(request.request_id)
                 wanted.append((row, request, count))
         if not wanted:

@@ -243,6 +243,21 @@ class Scheduler:
             budget -= count
         return budget
 
+    def proposal_room(self) -> int:
+        """Proposal tokens the next step would take (_add_proposals' room) if it scheduled the
+        running requests' own tokens and nothing else: what a proposer that pays for each
+        proposal (a draft model) makes at most."""
+        config = self.config
+        used = sum(
+            r.num_tokens_with_placeholders - r.num_computed_tokens
+            for r in self.running
+            if not self._sampled_enough(r)
+        )
+        used = min(used, config.max_num_batched_tokens)
+        buckets = config.token_buckets
+        room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
+        return max(min(room, config.max_num_batched_tokens - used), 0)
+
     def _allocate_lookahead(self, scheduled: list[tuple[Request, int]]) -> None:
         """Gives each proposing request that samples in the step blocks for spec_lookahead
         tokens past it, where the pool has them free (never by preemption): a draft model

@@ -21,13 +21,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check jaxinfer pallas_kernels cpu_kernels tests tools
 	$(PY) -m ruff format --check jaxinfer pallas_kernels cpu_kernels tests tools
-	# In several processes: each engine's compiled programs hold thousands of memory maps,
-	# and one process that keeps every engine of the suite passes vm.max_map_count (65530),
-	# where XLA's compiler then crashes.
-	$(PY) -m pytest -q tests/engine/test_[a-m]*.py
-	$(PY) -m pytest -q tests/engine/test_[n-z]*.py
-	$(PY) -m pytest -q tests/kernels tests/tools tests/unit
-	$(PY) -m pytest -q tests/server
+	# Four pytest processes, two at a time (tools/test_lanes.py says why).
+	$(PY) -m tools.test_lanes
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[llamacpp]'

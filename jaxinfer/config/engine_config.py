@@ -38,7 +38,8 @@ class SchedulerConfig:
     # Most proposed tokens a request verifies in one step (0: no speculative decoding).
     num_speculative_tokens: int = 0
     # Step size up to which proposals may grow a step past its token bucket (above it they
-    # only fill the bucket's padding): steps this small cost about as much as a one-token step.
+    # only fill the bucket's padding), and the most proposals in one step: steps this small
+    # cost about as much as a one-token step.
     spec_free_tokens: int = 1
     # KV blocks a request that proposes is given past its step's tokens, where possible: a
     # draft model writes the K/V of the tokens it proposes next there (0 for n-gram).
@@ -50,9 +51,16 @@ class SchedulerConfig:
 
     def sample_bucket(self, num_tokens_bucket: int) -> int:
         """Padded count of the rows sampled in a step of a token bucket: one per request,
-        plus one per proposed token verified (never more than the step's tokens)."""
+        plus one per proposed token verified (at most spec_free_tokens in a step, and never
+        more rows than the step's tokens)."""
         requests = self.request_bucket(num_tokens_bucket)
-        return min(num_tokens_bucket, requests * (1 + self.num_speculative_tokens))
+        if not self.num_speculative_tokens:
+            return requests
+        return min(
+            num_tokens_bucket,
+            requests * (1 + self.num_speculative_tokens),
+            requests + self.spec_free_tokens,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

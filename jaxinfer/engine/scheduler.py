@@ -218,12 +218,14 @@ class Scheduler:
         as long as they fit the budget, the pool (no preemption for a proposal) and the step's
         room: the padding of the token bucket the step fills anyway, or up to
         spec_free_tokens tokens (steps of so few tokens cost about the same as one: they
-        read the weights more than they compute). Returns the budget left."""
+        read the weights more than they compute); at most spec_free_tokens proposals in all,
+        so a step's sample rows stay within SchedulerConfig.sample_bucket. Returns the budget
+        left."""
         config = self.config
         used = config.max_num_batched_tokens - budget
         buckets = config.token_buckets
         room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
-        room = min(room, budget)
+        room = min(room, budget, config.spec_free_tokens)  # (the sample rows' bucket)
         for index, (request, num_new) in enumerate(scheduled):
             if room <= 0:
                 break
@@ -256,7 +258,8 @@ class Scheduler:
         used = min(used, config.max_num_batched_tokens)
         buckets = config.token_buckets
         room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
-        return max(min(room, config.max_num_batched_tokens - used), 0)
+        room = min(room, config.max_num_batched_tokens - used, config.spec_free_tokens)
+        return max(room, 0)
 
     def _allocate_lookahead(self, scheduled: list[tuple[Request, int]]) -> None:
         """Gives each proposing request that samples in the step blocks for spec_lookahead

@@ -11,6 +11,7 @@ lane's output is shown when it ends; the exit status is the first failing proces
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -33,20 +34,21 @@ def lane_script(groups, extra: list[str]) -> str:
 def main() -> int:
     extra = sys.argv[1:]
     start = time.monotonic()
-    running = []
-    for index, groups in enumerate(LANES):
-        log = tempfile.TemporaryFile(mode="w+")
-        process = subprocess.Popen(
-            lane_script(groups, extra), shell=True, stdout=log, stderr=subprocess.STDOUT
-        )
-        running.append((index, process, log))
     status = 0
-    for index, process, log in running:
-        code = process.wait()
-        log.seek(0)
-        print(f"===== lane {index + 1}: {LANES[index]} (exit {code}) =====", flush=True)
-        sys.stdout.write(log.read())
-        status = status or code
+    with contextlib.ExitStack() as stack:
+        running = []
+        for groups in LANES:
+            log = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
+            process = subprocess.Popen(
+                lane_script(groups, extra), shell=True, stdout=log, stderr=subprocess.STDOUT
+            )
+            running.append((groups, process, log))
+        for index, (groups, process, log) in enumerate(running):
+            code = process.wait()
+            log.seek(0)
+            print(f"===== lane {index + 1}: {groups} (exit {code}) =====", flush=True)
+            sys.stdout.write(log.read())
+            status = status or code
     print(f"===== all lanes: {time.monotonic() - start:.0f} s, exit {status} =====")
     return status
 

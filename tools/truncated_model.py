@@ -34,7 +34,7 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def parse_layers(text: str) -> list[int]:
-    """"0-3,24-29" -> [0, 1, 2, 3, 24, ..., 29]."""
+    """ "0-3,24-29" -> [0, 1, 2, 3, 24, ..., 29]."""
     layers = []
     for part in text.split(","):
         first, _, last = part.partition("-")

@@ -149,8 +149,8 @@ class EngineOptions:
     speculative_free_tokens: int | None = option(
         None,
         "Proposals may grow a step to this many tokens (past that they only fill the padding "
-        "of the step's token bucket): steps this small cost about as much as one token's. "
-        "Unset: 8 on CPU, 64 on accelerators.",
+        "of the step's token bucket), and a step verifies at most this many: steps this small "
+        "cost about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
     )
 
     def __post_init__(self):

@@ -69,7 +69,6 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # most proposals per request and step (0 when off)
     prompt_lookup_min: int
     prompt_lookup_max: int
-    draft_model: str | None = None  # "draft": the proposing model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +178,5 @@ def build_engine_config(
             num_speculative_tokens=num_speculative,
             prompt_lookup_min=options.prompt_lookup_min,
             prompt_lookup_max=options.prompt_lookup_max,
-            draft_model=options.draft_model,
         ),
     )

@@ -42,6 +42,11 @@ class BatchInputs:
         return self.seq_lens.shape[0]
 
 
+def seed_words(seed: int) -> tuple[int, int]:
+    """A request's 64-bit seed as SamplingMetadata.seeds' low and high 32-bit words."""
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:

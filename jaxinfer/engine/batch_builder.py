@@ -8,7 +8,13 @@ import bisect
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
+from jaxinfer.engine.batch import (
+    PenaltyRows,
+    RowValues,
+    SamplingMetadata,
+    StepInputs,
+    seed_words,
+)
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.constraints import bitmask_width
 from jaxinfer.engine.row_table import RowTable
@@ -189,7 +195,7 @@ class BatchBuilder:
         sampling.presence_penalty[rows] = params.presence_penalty
         sampling.frequency_penalty[rows] = params.frequency_penalty
         sampling.has_bias[rows] = item.has_bias
-        sampling.seeds[rows] = (item.seed & 0xFFFFFFFF, (item.seed >> 32) & 0xFFFFFFFF)
+        sampling.seeds[rows] = seed_words(item.seed)
         sampling.output_positions[rows] = item.output_position + np.arange(item.num_sample_rows)
         sampling.keeps[rows] = item.samples
         sampling.state_rows[rows] = state_row

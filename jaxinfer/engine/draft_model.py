@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine.batch import BatchInputs, SamplingMetadata
+from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, seed_words
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.logits_processors import first_argmax
 from jaxinfer.engine.model_runner import ModelRunner
@@ -207,7 +207,7 @@ class DraftModel:
             sampling.top_p[i] = params.top_p
             sampling.min_p[i] = params.min_p
             sampling.has_bias[i] = request.bias is not None
-            sampling.seeds[i] = (request.seed & 0xFFFFFFFF, (request.seed >> 32) & 0xFFFFFFFF)
+            sampling.seeds[i] = seed_words(request.seed)
             sampling.output_positions[i] = request.num_output_tokens
         return rows
 

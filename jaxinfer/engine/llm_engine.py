@@ -330,6 +330,14 @@ class LLMEngine:
         if self.draft is not None:
             self._propose_with_draft()
             return
+        for request, room in self._proposal_candidates():
+            request.spec_token_ids = self.proposer.propose(
+                request.spec, request.all_token_ids, room
+            )
+
+    def _proposal_candidates(self):
+        """(request, room) for each running request that proposes and is caught up to its
+        last token; room: the proposals max_tokens and max_model_len leave it."""
         max_model_len = self.config.scheduler.max_model_len
         for request in self.scheduler.running:
             if (
@@ -342,9 +350,7 @@ class LLMEngine:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - request.num_output_tokens - 1)
-            request.spec_token_ids = self.proposer.propose(
-                request.spec, request.all_token_ids, room
-            )
+            yield request, room
 
     def _propose_with_draft(self) -> None:
         """The draft model's proposals for each running request caught up to its last token,
@@ -352,30 +358,18 @@ class LLMEngine:
         its blocks hold for the tokens the draft writes (the last and each proposal but the
         final one); in all, at most what the next step has room for (each costs a draft
         step), given in the order the scheduler takes them."""
-        max_model_len = self.config.scheduler.max_model_len
         block_size = self.config.cache.block_size
-        room = self.scheduler.proposal_room()
-        wanted = []
+        step_room = self.scheduler.proposal_room()
         for request in self.scheduler.running:
             request.spec_token_ids = []
-            if (
-                request.spec is None
-                or request.num_output_placeholders
-                or request.num_tokens - request.num_computed_tokens != 1
-                or not request.spec.wanted()
-            ):
+        wanted = []
+        for request, room in self._proposal_candidates():
+            if not request.spec.wanted():
                 continue
-            count = min(
-                request.spec.length,
-                max_model_len - 1 - request.num_tokens,
-                len(request.block_ids) * block_size - request.num_tokens + 1,
-            )
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is not None:
-                count = min(count, max_tokens - request.num_output_tokens - 1)
-            count = min(count, room)
+            slots = len(request.block_ids) * block_size - request.num_tokens + 1
+            count = min(request.spec.length, room, slots, step_room)
             if count > 0:
-                room -= count
+                step_room -= count
                 row = self.batch_builder.rows.row(request.request_id)
                 wanted.append((row, request, count))
         if not wanted:

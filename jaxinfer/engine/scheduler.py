@@ -221,11 +221,7 @@ class Scheduler:
         read the weights more than they compute); at most spec_free_tokens proposals in all,
         so a step's sample rows stay within SchedulerConfig.sample_bucket. Returns the budget
         left."""
-        config = self.config
-        used = config.max_num_batched_tokens - budget
-        buckets = config.token_buckets
-        room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
-        room = min(room, budget, config.spec_free_tokens)  # (the sample rows' bucket)
+        room = self._proposal_room(self.config.max_num_batched_tokens - budget)
         for index, (request, num_new) in enumerate(scheduled):
             if room <= 0:
                 break
@@ -249,17 +245,21 @@ class Scheduler:
         """Proposal tokens the next step would take (_add_proposals' room) if it scheduled the
         running requests' own tokens and nothing else: what a proposer that pays for each
         proposal (a draft model) makes at most."""
-        config = self.config
         used = sum(
             r.num_tokens_with_placeholders - r.num_computed_tokens
             for r in self.running
             if not self._sampled_enough(r)
         )
-        used = min(used, config.max_num_batched_tokens)
+        return max(self._proposal_room(min(used, self.config.max_num_batched_tokens)), 0)
+
+    def _proposal_room(self, used: int) -> int:
+        """Proposal tokens a step of `used` scheduled tokens has room for: its token bucket's
+        padding, or up to spec_free_tokens tokens, within the budget, and at most
+        spec_free_tokens proposals (the sample rows' bucket)."""
+        config = self.config
         buckets = config.token_buckets
         room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
-        room = min(room, config.max_num_batched_tokens - used, config.spec_free_tokens)
-        return max(room, 0)
+        return min(room, config.max_num_batched_tokens - used, config.spec_free_tokens)
 
     def _allocate_lookahead(self, scheduled: list[tuple[Request, int]]) -> None:
         """Gives each proposing request that samples in the step blocks for spec_lookahead

@@ -209,6 +209,14 @@ def pairs(llm, params: SamplingParams, seeds: range) -> collections.Counter:
     return collections.Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outputs)
 
 
+def accept_all(self, request, item, sampled):
+    """A biased Scheduler._verify: every proposal kept, whatever was sampled."""
+    drafts = item.draft_token_ids
+    if drafts:
+        request.spec.record(len(drafts), len(drafts))
+    return [*drafts, sampled[len(drafts)]]
+
+
 def homogeneity_pvalue(a: collections.Counter, b: collections.Counter) -> float:
     """Chi-square test that two samples come from one distribution (categories seen fewer
     than 10 times in all pooled)."""
@@ -236,13 +244,6 @@ def test_distribution_unchanged(make_llm, params, monkeypatch):
     reference = pairs(plain, params, range(NUM_SAMPLES))
     # A verifier that accepts every proposal: the test must see the bias.
     before = spec.engine.stats().spec
-
-    def accept_all(self, request, item, sampled):
-        drafts = item.draft_token_ids
-        if drafts:
-            request.spec.record(len(drafts), len(drafts))
-        return [*drafts, sampled[len(drafts)]]
-
     with monkeypatch.context() as patch:
         patch.setattr(Scheduler, "_verify", accept_all)
         biased = pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))

@@ -17,6 +17,7 @@ from tests.conftest import PRESETS, make_tiny_model
 from tests.engine.test_speculative import (
     BIAS,
     NUM_SAMPLES,
+    accept_all,
     completions,
     homogeneity_pvalue,
     pairs,
@@ -149,12 +150,6 @@ def test_distribution_unchanged(make_llm, other_draft, params, monkeypatch):
     reference = pairs(plain, params, range(NUM_SAMPLES))
 
     # A verifier that accepts every proposal: the tokens are then the draft's, from q.
-    def accept_all(self, request, item, sampled):
-        drafts = item.draft_token_ids
-        if drafts:
-            request.spec.record(len(drafts), len(drafts))
-        return [*drafts, sampled[len(drafts)]]
-
     with monkeypatch.context() as patch:
         patch.setattr(Scheduler, "_verify", accept_all)
         biased = pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))

@@ -26,6 +26,7 @@ from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
 from jaxinfer.config.platform import Platform
 from jaxinfer.config.resolve import resolve
 from jaxinfer.layers.kernel_registry import default_registry
+from jaxinfer.layers.kv_cache import KVCache
 from jaxinfer.models.llama import build_llama, head_name, random_params
 from jaxinfer.models.shapes import shape
 from tools.decode import decode_batch, read_bytes
@@ -72,10 +73,10 @@ def main(argv):
         cfg.num_key_value_heads,
         cfg.head_dim,
     )
-    kv_cache = jax.random.normal(jax.random.key(1), kv_shape, dtype)
+    kv_cache = KVCache(jax.random.normal(jax.random.key(1), kv_shape, dtype))
     print(
         f"{FLAGS.shape} ({jnp.dtype(dtype).name}) on {jax.devices()[0].device_kind}: weights "
-        f"{weights / 1e9:.2f} GB, KV cache {kv_cache.nbytes / 1e9:.2f} GB, built in "
+        f"{weights / 1e9:.2f} GB, KV cache {kv_cache.values.nbytes / 1e9:.2f} GB, built in "
         f"{time.perf_counter() - start:.1f} s; memory bandwidth {bandwidth / 1e9:.0f} GB/s; "
         f"kernels {resolved.attention}/{resolved.ffn}/{resolved.norm}/{resolved.matmul}"
     )

@@ -71,13 +71,14 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
     attention = jax.jit(
         lambda q, kv, layer: kernels.attention(
             q,
-            kv,
+            kv.values,
             inputs.block_tables,
             inputs.seq_lens,
             inputs.query_start_loc,
             inputs.num_seqs,
             sm_scale=head_dim**-0.5,
             layer=layer,
+            **kv.attention_kwargs(),
         )
     )
 

@@ -1,6 +1,13 @@
 // Ragged paged attention for XLA:CPU through the XLA FFI (AVX2 + FMA), float32: the same
 // contract as pallas_kernels/ragged_paged_attention/reference.py.
 //
+// The cache is float32, or quantized (pallas_kernels/ragged_paged_attention/kv_quant.py): int8
+// with a float32 scale per position and kv head, or fp8 (e4m3fn, e5m2) with one scale per kv
+// head. A quantized block is dequantized, scales applied, into a small float32 tile of the
+// item's heads as the item reaches it (it stays in L1 while every row of the item reads it),
+// and the float32 code below runs on the tile: each byte of the cache is read from memory
+// once, a quarter of float32's.
+//
 // One flattened batch mixes prefill chunks and decodes: request r owns query tokens
 // query_start_loc[r] : query_start_loc[r + 1], the last tokens of its context of seq_lens[r]
 // positions, whose K/V are already in the cache blocks block_tables[r]. Attention is causal
@@ -24,6 +31,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -53,7 +61,12 @@ struct Item {
 
 struct Inputs {
   const float* q;  // [T, H, D]
-  const float* kv;  // [L, 2, NB, BS, K, D]
+  const void* kv;  // [L, 2, NB, BS, K, D]: float32, int8 or fp8
+  int64_t kv_bytes;  // bytes per cache element
+  // int8: [L, 2, NB, BS, K] (scale_stride K: one per position and head); fp8: [L, 2, K]
+  // (scale_stride 0); float32: unused
+  const float* scales;
+  int64_t scale_stride;
   const int32_t* block_tables;  // [R, MB]
   const int32_t* seq_lens;  // [R]
   const int32_t* query_start_loc;  // [R + 1]
@@ -63,6 +76,77 @@ struct Inputs {
   float* out;  // [T, H, D]
   Shapes s;
 };
+
+// How 8 consecutive cache elements become 8 floats (before their scale).
+struct Float32Values {
+  using T = float;
+  static constexpr bool kQuantized = false;
+};
+
+struct Int8Values {
+  using T = int8_t;
+  static constexpr bool kQuantized = true;
+  __m256 Load8(const int8_t* p) const {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+struct Fp8Values {  // through a table of the format's 256 values
+  using T = uint8_t;
+  static constexpr bool kQuantized = true;
+  const float* table;
+  __m256 Load8(const uint8_t* p) const {
+    const __m256i index =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_i32gather_ps(table, index, 4);
+  }
+};
+
+float DecodeE4M3FN(int b) {  // 4 exponent bits (bias 7), 3 mantissa bits, NaN at S.1111.111
+  const int exponent = (b >> 3) & 15, mantissa = b & 7;
+  float value = exponent == 15 && mantissa == 7 ? NAN
+                : exponent == 0                  ? std::ldexp(mantissa / 8.0f, -6)
+                                                 : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+  return b & 128 ? -value : value;
+}
+
+float DecodeE5M2(int b) {  // 5 exponent bits (bias 15), 2 mantissa bits, IEEE inf / NaN
+  const int exponent = (b >> 2) & 31, mantissa = b & 3;
+  float value = exponent == 31 ? (mantissa ? NAN : INFINITY)
+                : exponent == 0 ? std::ldexp(mantissa / 4.0f, -14)
+                                : std::ldexp(1.0f + mantissa / 4.0f, exponent - 15);
+  return b & 128 ? -value : value;
+}
+
+template <float (*Decode)(int)>
+const float* Fp8Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t;
+    for (int b = 0; b < 256; ++b) t[b] = Decode(b);
+    return t;
+  }();
+  return table.data();
+}
+
+// tile[j, h, :] = value(src + j * position_stride + h * d) * scale[j * scale_stride + h] for
+// positions j in [j0, j1) and heads h in [0, heads): a cache block's positions of an item's
+// heads, dequantized.
+template <class F>
+void DequantizeTile(const F& format, const typename F::T* src, const float* scale,
+                    int64_t position_stride, int64_t scale_stride, int j0, int j1, int heads,
+                    int64_t d, float* tile) {
+  for (int j = j0; j < j1; ++j) {
+    for (int h = 0; h < heads; ++h) {
+      const typename F::T* from = src + j * position_stride + h * d;
+      float* to = tile + (int64_t{j} * heads + h) * d;
+      const __m256 s = _mm256_set1_ps(scale[j * scale_stride + h]);
+      for (int64_t i = 0; i < d; i += 8) {
+        _mm256_storeu_ps(to + i, _mm256_mul_ps(format.Load8(from + i), s));
+      }
+    }
+  }
+}
 
 inline float Dot(const float* a, const float* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -149,8 +233,10 @@ class Fetch {
   // `lines`: room for the lines of a whole block (LinesPerBlock).
   explicit Fetch(const char** lines) : lines_(lines) {}
 
-  static int64_t LinesPerBlock(const Shapes& s) {
-    return 2 * s.block_size * ((s.kv_heads * s.head_dim * int64_t{sizeof(float)} + 63) / 64);
+  static int64_t LinesPerBlock(const Inputs& in) {
+    const Shapes& s = in.s;
+    return 2 * s.block_size * ((s.kv_heads * s.head_dim * in.kv_bytes + 63) / 64) +
+           2 * ((s.block_size * s.kv_heads * int64_t{sizeof(float)} + 63) / 64 + 1);
   }
 
   // The K and V lines of the heads [kv_head, kv_head + num_kv_heads) of `count` positions of
@@ -158,18 +244,28 @@ class Fetch {
   void Plan(const Inputs& in, int64_t block, int count, int32_t kv_head, int32_t num_kv_heads,
             int shares) {
     const Shapes& s = in.s;
-    const int64_t stride = s.kv_heads * s.head_dim * sizeof(float);  // bytes per position
-    const int64_t span = num_kv_heads * s.head_dim * sizeof(float);
+    const int64_t stride = s.kv_heads * s.head_dim * in.kv_bytes;  // bytes per position
+    const int64_t span = num_kv_heads * s.head_dim * in.kv_bytes;
     const int64_t block_bytes = s.block_size * stride;
     const char* k = reinterpret_cast<const char*>(in.kv) +
                     (in.layer * 2 * s.num_blocks + block) * block_bytes +
-                    kv_head * s.head_dim * sizeof(float);
+                    kv_head * s.head_dim * in.kv_bytes;
     const char* v = k + s.num_blocks * block_bytes;
     num_ = 0;
     for (int j = 0; j < count; ++j) {
       for (int64_t i = 0; i < span; i += 64) {
         lines_[num_++] = k + j * stride + i;
         lines_[num_++] = v + j * stride + i;
+      }
+    }
+    if (in.scale_stride > 0) {  // the block's per-position scales
+      const int64_t scale_block = s.block_size * s.kv_heads;
+      const char* ks = reinterpret_cast<const char*>(
+          in.scales + (in.layer * 2 * s.num_blocks + block) * scale_block);
+      const char* vs = ks + s.num_blocks * scale_block * sizeof(float);
+      for (int64_t i = 0; i < count * s.kv_heads * int64_t{sizeof(float)}; i += 64) {
+        lines_[num_++] = ks + i;
+        lines_[num_++] = vs + i;
       }
     }
     share_ = (num_ + shares - 1) / shares;
@@ -199,7 +295,9 @@ int64_t FirstBlock(const Inputs& in, const Item& item) {
 }
 
 // `next`: the item this thread likely takes next, or nullptr.
-void RunItem(const Inputs& in, const Item& item, const Item* next) {
+template <class F>
+void RunItem(const Inputs& in, const F& format, const Item& item, const Item* next) {
+  using T = typename F::T;
   const Shapes& s = in.s;
   const int64_t d = s.head_dim, bs = s.block_size, g = s.group;
   const int per_token = item.num_kv_heads * g;  // rows of one token: its query heads
@@ -209,10 +307,15 @@ void RunItem(const Inputs& in, const Item& item, const Item* next) {
   int64_t first[kMaxRows], last[kMaxRows];  // visible positions [first, last] of each row
   int64_t head[kMaxRows];  // offset of each row's kv head in a position's K or V
   float running_max[kMaxRows], denom[kMaxRows];
-  thread_local std::vector<float> scratch;  // q [rows, D] (scaled), acc [rows, D]
-  scratch.resize(2 * rows * d);
+  // q [rows, D] (scaled), acc [rows, D], and for a quantized cache the K and V tiles
+  // [BS, the item's kv heads, D]
+  const int64_t tile = F::kQuantized ? bs * item.num_kv_heads * d : 0;
+  thread_local std::vector<float> scratch;
+  scratch.resize(2 * rows * d + 2 * tile);
   float* q = scratch.data();
   float* acc = q + rows * d;
+  float* k_tile = acc + rows * d;
+  float* v_tile = k_tile + tile;
   int64_t lo = INT64_MAX, hi = -1;
   for (int t = 0; t < item.num_tokens; ++t) {
     const int64_t token = item.first_token + t;
@@ -234,21 +337,43 @@ void RunItem(const Inputs& in, const Item& item, const Item* next) {
     hi = std::max(hi, position);
   }
   const int32_t* table = in.block_tables + int64_t{item.request} * s.max_blocks;
-  const int64_t position_stride = s.kv_heads * d;  // floats between positions in a block
-  const int64_t block_floats = bs * position_stride;
-  const float* k_layer = in.kv + (in.layer * 2) * s.num_blocks * block_floats + item.kv_head * d;
-  const float* v_layer = k_layer + s.num_blocks * block_floats;
+  const int64_t cache_stride = s.kv_heads * d;  // elements between positions in a block
+  const int64_t block_elements = bs * cache_stride;
+  const T* k_layer = static_cast<const T*>(in.kv) +
+                     (in.layer * 2) * s.num_blocks * block_elements + item.kv_head * d;
+  const T* v_layer = k_layer + s.num_blocks * block_elements;
+  // where the K and V scales of the item's first head are (per block, for int8)
+  const int64_t scale_block = in.scale_stride * bs;  // 0 for one scale per head
+  const int64_t scale_part = in.scale_stride > 0 ? s.num_blocks * scale_block : s.kv_heads;
+  const float* k_scales =
+      F::kQuantized ? in.scales + in.layer * 2 * scale_part + item.kv_head : nullptr;
+  const float* v_scales = F::kQuantized ? k_scales + scale_part : nullptr;
+  // floats between positions in what the rows read: the cache, or a tile
+  const int64_t position_stride = F::kQuantized ? item.num_kv_heads * d : cache_stride;
   alignas(32) float scores[kMaxBlockSize];
   const bool decode = item.num_tokens == 1;  // reads each block once: fetch ahead
   thread_local std::vector<const char*> lines;
-  lines.resize(Fetch::LinesPerBlock(s));
+  lines.resize(Fetch::LinesPerBlock(in));
   Fetch fetch(lines.data());
   const int64_t last_block = hi / bs;
   for (int64_t b = lo / bs; b <= last_block; ++b) {
     const int64_t base = b * bs;
     const int count = static_cast<int>(std::min<int64_t>(bs, hi + 1 - base));
-    const float* k = k_layer + table[b] * block_floats;
-    const float* v = v_layer + table[b] * block_floats;
+    const float* k;
+    const float* v;
+    if constexpr (F::kQuantized) {
+      const int j0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
+      const int64_t at = table[b] * scale_block;
+      DequantizeTile(format, k_layer + table[b] * block_elements, k_scales + at, cache_stride,
+                     in.scale_stride, j0, count, item.num_kv_heads, d, k_tile);
+      DequantizeTile(format, v_layer + table[b] * block_elements, v_scales + at, cache_stride,
+                     in.scale_stride, j0, count, item.num_kv_heads, d, v_tile);
+      k = k_tile;
+      v = v_tile;
+    } else {
+      k = k_layer + table[b] * block_elements;
+      v = v_layer + table[b] * block_elements;
+    }
     fetch.Clear();
     if (decode && b < last_block) {
       const int next_count = static_cast<int>(std::min<int64_t>(bs, hi + 1 - base - bs));
@@ -302,13 +427,14 @@ void RunItem(const Inputs& in, const Item& item, const Item* next) {
   }
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> kv, ffi::Buffer<ffi::S32> block_tables,
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv,
+                          ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                           ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
                           float sm_scale, int64_t sliding_window,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = kv.dimensions(), bd = block_tables.dimensions();
+  const auto sd = scales.dimensions();
   if (qd.size() != 3 || kd.size() != 6 || bd.size() != 2) {
     return ffi::Error::InvalidArgument(
         "paged_attention: q [T, H, D], kv_cache [L, 2, NB, BS, K, D], block_tables [R, MB]");
@@ -324,13 +450,38 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         "paged_attention: needs head_dim a multiple of 8 up to 256, block_size up to 128 and "
         "at most 64 query heads per kv head");
   }
+  const ffi::DataType type = kv.element_type();
+  const bool per_position = type == ffi::DataType::S8;
+  const bool per_head = type == ffi::DataType::F8E4M3FN || type == ffi::DataType::F8E5M2;
+  if (!per_position && !per_head && type != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("paged_attention: kv_cache must be float32, int8 or fp8");
+  }
+  const bool scales_match =
+      per_position ? sd.size() == 5 && sd[0] == s.layers && sd[1] == 2 &&
+                         sd[2] == s.num_blocks && sd[3] == s.block_size && sd[4] == s.kv_heads
+      : per_head ? sd.size() == 3 && sd[0] == s.layers && sd[1] == 2 && sd[2] == s.kv_heads
+                 : true;
+  if (!scales_match) {
+    return ffi::Error::InvalidArgument(
+        "paged_attention: kv_scales must be [L, 2, NB, BS, K] for int8, [L, 2, K] for fp8");
+  }
   const int64_t layer_index = layer.typed_data()[0];
   if (layer_index < 0 || layer_index >= s.layers) {
     return ffi::Error::InvalidArgument("paged_attention: layer out of range");
   }
-  Inputs in{q.typed_data(),        kv.typed_data(),  block_tables.typed_data(),
-            seq_lens.typed_data(), query_start_loc.typed_data(), layer_index,
-            sm_scale,              sliding_window,   out->typed_data(), s};
+  Inputs in{q.typed_data(),
+            kv.untyped_data(),
+            type == ffi::DataType::F32 ? int64_t{sizeof(float)} : 1,
+            scales.typed_data(),
+            per_position ? s.kv_heads : 0,
+            block_tables.typed_data(),
+            seq_lens.typed_data(),
+            query_start_loc.typed_data(),
+            layer_index,
+            sm_scale,
+            sliding_window,
+            out->typed_data(),
+            s};
   const int64_t real = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, s.requests);
   const int32_t* starts = in.query_start_loc;
   const int tokens_per_item = std::max<int>(1, std::min<int64_t>(kQueryBlock, kMaxRows / s.group));
@@ -357,9 +508,20 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // Threads claim items in turn, so a thread's next item is about one per thread further on.
   const int64_t count = static_cast<int64_t>(items.size());
   const int64_t ahead = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), count));
-  jaxinfer::ParallelFor(pool, count, [&in, &items, count, ahead](int64_t i) {
-    RunItem(in, items[i], i + ahead < count ? &items[i + ahead] : nullptr);
-  });
+  auto run = [&](const auto& format) {
+    jaxinfer::ParallelFor(pool, count, [&in, &format, &items, count, ahead](int64_t i) {
+      RunItem(in, format, items[i], i + ahead < count ? &items[i + ahead] : nullptr);
+    });
+  };
+  if (type == ffi::DataType::S8) {
+    run(Int8Values{});
+  } else if (type == ffi::DataType::F8E4M3FN) {
+    run(Fp8Values{Fp8Table<DecodeE4M3FN>()});
+  } else if (type == ffi::DataType::F8E5M2) {
+    run(Fp8Values{Fp8Table<DecodeE5M2>()});
+  } else {
+    run(Float32Values{});
+  }
   return ffi::Error::Success();
 }
 
@@ -369,7 +531,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_cache [L, 2, NB, BS, K, D]
+                                  .Arg<ffi::AnyBuffer>()  // kv_cache [L, 2, NB, BS, K, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_scales (see Inputs)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables [R, MB]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [R]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [R + 1]

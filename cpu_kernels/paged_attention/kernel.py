@@ -1,5 +1,6 @@
-"""Ragged paged attention on XLA:CPU through the C++ kernel in kernel.cc (float32), with the
-signature of pallas_kernels.ragged_paged_attention.reference.
+"""Ragged paged attention on XLA:CPU through the C++ kernel in kernel.cc (float32 queries over
+a float32, int8 or fp8 cache), with the signature of
+pallas_kernels.ragged_paged_attention.reference.
 
     load_paged_attention(build_dir)   # compiles kernel.cc once, registers it
     out = paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, num_seqs,
@@ -21,11 +22,13 @@ from cpu_kernels.build import KernelBuildError, build, load, register
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 TARGET = "jaxinfer_paged_attention"
+QUANTIZED = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
 def paged_attention(
     q: jax.Array,  # [T, H, D] float32
     kv_cache: jax.Array,  # [2, NB, BS, K, D], or [L, 2, NB, BS, K, D] with `layer`
+    #                       float32, or int8 / fp8 with kv_scales
     block_tables: jax.Array,  # i32[R, MB]
     seq_lens: jax.Array,  # i32[R], context length including this step's tokens
     query_start_loc: jax.Array,  # i32[R + 1]
@@ -34,19 +37,28 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
+    kv_scales: jax.Array | None = None,  # int8: f32[(L,) 2, NB, BS, K]; fp8: f32[(L,) 2, K]
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
     """Causal attention of each request's new tokens over its paged context (see
     load_paged_attention)."""
-    if q.dtype != jnp.float32 or kv_cache.dtype != jnp.float32:
+    quantized = kv_cache.dtype in QUANTIZED
+    if q.dtype != jnp.float32 or not (kv_cache.dtype == jnp.float32 or quantized):
         raise TypeError(
-            f"paged_attention takes float32 q and cache, got {q.dtype}, {kv_cache.dtype}"
+            f"paged_attention takes float32 q and a float32, int8 or fp8 cache, got {q.dtype}, "
+            f"{kv_cache.dtype}"
         )
+    if quantized != (kv_scales is not None):
+        raise TypeError("paged_attention: an int8 or fp8 cache comes with kv_scales (only)")
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
+        kv_scales = None if kv_scales is None else kv_scales[None]
+    if kv_scales is None:
+        kv_scales = jnp.zeros((0,), jnp.float32)
     i32 = jnp.int32
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q,
         kv_cache,
+        kv_scales.astype(jnp.float32),
         block_tables.astype(i32),
         seq_lens.astype(i32),
         query_start_loc.astype(i32),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config.options import EngineOptions
 from jaxinfer.config.resolve import ResolvedOptions
+from jaxinfer.layers import kv_cache
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
@@ -27,6 +28,11 @@ class CacheConfig:
     block_size: int
     num_blocks: int  # including the null block 0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # jaxinfer.layers.kv_cache
+
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds (the null block aside)."""
+        return (self.num_blocks - 1) * self.block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +143,12 @@ def build_engine_config(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"({arch.max_position_embeddings})"
         )
-    bytes_per_block = (  # on each device: the KV cache is split by KV heads
-        arch.num_hidden_layers
-        * 2
-        * options.block_size
-        * (arch.num_key_value_heads // tp)
-        * arch.head_dim
-        * jnp.dtype(dtype).itemsize
+    bytes_per_block = options.block_size * kv_cache.bytes_per_token(  # on each device: the
+        options.kv_cache_dtype,  # KV cache is split by KV heads
+        dtype,
+        arch.num_hidden_layers,
+        arch.num_key_value_heads // tp,
+        arch.head_dim,
     )
     num_blocks = options.num_kv_blocks or max(
         2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
@@ -161,6 +166,7 @@ def build_engine_config(
             block_size=options.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=options.enable_prefix_caching,
+            kv_cache_dtype=options.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.layers.kv_cache import KV_CACHE_DTYPES
 from jaxinfer.layers.quantization import QUANTIZERS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +60,13 @@ class EngineOptions:
     )
     kv_cache_memory_gb: float = option(
         1.0, "Memory budget of the KV cache (GiB) when num_kv_blocks is unset."
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV-cache format: auto (the model dtype); int8 (a scale per token and KV head); "
+        "fp8_e4m3 or fp8_e5m2 (a scale per KV head, from the checkpoint's k_scale / v_scale "
+        "or calibrated at start-up). A smaller format holds more tokens in the same memory.",
+        KV_CACHE_DTYPES,
     )
     cache_dir: str = option(
         str(Path.home() / ".cache" / "jaxinfer"),

@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions
 from jaxinfer.config.configure import configure
+from jaxinfer.engine import kv_calibration
 from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, seed_words
 from jaxinfer.engine.block_pool import NULL_BLOCK
 from jaxinfer.engine.logits_processors import first_argmax
@@ -247,8 +248,9 @@ def load_draft(
         config, kernels = configure(draft_options, folder, registry, gguf_source)
     except ValueError as error:
         raise ValueError(f"draft_model {options.draft_model!r}: {error}") from error
+    tokenizer = TokenizerWrapper(folder)
     if config.model.arch.vocab_size != target.model.arch.vocab_size or (
-        TokenizerWrapper(folder).tokenizer.get_vocab() != target_vocab
+        tokenizer.tokenizer.get_vocab() != target_vocab
     ):
         raise ValueError(
             f"draft_model {options.draft_model!r} must have the model's vocabulary and "
@@ -257,5 +259,8 @@ def load_draft(
         )
     gguf = gguf_source if config.resolved.gguf_blocks else None
     graphdef, state, _ = load_model(folder, config, partitioner, gguf)
-    runner = ModelRunner(config, graphdef, state, kernels, partitioner, sampling=False)
+    scales = kv_calibration.kv_scales(config, graphdef, state, kernels, partitioner, tokenizer)
+    runner = ModelRunner(
+        config, graphdef, state, kernels, partitioner, sampling=False, kv_scales=scales
+    )
     return DraftModel(config, runner, target)

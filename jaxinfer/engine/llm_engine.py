@@ -18,6 +18,7 @@ from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from jaxinfer.engine.draft_model import load_draft
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
+from jaxinfer.engine import kv_calibration
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.parent_request import ParentRequest
@@ -69,8 +70,24 @@ class LLMEngine:
             )
         self.batch_builder = BatchBuilder(self.config)
         logger.info("engine: %s", json.dumps(self.describe()))
+        cache = self.config.cache
+        logger.info(
+            "KV cache: %d blocks of %d tokens in %s, %d tokens",
+            cache.num_blocks - 1,
+            cache.block_size,
+            cache.kv_cache_dtype,
+            cache.capacity_tokens(),
+        )
         self.runner = ModelRunner(
-            self.config, graphdef, state, model_kernels, self.partitioner, draft=self.draft
+            self.config,
+            graphdef,
+            state,
+            model_kernels,
+            self.partitioner,
+            draft=self.draft,
+            kv_scales=kv_calibration.kv_scales(
+                self.config, graphdef, state, model_kernels, self.partitioner, self.tokenizer
+            ),
         )
         with compilation_cache.CompileCounter() as counter:
             self.warmup_seconds = self.runner.warmup(self.batch_builder)
@@ -266,6 +283,8 @@ class LLMEngine:
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             "block_size": config.cache.block_size,
             "num_kv_blocks": config.cache.num_blocks,
+            "kv_cache_dtype": config.cache.kv_cache_dtype,
+            "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
             "quantization": config.model.quantization,
             "gguf_block_weights": list(self.gguf_weights),

@@ -33,7 +33,9 @@ from jaxinfer.engine.device_inputs import (
 )
 from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.engine.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
+from jaxinfer.layers import kv_cache as kv_formats
 from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.kv_cache import KVCache
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
@@ -45,8 +47,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-KV_CACHE_AXES = ("layers", None, "blocks", None, "kv_heads", "head_dim")
 PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
+
+
+def allocate_kv_cache(
+    config: EngineConfig, partitioner: Partitioner, fp8_scales: jax.Array | None = None
+) -> KVCache:
+    """The empty cache in config.cache.kv_cache_dtype's format (jaxinfer.layers.kv_cache):
+    values [L, 2, NB, BS, K, D] and, for int8, zero scales f32[L, 2, NB, BS, K]; an fp8 cache
+    takes its fixed per-head scales f32[L, 2, K]."""
+    arch, cache = config.model.arch, config.cache
+    shape = (
+        arch.num_hidden_layers,
+        2,
+        cache.num_blocks,
+        cache.block_size,
+        arch.num_key_value_heads,
+        arch.head_dim,
+    )
+    kind = kv_formats.scale_kind(cache.kv_cache_dtype)
+    dtype = kv_formats.value_dtype(cache.kv_cache_dtype, config.model.dtype)
+    values = partitioner.zeros(shape, dtype, kv_formats.VALUE_AXES)
+    if kind is None:
+        return KVCache(values)
+    if kind == "int8":
+        return KVCache(values, partitioner.zeros(shape[:-1], jnp.float32, kv_formats.SCALE_AXES[kind]))
+    if fp8_scales is None or fp8_scales.shape != (shape[0], 2, shape[4]):
+        raise ValueError(f"an {cache.kv_cache_dtype} KV cache needs scales f32[L, 2, K]")
+    return KVCache(values, fp8_scales)
 
 
 def _scan_hidden(
@@ -54,9 +82,9 @@ def _scan_hidden(
     kernels: ModelKernels,
     partitioner: Partitioner,
     state: nnx.State,
-    kv_cache: jax.Array,
+    kv_cache: KVCache,
     batch: BatchInputs,
-) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E])
+) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden [T, E])
     model = nnx.merge(graphdef, state)
     return model.hidden_states(kv_cache, batch, kernels=kernels, partitioner=partitioner)
 
@@ -68,11 +96,11 @@ def _scan_step(
     logits_fn,  # compute_logits with the model's options bound
     state: nnx.State,
     top_params: dict,
-    kv_cache: jax.Array,
+    kv_cache: KVCache,
     block_table: jax.Array,  # i32[S, MB]
     last_tokens: jax.Array,  # i32[S]
     inputs: StepInputs,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # (kv_cache, hidden [T, E], logits f32[R, V])
+) -> tuple[KVCache, jax.Array, jax.Array]:  # (kv_cache, hidden [T, E], logits f32[R, V])
     """The model's part of a step in one program: the batch assembled on the device, the
     layers under the scan, the LM head."""
     batch = assemble_batch(inputs, block_table, last_tokens)
@@ -154,12 +182,14 @@ class ModelRunner:
         *,
         sampling: bool = True,
         draft: DraftModel | None = None,
+        kv_scales: jax.Array | None = None,
     ):
         """`state`: the model's parameters, already placed by `partitioner` (build_llama);
         everything else the runner keeps on the device is placed on the same mesh.
         `sampling`: False for a draft model's runner, which keeps no per-request rows
         and only runs its layers and LM head. `draft`: a draft model (speculative decoding)
-        that runs over each step's batch too, and whose q the sampler verifies against."""
+        that runs over each step's batch too, and whose q the sampler verifies against.
+        `kv_scales`: an fp8 cache's per-head scales f32[L, 2, K] (engine.kv_calibration)."""
         self.draft = draft
         self.config = config
         self.kernels = kernels
@@ -168,18 +198,7 @@ class ModelRunner:
         self.partitioner = part = partitioner
         arch = config.model.arch
         self.layer_execution = config.layer_execution
-        self.kv_cache = part.zeros(
-            (
-                arch.num_hidden_layers,
-                2,
-                config.cache.num_blocks,
-                config.cache.block_size,
-                arch.num_key_value_heads,
-                arch.head_dim,
-            ),
-            config.model.dtype,
-            KV_CACHE_AXES,
-        )  # [L, 2, NB, BS, K, D], split by KV heads
+        self.kv_cache = allocate_kv_cache(config, part, kv_scales)  # split by KV heads
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache

@@ -51,6 +51,9 @@ class _TensorReader:
     def has(self, name: str) -> bool:
         return name in self._handles
 
+    def tensor(self, name: str) -> np.ndarray:
+        return self._handles[name][1].get_tensor(name)
+
     def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
         if name not in self._handles:
             raise ValueError(f"checkpoint has no tensor {name!r} (expected shape {shape})")
@@ -145,3 +148,33 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     return {
         k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in params.items()
     }
+
+
+def load_kv_scales(folder: Path, config: LlamaConfig, kv_replicas: int = 1) -> np.ndarray | None:
+    """f32[L, 2, K]: the fp8 KV-cache scales a checkpoint carries (`self_attn.k_scale` and
+    `v_scale` of every layer: one per layer, or one per KV head), or None without them.
+    A dequantized value is its fp8 value times the scale."""
+    cfg = config
+    K = cfg.num_key_value_heads // kv_replicas  # the checkpoint's
+    with contextlib.ExitStack() as stack:
+        reader = _TensorReader(checkpoint_files(folder), stack)
+        names = [
+            f"model.layers.{i}.self_attn.{part}_scale"
+            for i in range(cfg.num_hidden_layers)
+            for part in "kv"
+        ]
+        present = [reader.has(name) for name in names]
+        if not any(present):
+            return None
+        if not all(present):
+            raise ValueError(f"{folder}: k_scale / v_scale are given for some layers only")
+        scales = []
+        for name in names:
+            value = np.asarray(reader.tensor(name), np.float32).reshape(-1)
+            if value.size not in (1, K) or not (np.isfinite(value).all() and (value > 0).all()):
+                raise ValueError(
+                    f"{folder}: {name} must be 1 or {K} positive values, got {value.tolist()}"
+                )
+            scales.append(np.broadcast_to(value, (K,)))
+    scales = np.stack(scales).reshape(cfg.num_hidden_layers, 2, K)
+    return np.repeat(scales, kv_replicas, axis=-1)  # each KV head's copies share its scale

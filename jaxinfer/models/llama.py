@@ -4,8 +4,9 @@ T: tokens, R: requests, E: hidden size, I: intermediate size, H: query heads, K:
 D: head dim, V: vocabulary, L: layers.
 
 The decoder layers' parameters are stacked along a leading [L] axis and run under
-`jax.lax.scan`, so compile time does not grow with depth. The KV cache
-[L, 2, num_blocks, block_size, K, D] is threaded through the scan carry and updated in place.
+`jax.lax.scan`, so compile time does not grow with depth. The KV cache (jaxinfer.layers.kv_cache:
+values [L, 2, num_blocks, block_size, K, D] and, quantized, their scales) is threaded through
+the scan carry and updated in place.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from flax import nnx
 
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.kv_cache import KVCache
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, gated_ffn_out_in, lm_logits
 from jaxinfer.layers.quantization import QUANTIZERS
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
-from pallas_kernels.ragged_paged_attention.reference import write_kv_reference
 
 REFERENCE_KERNELS = ModelKernels()
 
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(
         self,
-        kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
+        kv_cache: KVCache,  # [L, 2, NB, BS, K, D] values (and scales)
         batch: BatchInputs,
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
@@ -160,7 +161,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def hidden_states(
         self,
-        kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
+        kv_cache: KVCache,  # [L, 2, NB, BS, K, D] values (and scales)
         batch: BatchInputs,
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
@@ -222,7 +223,7 @@ def decoder_layer(
     p: dict,  # one layer's parameters (no [L] axis)
     hidden: jax.Array,  # [T, E], the previous sublayer's output
     residual: jax.Array,  # [T, E], the residual stream before it
-    kv_cache: jax.Array,  # [L, 2, NB, BS, K, D]
+    kv_cache: KVCache,  # [L, 2, NB, BS, K, D] values (and scales)
     layer: jax.Array,  # i32[], this layer's index in the cache
     batch: BatchInputs,
     cos_sin: jax.Array,  # f32[T, 2, D / 2]
@@ -248,16 +249,17 @@ def decoder_layer(
         q = constrain(apply_rotary(q, cos_sin), ("tokens", "q_heads", "head_dim"))
         k = apply_rotary(qkv[:, :, group], cos_sin)  # [T, K, D]
         v = qkv[:, :, group + 1]  # [T, K, D]
-        kv_cache = write_kv_reference(kv_cache, layer, k, v, batch.slot_mapping)
+        kv_cache = kv_cache.write(layer, k, v, batch.slot_mapping)
         attn = kernels.attention(
             q,
-            kv_cache,
+            kv_cache.values,
             batch.block_tables,
             batch.seq_lens,
             batch.query_start_loc,
             batch.num_seqs,
             sm_scale=cfg.head_dim**-0.5,
             layer=layer,
+            **kv_cache.attention_kwargs(),
         )  # [T, H, D]
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
         hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], kernels)

@@ -43,6 +43,13 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests being computed.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for room.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        cache = engine.config.cache
+        prom.Gauge(
+            "jaxinfer:kv_cache_capacity_tokens",
+            "Tokens the KV cache holds, by its format.",
+            ["kv_cache_dtype"],
+            registry=self.registry,
+        ).labels(cache.kv_cache_dtype).set(cache.capacity_tokens())
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Requests preempted.")

@@ -23,6 +23,11 @@ Iterations always start at a multiple of P blocks (a sliding window's first bloc
 down): where a program's rows start does not move a row's iteration boundaries, and an
 iteration with nothing visible to a row leaves its sums exactly as they were.
 
+Quantized cache (kv_quant). int8 values come with a scale per position and kv head: the key
+scales multiply the scores, the value scales the probabilities before the PV product, so a
+block is converted once and never materialized dequantized. fp8 values come with one scale
+per kv head: folded into sm_scale (keys) and the output (values).
+
 Layouts. Queries are regrouped once to [K, (T + BQ) * Gp, D] so a program's rows are one
 contiguous tile (the BQ padding tokens keep the last tile in bounds). Each program writes its
 own private output tile [BM, D], so no two programs store to the same rows and no masked
@@ -39,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
+from pallas_kernels.ragged_paged_attention.kv_quant import is_per_token
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, token_request_index
 
 LOG2E = math.log2(math.e)
@@ -105,6 +111,7 @@ def _attention_kernel(
     layer_ref,  # i32[1]
     q_ref,  # [K, (T + BQ) * Gp, D]
     kv_ref,  # [L, 2, NB, BS, K, D]
+    scales_ref,  # f32[L, 2, NB, BS, K] ("token"), f32[L, 2, K] ("head"), unused (None)
     out_ref,  # f32[S, K, NQB, BM, D]
     lse_ref,  # f32[S, K, NQB, BM]
     *,
@@ -114,6 +121,7 @@ def _attention_kernel(
     num_splits: int,
     sm_scale: float,
     sliding_window: int | None,
+    scale_mode: str | None,
 ):
     j, kvh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_size, head_dim = kv_ref.shape[3], kv_ref.shape[5]
@@ -125,6 +133,9 @@ def _attention_kernel(
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     q = q_ref[kvh, pl.ds(first * group_p, rows), :]  # [BM, D]
+    score_scale = sm_scale
+    if scale_mode == "head":
+        score_scale = sm_scale * scales_ref[layer, 0, kvh]
     row_token = first + jnp.arange(rows) // group_p  # [BM]
     row_pos = context - (end - row_token)  # absolute position of each row's token
     row_ok = row_token < end
@@ -149,10 +160,12 @@ def _attention_kernel(
         acc, running_max, denom = carry
         block0 = first_block + it * blocks_per_iter
         blocks = block_tables_ref[req, pl.ds(block0, blocks_per_iter)]  # i32[P]
-        k = kv_ref[layer, 0, blocks, :, kvh, :].reshape(span, head_dim)  # [N, D]
-        v = kv_ref[layer, 1, blocks, :, kvh, :].reshape(span, head_dim)
+        k = kv_ref[layer, 0, blocks, :, kvh, :].reshape(span, head_dim).astype(q.dtype)  # [N, D]
+        v = kv_ref[layer, 1, blocks, :, kvh, :].reshape(span, head_dim).astype(q.dtype)
         scores = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32)
-        scores = scores * sm_scale  # [BM, N]
+        scores = scores * score_scale  # [BM, N]
+        if scale_mode == "token":
+            scores = scores * scales_ref[layer, 0, blocks, :, kvh].reshape(1, span)
         kv_pos = block0 * block_size + jnp.arange(span)  # [N]
         visible = (kv_pos[None, :] <= row_pos[:, None]) & row_ok[:, None]
         if sliding_window is not None:
@@ -162,6 +175,8 @@ def _attention_kernel(
         correction = jnp.exp2((running_max - new_max) * LOG2E)
         probs = jnp.where(visible, jnp.exp2((scores - new_max[:, None]) * LOG2E), 0.0)
         denom = denom * correction + probs.sum(axis=1)
+        if scale_mode == "token":
+            probs = probs * scales_ref[layer, 1, blocks, :, kvh].reshape(1, span)
         acc = acc * correction[:, None] + jnp.dot(
             probs.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32
         )
@@ -173,6 +188,8 @@ def _attention_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     acc, running_max, denom = jax.lax.fori_loop(it_lo, it_hi, body, init)
+    if scale_mode == "head":
+        acc = acc * scales_ref[layer, 1, kvh]
     seen = denom > 0
     out_ref[split, kvh, j, :, :] = acc / jnp.where(seen, denom, 1.0)[:, None]
     lse_ref[split, kvh, j, :] = jnp.where(
@@ -197,12 +214,19 @@ def ragged_paged_attention(
     num_kv_splits: int | None = None,
     batch_invariant: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
+    kv_scales: jax.Array | None = None,  # int8: f32[(L,) 2, NB, BS, K]; fp8: f32[(L,) 2, K]
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
     """The Pallas kernel with the reference's signature (see the module docstring).
     `batch_invariant`: each row's result independent of the other rows (one BQ, no splits)."""
     num_tokens, num_heads, head_dim = q.shape
+    scale_mode = None
+    if kv_scales is not None:
+        scale_mode = "token" if is_per_token(kv_scales, kv_cache) else "head"
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
+        kv_scales = None if kv_scales is None else kv_scales[None]
+    if kv_scales is None:
+        kv_scales = jnp.zeros((1,), jnp.float32)
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     max_blocks = block_tables.shape[1]
     if num_heads % num_kv_heads:
@@ -239,6 +263,7 @@ def ragged_paged_attention(
         num_splits=num_splits,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        scale_mode=scale_mode,
     )
     out, lse = gpu_lowering.call(
         kernel,
@@ -252,7 +277,7 @@ def ragged_paged_attention(
         launch=launch,
         interpret=interpret,
         name="ragged_paged_attention",
-    )(sched, tables, layer_index, qg, kv_cache)
+    )(sched, tables, layer_index, qg, kv_cache, kv_scales.astype(jnp.float32))
 
     if num_splits > 1:  # merge the splits' partial softmaxes by log-sum-exp
         total = jax.nn.logsumexp(lse, axis=0)  # [K, NQB, BM]

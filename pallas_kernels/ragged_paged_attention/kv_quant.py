@@ -42,9 +42,47 @@ def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:  # f32[T, K, D]
     return q.astype(jnp.float32) * scale[..., None]
 
 
-def fp8_scale(x: jax.Array, kind: str) -> jax.Array:  # f32[K]
-    """A per-head scale that maps the largest |x| seen (x: [T, K, D], calibration tokens) to
-    the format's largest finite value."""
+def fp8_scale(amax: jax.Array, kind: str, headroom: float = 1.0) -> jax.Array:  # f32[...]
+    """Scales that map amax (the largest |x| seen per head, e.g. over calibration tokens)
+    times `headroom` to the format's largest finite value; 1 where amax is 0."""
     limit = float(jnp.finfo(FP8_DTYPES[kind]).max)
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(0, 2))  # [K]
-    return jnp.where(amax > 0, amax / limit, 1.0)
+    amax = jnp.asarray(amax, jnp.float32)
+    return jnp.where(amax > 0, amax * headroom / limit, 1.0)
+
+
+def is_per_token(kv_scales: jax.Array, kv_cache: jax.Array) -> bool:
+    """Whether kv_scales holds a scale per token and head (int8: the cache's shape without D)
+    rather than one per head (fp8: [(L,) 2, K])."""
+    return kv_scales.ndim == kv_cache.ndim - 1
+
+
+def dequantize_cache(kv_cache: jax.Array, kv_scales: jax.Array) -> jax.Array:
+    """The float32 cache a quantized one stands for: [(L,) 2, NB, BS, K, D]."""
+    values = kv_cache.astype(jnp.float32)
+    if is_per_token(kv_scales, kv_cache):
+        return values * kv_scales[..., None]
+    return values * kv_scales[..., None, None, :, None]  # [(L,) 2, K] over NB, BS and D
+
+
+def write_kv_quantized(
+    kv_cache: jax.Array,  # [L, 2, NB, BS, K, D], int8 or fp8
+    kv_scales: jax.Array,  # f32[L, 2, NB, BS, K] (int8) or f32[L, 2, K] (fp8)
+    layer: jax.Array,  # i32[]
+    k: jax.Array,  # [T, K, D]
+    v: jax.Array,  # [T, K, D]
+    slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block 0
+) -> tuple[jax.Array, jax.Array]:  # (kv_cache, kv_scales)
+    """Quantizes this step's K/V and scatters them into one layer of the cache: int8 values
+    with their per-token scales into the same slots; fp8 values under the cache's fixed
+    per-head scales (which are left as they are)."""
+    block_size = kv_cache.shape[3]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    for index, x in enumerate((k, v)):
+        if is_per_token(kv_scales, kv_cache):
+            q, scale = quantize_int8(x)
+            kv_scales = kv_scales.at[layer, index, blocks, offsets].set(scale)
+        else:
+            kind = next(name for name, dtype in FP8_DTYPES.items() if dtype == kv_cache.dtype)
+            q = quantize_fp8(x, kv_scales[layer, index], kind)
+        kv_cache = kv_cache.at[layer, index, blocks, offsets].set(q)
+    return kv_cache, kv_scales

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.kv_quant import is_per_token
+
 MASK_VALUE = -1e30  # finite, so a fully masked row gives zeros rather than NaN
 
 
@@ -46,16 +48,23 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
     kv_chunk_blocks: int | None = None,
+    kv_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
     """Causal attention of each request's new tokens over its paged context.
 
     With `layer`, kv_cache is the whole [L, 2, NB, BS, K, D] cache and only that layer's blocks
     are gathered, so no per-layer copy of the cache is ever made.
+
+    A quantized cache (kv_quant) comes with `kv_scales`: f32[(L,) 2, NB, BS, K] beside int8
+    values, each gathered chunk dequantized as it is read; or f32[(L,) 2, K] beside fp8 values,
+    the key scales folded into the queries and the value scales into the output.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[-3], kv_cache.shape[-2]
+    per_token = kv_scales is not None and is_per_token(kv_scales, kv_cache)
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
+        kv_scales = None if kv_scales is None else kv_scales[None]
     num_reqs, max_blocks = block_tables.shape
     group = num_heads // num_kv_heads
     if kv_chunk_blocks is None:
@@ -77,6 +86,8 @@ def ragged_paged_attention_reference(
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # i32[R, MB'], MB' % chunk == 0
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    if kv_scales is not None and not per_token:
+        qg = qg * kv_scales[layer, 0][:, None, None]  # the key scale of each head
     num_chunks = (jnp.max(visible) + chunk_len - 1) // chunk_len
 
     def chunk_step(chunk, carry):
@@ -86,7 +97,11 @@ def ragged_paged_attention_reference(
         )[req]  # i32[T, kv_chunk_blocks]
         k = kv_cache[layer, 0, blocks].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
         v = kv_cache[layer, 1, blocks].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
-        scores = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))  # [T, K, G, C]
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        if per_token:  # [T, C, K] scales of the chunk's positions
+            k = k * kv_scales[layer, 0, blocks].reshape(num_tokens, chunk_len, -1)[..., None]
+            v = v * kv_scales[layer, 1, blocks].reshape(num_tokens, chunk_len, -1)[..., None]
+        scores = jnp.einsum("tkgd,tckd->tkgc", qg, k)  # [T, K, G, C]
         kv_pos = chunk * chunk_len + jnp.arange(chunk_len)  # [C]
         mask = (kv_pos[None, :] < visible[:, None]) & (kv_pos[None, :] >= first_visible[:, None])
         scores = jnp.where(mask[:, None, None, :], scores, MASK_VALUE)
@@ -96,7 +111,7 @@ def ragged_paged_attention_reference(
         probs = jnp.where(mask[:, None, None, :], probs, 0.0)
         denom = denom * correction + probs.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum(
-            "tkgc,tckd->tkgd", probs, v.astype(jnp.float32)
+            "tkgc,tckd->tkgd", probs, v
         )
         return new_max, denom, acc
 
@@ -107,6 +122,8 @@ def ragged_paged_attention_reference(
     )
     _, denom, acc = jax.lax.fori_loop(0, num_chunks, chunk_step, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    if kv_scales is not None and not per_token:
+        out = out * kv_scales[layer, 1][:, None, None]  # the value scale of each head
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 

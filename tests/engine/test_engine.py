@@ -250,10 +250,10 @@ def test_incremental_detokenizer_never_splits_utf8(llm):
 
 def test_kv_cache_is_donated(llm):
     runner = llm.engine.runner
-    before = runner.kv_cache
+    before = runner.kv_cache.values
     llm.generate(prompts_of([4]), SamplingParams(max_tokens=2), use_tqdm=False)
-    assert before.is_deleted() and not runner.kv_cache.is_deleted()
-    assert isinstance(runner.kv_cache, jax.Array)
+    assert before.is_deleted() and not runner.kv_cache.values.is_deleted()
+    assert isinstance(runner.kv_cache.values, jax.Array) and runner.kv_cache.scales is None
 
 
 def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):

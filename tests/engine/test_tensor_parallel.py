@@ -73,7 +73,7 @@ def test_tiny_model_split_gives_the_same_tokens_and_shards(tiny_model_dir, singl
         assert len(getattr(layer[name], "w", layer[name]).sharding.device_set) == tp
     assert shard_shape(runner.top_params["embed"]) == (vocab // tp, hidden)
     assert shard_shape(runner.top_params["lm_head"]) == (vocab // tp, hidden)
-    assert shard_shape(runner.kv_cache)[4] == kv_heads // tp
+    assert shard_shape(runner.kv_cache.values)[4] == kv_heads // tp
 
 
 @pytest.mark.parametrize(

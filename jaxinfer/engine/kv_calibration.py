@@ -1,0 +1,135 @@
+"""The per-head scales of an fp8 KV cache, fixed before serving: the checkpoint's k_scale /
+v_scale when it carries them, else measured by running a few built-in prompts through the
+model into an unquantized cache and taking each layer's and head's largest |K| and |V|.
+
+A scale of 1.0 (vLLM's default without calibration) clips every key beyond fp8's range: e4m3
+ends at 448, and models with large keys lose them. Values beyond what calibration saw are
+clipped too, so the scales leave HEADROOM; fp8's relative precision does not depend on the
+magnitude (down to its subnormals), so the headroom costs almost nothing.
+
+L: layers, K: KV heads, D: head dim, NB: blocks, BS: block size, T: tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.kv_cache import KVCache
+from jaxinfer.model_loader.safetensors_loader import load_kv_scales
+from jaxinfer.parallel.sharding import Partitioner
+from jaxinfer.tokenizer import TokenizerWrapper
+from pallas_kernels.ragged_paged_attention.kv_quant import FP8_DTYPES, fp8_scale
+
+logger = logging.getLogger(__name__)
+
+HEADROOM = 4.0
+CALIBRATION_TEXTS = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based inks and a wooden screw press.",
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = "
+    "len(items) // 2\n    return merge(merge_sort(items[:middle]), merge_sort(items[middle:]))",
+    "Q: A train leaves at 14:05 and arrives at 17:50. How long is the journey?\nA: 3 hours "
+    "and 45 minutes. Q: What is 12% of 250? A: 30.",
+    "User: Write a short, friendly email inviting the team to a picnic on Saturday.\n"
+    "Assistant: Hi everyone! Let's celebrate the end of the quarter with a picnic...",
+)
+
+
+def kv_scales(
+    config: EngineConfig,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kernels: ModelKernels,
+    partitioner: Partitioner,
+    tokenizer: TokenizerWrapper,
+) -> jax.Array | None:  # f32[L, 2, K], placed with the cache's heads; None unless fp8
+    """The fp8 cache's scales (see the module docstring); None for other cache formats."""
+    kind = config.cache.kv_cache_dtype
+    if not kind.startswith("fp8"):
+        return None
+    checkpoint = load_kv_scales(
+        config.model.path, config.model.arch, config.parallel.kv_replicas
+    )
+    if checkpoint is not None:
+        amax = jnp.asarray(checkpoint) * float(jnp.finfo(FP8_DTYPES[kind]).max)
+        source = "the checkpoint's k_scale / v_scale"
+    else:
+        prompts = [tokenizer.encode(text) for text in CALIBRATION_TEXTS]
+        amax = measure_kv_amax(config, graphdef, state, kernels, partitioner, prompts) * HEADROOM
+        source = f"calibration over {sum(map(len, prompts))} tokens (headroom {HEADROOM}x)"
+    scales = fp8_scale(amax, kind)
+    logger.info(
+        "%s KV-cache scales from %s: keys %.3g-%.3g, values %.3g-%.3g",
+        kind,
+        source,
+        float(scales[:, 0].min()),
+        float(scales[:, 0].max()),
+        float(scales[:, 1].min()),
+        float(scales[:, 1].max()),
+    )
+    return partitioner.place(np.asarray(scales), ("layers", None, "kv_heads"))
+
+
+def measure_kv_amax(
+    config: EngineConfig,
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    kernels: ModelKernels,
+    partitioner: Partitioner,
+    prompts: list[list[int]],
+) -> jax.Array:  # f32[L, 2, K]
+    """The largest |K| and |V| of each layer and head over the prompts, prefilled together
+    into an unquantized cache of just their blocks."""
+    arch, bs = config.model.arch, config.cache.block_size
+    batch, num_blocks = _prefill_batch(prompts, bs)
+    values = jnp.zeros(
+        (arch.num_hidden_layers, 2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim),
+        config.model.dtype,
+    )
+
+    @jax.jit
+    def run(state, values, batch):
+        model = nnx.merge(graphdef, state)
+        cache, _ = model.hidden_states(
+            KVCache(values), batch, kernels=kernels, partitioner=partitioner
+        )
+        return jnp.max(jnp.abs(cache.values.astype(jnp.float32)), axis=(2, 3, 5))
+
+    return run(state, values, batch)
+
+
+def _prefill_batch(prompts: list[list[int]], block_size: int) -> tuple[BatchInputs, int]:
+    """One flat batch prefilling every prompt from position 0 into blocks of its own (block
+    0 stays the null block); the number of blocks it uses."""
+    tokens, positions, slots, tables, lens = [], [], [], [], []
+    next_block = 1
+    max_blocks = max(-(-len(p) // block_size) for p in prompts)
+    for prompt in prompts:
+        count = -(-len(prompt) // block_size)
+        blocks = np.arange(next_block, next_block + count)
+        next_block += count
+        pos = np.arange(len(prompt))
+        tokens.append(np.asarray(prompt, np.int32))
+        positions.append(pos)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        tables.append(np.pad(blocks, (0, max_blocks - count)))
+        lens.append(len(prompt))
+    batch = BatchInputs(
+        token_ids=np.concatenate(tokens).astype(np.int32),
+        positions=np.concatenate(positions).astype(np.int32),
+        slot_mapping=np.concatenate(slots).astype(np.int32),
+        block_tables=np.stack(tables).astype(np.int32),
+        seq_lens=np.asarray(lens, np.int32),
+        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        logits_indices=np.zeros(1, np.int32),
+        num_seqs=np.asarray([len(prompts)], np.int32),
+    )
+    return batch, next_block

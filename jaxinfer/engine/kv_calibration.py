@@ -55,9 +55,7 @@ def kv_scales(
     kind = config.cache.kv_cache_dtype
     if not kind.startswith("fp8"):
         return None
-    checkpoint = load_kv_scales(
-        config.model.path, config.model.arch, config.parallel.kv_replicas
-    )
+    checkpoint = load_kv_scales(config.model.path, config.model.arch, config.parallel.kv_replicas)
     if checkpoint is not None:
         amax = jnp.asarray(checkpoint) * float(jnp.finfo(FP8_DTYPES[kind]).max)
         source = "the checkpoint's k_scale / v_scale"

@@ -12,13 +12,12 @@ import numpy as np
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine import compilation_cache, output_builder
+from jaxinfer.engine import compilation_cache, kv_calibration, output_builder
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from jaxinfer.engine.draft_model import load_draft
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
-from jaxinfer.engine import kv_calibration
 from jaxinfer.engine.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.parent_request import ParentRequest

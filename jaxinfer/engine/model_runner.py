@@ -71,7 +71,9 @@ def allocate_kv_cache(
     if kind is None:
         return KVCache(values)
     if kind == "int8":
-        return KVCache(values, partitioner.zeros(shape[:-1], jnp.float32, kv_formats.SCALE_AXES[kind]))
+        return KVCache(
+            values, partitioner.zeros(shape[:-1], jnp.float32, kv_formats.SCALE_AXES[kind])
+        )
     if fp8_scales is None or fp8_scales.shape != (shape[0], 2, shape[4]):
         raise ValueError(f"an {cache.kv_cache_dtype} KV cache needs scales f32[L, 2, K]")
     return KVCache(values, fp8_scales)

@@ -41,7 +41,7 @@ def value_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
 
 
 def scale_kind(kv_cache_dtype: str) -> str | None:
-    """"int8" (per token), "fp8" (per head) or None (no scales)."""
+    """ "int8" (per token), "fp8" (per head) or None (no scales)."""
     if kv_cache_dtype == "auto":
         return None
     return "int8" if kv_cache_dtype == "int8" else "fp8"

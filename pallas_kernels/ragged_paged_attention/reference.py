@@ -110,9 +110,7 @@ def ragged_paged_attention_reference(
         probs = jnp.exp(scores - new_max[..., None])
         probs = jnp.where(mask[:, None, None, :], probs, 0.0)
         denom = denom * correction + probs.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum(
-            "tkgc,tckd->tkgd", probs, v
-        )
+        acc = acc * correction[..., None] + jnp.einsum("tkgc,tckd->tkgd", probs, v)
         return new_max, denom, acc
 
     init = (

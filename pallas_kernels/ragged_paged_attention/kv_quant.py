@@ -86,3 +86,21 @@ def write_kv_quantized(
             q = quantize_fp8(x, kv_scales[layer, index], kind)
         kv_cache = kv_cache.at[layer, index, blocks, offsets].set(q)
     return kv_cache, kv_scales
+
+
+def quantize_cache(
+    kv_cache: jax.Array, kind: str
+) -> tuple[jax.Array, jax.Array]:  # (values, kv_scales)
+    """A whole float cache [(L,) 2, NB, BS, K, D] in format `kind` ("int8", "fp8_e4m3",
+    "fp8_e5m2"), fp8 scaled by its own largest |K| and |V| per head (for tests and
+    benchmarks; the engine quantizes in the write path)."""
+    shape = kv_cache.shape
+    flat = kv_cache.reshape(-1, *shape[-2:])  # [N, K, D]
+    if kind == "int8":
+        values, scales = quantize_int8(flat)
+        return values.reshape(shape), scales.reshape(shape[:-1])
+    scales = fp8_scale(jnp.max(jnp.abs(kv_cache.astype(jnp.float32)), axis=(-4, -3, -1)), kind)
+    per_part = scales.reshape(-1, shape[-2])  # [(L *) 2, K]
+    parts = kv_cache.reshape(per_part.shape[0], -1, *shape[-2:])
+    values = jax.vmap(lambda x, s: quantize_fp8(x, s, kind))(parts, per_part)
+    return values.reshape(shape), scales

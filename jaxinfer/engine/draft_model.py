@@ -259,8 +259,8 @@ def load_draft(
         )
     gguf = gguf_source if config.resolved.gguf_blocks else None
     graphdef, state, _ = load_model(folder, config, partitioner, gguf)
-    scales = kv_calibration.kv_scales(config, graphdef, state, kernels, partitioner, tokenizer)
+    constants = kv_calibration.calibrate(config, graphdef, state, kernels, partitioner, tokenizer)
     runner = ModelRunner(
-        config, graphdef, state, kernels, partitioner, sampling=False, kv_scales=scales
+        config, graphdef, state, kernels, partitioner, sampling=False, kv_constants=constants
     )
     return DraftModel(config, runner, target)

@@ -1,11 +1,13 @@
-"""The per-head scales of an fp8 KV cache, fixed before serving: the checkpoint's k_scale /
-v_scale when it carries them, else measured by running a few built-in prompts through the
-model into an unquantized cache and taking each layer's and head's largest |K| and |V|.
+"""What a quantized KV cache fixes before serving, measured by prefilling a few built-in
+prompts into an unquantized cache (or read from the checkpoint):
 
-A scale of 1.0 (vLLM's default without calibration) clips every key beyond fp8's range: e4m3
-ends at 448, and models with large keys lose them. Values beyond what calibration saw are
-clipped too, so the scales leave HEADROOM; fp8's relative precision does not depend on the
-magnitude (down to its subnormals), so the headroom costs almost nothing.
+- fp8: one scale per layer, K or V, and KV head: the checkpoint's k_scale / v_scale when it
+  carries them, else each head's largest |K| and |V| over the prompts times HEADROOM. A scale
+  of 1.0 (vLLM's default without calibration) clips every key beyond fp8's range (e4m3 ends at
+  448). Values beyond what calibration saw are clipped too, hence the headroom; fp8's relative
+  precision does not depend on magnitude (down to its subnormals), so it costs almost nothing.
+- int8: the key smoothing (jaxinfer.layers.kv_cache): each key channel's largest |K| over the
+  prompts, relative to its head's mean, so that keys divided by it have channels of one size.
 
 L: layers, K: KV heads, D: head dim, NB: blocks, BS: block size, T: tokens.
 """
@@ -22,15 +24,18 @@ from flax import nnx
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.layers.kv_cache import KVCache
+from jaxinfer.layers.kv_cache import SMOOTHING_AXES, CacheConstants, KVCache
 from jaxinfer.model_loader.safetensors_loader import load_kv_scales
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
-from pallas_kernels.ragged_paged_attention.kv_quant import FP8_DTYPES, fp8_scale
+from pallas_kernels.ragged_paged_attention.kv_quant import fp8_scale
 
 logger = logging.getLogger(__name__)
 
 HEADROOM = 4.0
+# A channel's smoothing is at least this share of its head's largest (a channel calibration
+# saw near zero must not blow up when it is not).
+MIN_SMOOTHING = 1e-2
 CALIBRATION_TEXTS = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
     "Gutenberg combined movable metal type, oil-based inks and a wooden screw press.",
@@ -43,29 +48,41 @@ CALIBRATION_TEXTS = (
 )
 
 
-def kv_scales(
+def calibrate(
     config: EngineConfig,
     graphdef: nnx.GraphDef,
     state: nnx.State,
     kernels: ModelKernels,
     partitioner: Partitioner,
     tokenizer: TokenizerWrapper,
-) -> jax.Array | None:  # f32[L, 2, K], placed with the cache's heads; None unless fp8
-    """The fp8 cache's scales (see the module docstring); None for other cache formats."""
+) -> CacheConstants:
+    """The constants config.cache.kv_cache_dtype needs (none for "auto"), placed with the
+    cache's heads."""
     kind = config.cache.kv_cache_dtype
-    if not kind.startswith("fp8"):
-        return None
-    checkpoint = load_kv_scales(config.model.path, config.model.arch, config.parallel.kv_replicas)
+    if kind == "auto":
+        return CacheConstants()
+    arch = config.model.arch
+    checkpoint = None
+    if kind != "int8":
+        checkpoint = load_kv_scales(config.model.path, arch, config.parallel.kv_replicas)
     if checkpoint is not None:
-        amax = jnp.asarray(checkpoint) * float(jnp.finfo(FP8_DTYPES[kind]).max)
+        scales = jnp.asarray(checkpoint)
         source = "the checkpoint's k_scale / v_scale"
     else:
         prompts = [tokenizer.encode(text) for text in CALIBRATION_TEXTS]
-        amax = measure_kv_amax(config, graphdef, state, kernels, partitioner, prompts) * HEADROOM
-        source = f"calibration over {sum(map(len, prompts))} tokens (headroom {HEADROOM}x)"
-    scales = fp8_scale(amax, kind)
+        amax = measure_kv_amax(config, graphdef, state, kernels, partitioner, prompts)
+        source = f"calibration over {sum(map(len, prompts))} tokens"
+        if kind == "int8":
+            smoothing = key_smoothing(amax[:, 0])
+            logger.info(
+                "int8 KV cache: key smoothing from %s (largest channel / mean: %.1f)",
+                source,
+                float(jnp.max(smoothing)),
+            )
+            return CacheConstants(key_smoothing=partitioner.place(smoothing, SMOOTHING_AXES))
+        scales = fp8_scale(jnp.max(amax, axis=-1) * HEADROOM, kind)
     logger.info(
-        "%s KV-cache scales from %s: keys %.3g-%.3g, values %.3g-%.3g",
+        "%s KV cache: scales from %s: keys %.3g-%.3g, values %.3g-%.3g",
         kind,
         source,
         float(scales[:, 0].min()),
@@ -73,7 +90,15 @@ def kv_scales(
         float(scales[:, 1].min()),
         float(scales[:, 1].max()),
     )
-    return partitioner.place(np.asarray(scales), ("layers", None, "kv_heads"))
+    return CacheConstants(fp8_scales=partitioner.place(scales, ("layers", None, "kv_heads")))
+
+
+def key_smoothing(amax: jax.Array) -> jax.Array:  # f32[L, K, D]
+    """Each key channel's largest |K| (amax f32[L, K, D]) over its head's mean, floored at
+    MIN_SMOOTHING of the head's largest."""
+    floor = MIN_SMOOTHING * jnp.max(amax, axis=-1, keepdims=True)
+    amax = jnp.maximum(amax, jnp.maximum(floor, 1e-6))
+    return (amax / jnp.mean(amax, axis=-1, keepdims=True)).astype(jnp.float32)
 
 
 def measure_kv_amax(
@@ -83,9 +108,9 @@ def measure_kv_amax(
     kernels: ModelKernels,
     partitioner: Partitioner,
     prompts: list[list[int]],
-) -> jax.Array:  # f32[L, 2, K]
-    """The largest |K| and |V| of each layer and head over the prompts, prefilled together
-    into an unquantized cache of just their blocks."""
+) -> jax.Array:  # f32[L, 2, K, D]
+    """The largest |K| and |V| of each layer, head and channel over the prompts, prefilled
+    together into an unquantized cache of just their blocks."""
     arch, bs = config.model.arch, config.cache.block_size
     batch, num_blocks = _prefill_batch(prompts, bs)
     values = jnp.zeros(
@@ -99,7 +124,7 @@ def measure_kv_amax(
         cache, _ = model.hidden_states(
             KVCache(values), batch, kernels=kernels, partitioner=partitioner
         )
-        return jnp.max(jnp.abs(cache.values.astype(jnp.float32)), axis=(2, 3, 5))
+        return jnp.max(jnp.abs(cache.values.astype(jnp.float32)), axis=(2, 3))
 
     return run(state, values, batch)
 

@@ -84,7 +84,7 @@ class LLMEngine:
             model_kernels,
             self.partitioner,
             draft=self.draft,
-            kv_scales=kv_calibration.kv_scales(
+            kv_constants=kv_calibration.calibrate(
                 self.config, graphdef, state, model_kernels, self.partitioner, self.tokenizer
             ),
         )

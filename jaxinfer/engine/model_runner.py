@@ -35,7 +35,7 @@ from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_l
 from jaxinfer.engine.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
 from jaxinfer.layers import kv_cache as kv_formats
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.layers.kv_cache import KVCache
+from jaxinfer.layers.kv_cache import CacheConstants, KVCache
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
@@ -51,11 +51,13 @@ PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled s
 
 
 def allocate_kv_cache(
-    config: EngineConfig, partitioner: Partitioner, fp8_scales: jax.Array | None = None
+    config: EngineConfig,
+    partitioner: Partitioner,
+    constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
 ) -> KVCache:
     """The empty cache in config.cache.kv_cache_dtype's format (jaxinfer.layers.kv_cache):
-    values [L, 2, NB, BS, K, D] and, for int8, zero scales f32[L, 2, NB, BS, K]; an fp8 cache
-    takes its fixed per-head scales f32[L, 2, K]."""
+    values [L, 2, NB, BS, K, D] and, for int8, zero scales f32[L, 2, NB, BS, K] and the key
+    smoothing; an fp8 cache takes its fixed per-head scales f32[L, 2, K]."""
     arch, cache = config.model.arch, config.cache
     shape = (
         arch.num_hidden_layers,
@@ -71,12 +73,15 @@ def allocate_kv_cache(
     if kind is None:
         return KVCache(values)
     if kind == "int8":
-        return KVCache(
-            values, partitioner.zeros(shape[:-1], jnp.float32, kv_formats.SCALE_AXES[kind])
-        )
-    if fp8_scales is None or fp8_scales.shape != (shape[0], 2, shape[4]):
+        scales = partitioner.zeros(shape[:-1], jnp.float32, kv_formats.SCALE_AXES[kind])
+        smoothing = constants.key_smoothing
+        if smoothing is not None and smoothing.shape != (shape[0], shape[4], shape[5]):
+            raise ValueError(f"key smoothing must be f32[L, K, D], got {smoothing.shape}")
+        return KVCache(values, scales, smoothing)
+    scales = constants.fp8_scales
+    if scales is None or scales.shape != (shape[0], 2, shape[4]):
         raise ValueError(f"an {cache.kv_cache_dtype} KV cache needs scales f32[L, 2, K]")
-    return KVCache(values, fp8_scales)
+    return KVCache(values, scales)
 
 
 def _scan_hidden(
@@ -184,14 +189,14 @@ class ModelRunner:
         *,
         sampling: bool = True,
         draft: DraftModel | None = None,
-        kv_scales: jax.Array | None = None,
+        kv_constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
     ):
         """`state`: the model's parameters, already placed by `partitioner` (build_llama);
         everything else the runner keeps on the device is placed on the same mesh.
         `sampling`: False for a draft model's runner, which keeps no per-request rows
         and only runs its layers and LM head. `draft`: a draft model (speculative decoding)
         that runs over each step's batch too, and whose q the sampler verifies against.
-        `kv_scales`: an fp8 cache's per-head scales f32[L, 2, K] (engine.kv_calibration)."""
+        `kv_constants`: what a quantized cache fixes before serving (engine.kv_calibration)."""
         self.draft = draft
         self.config = config
         self.kernels = kernels
@@ -200,7 +205,7 @@ class ModelRunner:
         self.partitioner = part = partitioner
         arch = config.model.arch
         self.layer_execution = config.layer_execution
-        self.kv_cache = allocate_kv_cache(config, part, kv_scales)  # split by KV heads
+        self.kv_cache = allocate_kv_cache(config, part, kv_constants)  # split by KV heads
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache

@@ -251,7 +251,7 @@ def decoder_layer(
         v = qkv[:, :, group + 1]  # [T, K, D]
         kv_cache = kv_cache.write(layer, k, v, batch.slot_mapping)
         attn = kernels.attention(
-            q,
+            kv_cache.queries(q, layer),
             kv_cache.values,
             batch.block_tables,
             batch.seq_lens,

@@ -217,6 +217,8 @@ def test_metrics_tokenize_detokenize(server, client):
     assert metric(server, "jaxinfer:generation_tokens_total") >= 4
     assert metric(server, "jaxinfer:time_to_first_token_seconds_count") >= 1
     assert metric(server, "jaxinfer:num_requests_running") == 0
+    capacity = (OPTIONS["num_kv_blocks"] - 1) * OPTIONS["block_size"]  # the null block aside
+    assert metric(server, 'jaxinfer:kv_cache_capacity_tokens{kv_cache_dtype="auto"}') == capacity
     tokens = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
     text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}).json()

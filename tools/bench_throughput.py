@@ -32,6 +32,15 @@ reports time to first token and inter-token latency (p50, p99) for each:
 
     python -m tools.bench_throughput --single_stream --baseline=hf,llamacpp
 
+--long_context runs prompts of --long_context_min to --long_context_max synthetic tokens, each
+answered with --long_context_output tokens, all submitted at once, so the engine runs as many
+at a time as its KV pool holds; it reports the most requests that ran at once besides the
+throughput. With --compare=kv_cache_dtype=int8 it puts an int8 cache against the model-dtype
+one in the same memory (kv_cache_memory_gb):
+
+    python -m tools.bench_throughput --long_context --num_requests=24 \
+        --kv_cache_memory_gb=0.5 --compare=kv_cache_dtype=int8
+
 --quantization=int8 runs jaxinfer with weight-only int8. --compare=KEY=VALUE,... runs jaxinfer
 a second time, on a second engine built with those engine options on top, on the same requests
 and prints the ratio (in either mode), e.g. --compare=quantization=int8 (int8 against float32)
@@ -52,6 +61,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags, parse_overrides
+from jaxinfer.sampling_params import RequestOutputKind
 from tools.chat_topics import TOPICS
 from tools.peers import HFPeer, LlamaCppPeer, find_gguf
 
@@ -79,6 +89,10 @@ flags.DEFINE_integer(
     "With --baseline or --compare: rounds of each engine in turn; medians reported.",
 )
 flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_bool("long_context", False, "Long synthetic prompts, all at once (see above).")
+flags.DEFINE_integer("long_context_min", 2048, "--long_context: shortest prompt (tokens).")
+flags.DEFINE_integer("long_context_max", 4096, "--long_context: longest prompt (tokens).")
+flags.DEFINE_integer("long_context_output", 128, "--long_context: output tokens per request.")
 flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a system prompt shared by all requests.")
 flags.DEFINE_bool("compare_prefix_caching", False, "Also run jaxinfer without prefix caching.")
 flags.DEFINE_bool(
@@ -105,6 +119,12 @@ def build_workload(llm: LLM) -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(FLAGS.seed)
     tokenizer = llm.tokenizer
     prompts = []
+    if FLAGS.long_context:
+        lengths = rng.integers(
+            FLAGS.long_context_min, FLAGS.long_context_max + 1, FLAGS.num_requests
+        )
+        prompts = [rng.integers(100, 40000, size=n).tolist() for n in lengths]
+        return prompts, [FLAGS.long_context_output] * FLAGS.num_requests
     for i in range(FLAGS.num_requests):
         if FLAGS.input_len:
             prompts.append(rng.integers(100, 40000, size=FLAGS.input_len).tolist())
@@ -126,14 +146,36 @@ def system_prompt(tokenizer) -> str:
     return SYSTEM_SENTENCE * max(1, round(FLAGS.shared_prefix_len / sentence_len))
 
 
-def run_jaxinfer(llm: LLM, prompts, output_lens) -> float:
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    assert llm.engine.reset_prefix_cache()  # every run starts cold: no hits from the last one
+@dataclasses.dataclass(frozen=True)
+class Run:
+    seconds: float
+    peak_running: int  # the most requests that ran in one step
+
+
+def run_engine(llm: LLM, prompts, output_lens) -> Run:
+    """The workload through the engine, all requests submitted at once (as LLM.generate does),
+    stepped here to see how many run at a time."""
+    engine = llm.engine
+    assert engine.reset_prefix_cache()  # every run starts cold: no hits from the last one
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outputs] == output_lens
-    return elapsed
+    lengths = {}
+    for prompt, n in zip(prompts, output_lens, strict=True):
+        params = SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        lengths[engine.add_request(prompt, params).request_id] = n
+    peak = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert len(output.outputs[0].token_ids) == lengths.pop(output.request_id)
+        peak = max(peak, engine.stats().num_running)
+    assert not lengths
+    return Run(time.perf_counter() - start, peak)
+
+
+def run_jaxinfer(llm: LLM, prompts, output_lens) -> float:
+    return run_engine(llm, prompts, output_lens).seconds
 
 
 def run_batch_job(llm: LLM, prompts, output_lens) -> float:
@@ -269,7 +311,8 @@ def main(argv):
         return
     if FLAGS.shared_prefix_len and len(prompts) > 1:
         print(f"shared prefix: {shared_prefix_tokens(prompts)} tokens")
-    ours = run_jaxinfer(llm, prompts, output_lens)
+    first_run = run_engine(llm, prompts, output_lens)
+    ours = first_run.seconds
     stats = llm.engine.stats()
     hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
     print(
@@ -295,13 +338,27 @@ def main(argv):
         )
     engines = {"jaxinfer": ours}
     variants = {"jaxinfer": llm}  # the jaxinfer engines each round runs
+    if FLAGS.long_context:
+        cache = llm.engine.config.cache
+        print(
+            f"jaxinfer KV cache: {cache.kv_cache_dtype}, {cache.capacity_tokens()} tokens; at "
+            f"most {first_run.peak_running} requests at once"
+        )
     if FLAGS.compare:
         other = make_llm(**compared_options())
-        theirs = run_jaxinfer(other, prompts, output_lens)
+        other_run = run_engine(other, prompts, output_lens)
+        theirs = other_run.seconds
         print(
             f"jaxinfer {','.join(FLAGS.compare)}: {theirs:.2f} s, {total / theirs:.1f} output "
             f"tokens/s; ratio to the first run: {ours / theirs:.2f}x (above 1: faster)"
         )
+        if FLAGS.long_context:
+            cache = other.engine.config.cache
+            print(
+                f"jaxinfer {','.join(FLAGS.compare)} KV cache: {cache.kv_cache_dtype}, "
+                f"{cache.capacity_tokens()} tokens; at most {other_run.peak_running} requests "
+                "at once"
+            )
         engines[f"jaxinfer {','.join(FLAGS.compare)}"] = theirs
         variants[f"jaxinfer {','.join(FLAGS.compare)}"] = other
         if FLAGS.rounds == 1:

@@ -6,7 +6,10 @@ reference, and on a GPU the share of the device's measured ceilings.
 Cases per model shape (random inputs): decode attention (each of --decode_batches requests of
 one new token at each of --contexts), prefill attention (one request of --prefill_len tokens),
 the FFN at --batch and --prefill_len tokens, and the residual add + RMSNorm at --batch tokens. Decode attention is
-reported as bandwidth (K/V bytes read per second) against a measured device-to-device copy;
+reported as bandwidth (K/V bytes read per second, scales included) against a measured
+device-to-device copy, for each of --kv_cache_dtypes (a quantized cache is also reported as a
+speed-up over the model-dtype cache, same kernel, same run: a ratio that holds across noisy
+machines);
 prefill attention and the FFN as FLOP/s against a measured matmul of the same dtype. On CPU
 the Pallas kernels run through the interpreter (slow; the numbers check correctness only), so
 the default sizes there are small; the C++ attention kernel ("cpu") runs compiled.
@@ -27,7 +30,9 @@ from cpu_kernels.build import KernelBuildError
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import default_registry
+from jaxinfer.layers.kv_cache import bytes_per_token
 from jaxinfer.models.shapes import shape
+from pallas_kernels.ragged_paged_attention.kv_quant import quantize_cache
 from tools.bench_inputs import attention_inputs
 from tools.device_rates import matmul_rate, memory_bandwidth, timed
 
@@ -42,6 +47,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_integer("prefill_len", None, "Prefill tokens (default: 4096 GPU, 64 CPU).")
 flags.DEFINE_integer("block_size", 16, "KV-cache block size.")
+flags.DEFINE_list(
+    "kv_cache_dtypes", ["auto"], "Decode attention caches: auto (the dtype), int8, fp8_e4m3, ..."
+)
 flags.DEFINE_list("impls", None, "Implementations to run (default: every one that runs here).")
 flags.DEFINE_integer("repeats", 10, "Timed calls per case (the median is reported).")
 flags.DEFINE_string("output_json", None, "Also write the rows here.")
@@ -57,6 +65,18 @@ def runnable(names: list[str], cpu_kernel: bool) -> list[str]:
         return [n for n in names if n in FLAGS.impls]
     skip = ("pallas_interpret",) if on_gpu() else ("pallas",)
     return [n for n in names if n not in skip and (n != "cpu" or cpu_kernel)]
+
+
+def decode_call(scale: float, quantized: bool):
+    """The attention call a decode case times: its last argument the cache's scales when it is
+    quantized."""
+
+    def make(fn):
+        if quantized:
+            return lambda *a: fn(*a[:-1], sm_scale=scale, kv_scales=a[-1])
+        return lambda *a: fn(*a, sm_scale=scale)
+
+    return make
 
 
 def run_case(kind, impls, registry, make_call, args, reference_name="reference"):
@@ -99,7 +119,8 @@ def main(argv):
     )
     rows = []
 
-    def report(shape_name, case, results, work, unit):
+    def report(shape_name, case, results, work, unit, speedups=None):
+        """`speedups`: impl -> its time with the model-dtype cache over this case's."""
         for impl, (seconds, error) in results.items():
             rate = work / seconds
             ceiling = bandwidth if unit == "GB/s" else flops
@@ -114,11 +135,18 @@ def main(argv):
                 unit=unit if unit == "GB/s" else "TFLOP/s",
                 percent_of_ceiling=100 * rate / ceiling,
             )
+            if speedups and impl in speedups:
+                row["speedup_over_model_dtype_cache"] = speedups[impl]
             rows.append(row)
+            faster = (
+                f"  {speedups[impl]:.2f}x the {dtype.__name__} cache"
+                if row.get("speedup_over_model_dtype_cache")
+                else ""
+            )
             print(
-                f"{shape_name:10s} {case:28s} {impl:17s} {row['ms']:9.3f} ms  "
+                f"{shape_name:10s} {case:32s} {impl:17s} {row['ms']:9.3f} ms  "
                 f"err {error:.1e}  {row['rate']:9.2f} {row['unit']:7s} "
-                f"({row['percent_of_ceiling']:.0f}% of measured)"
+                f"({row['percent_of_ceiling']:.0f}% of measured){faster}"
             )
 
     for shape_name in FLAGS.shapes:
@@ -132,11 +160,28 @@ def main(argv):
             args = attention_inputs(
                 cfg, [1] * requests, [context] * requests, dtype, FLAGS.block_size
             )
-            results = run_case(
-                "attention", impls, registry, lambda f, s=scale: lambda *a: f(*a, sm_scale=s), args
-            )
-            kv_bytes = 2 * requests * context * kv_heads * head_dim * itemsize
-            report(shape_name, f"decode attn b{requests} c{context}", results, kv_bytes, "GB/s")
+            model_dtype = {}  # impl -> seconds with the model-dtype cache
+            for kind in FLAGS.kv_cache_dtypes:
+                case_args = args
+                if kind != "auto":
+                    q, kv, *rest = args
+                    values, scales = quantize_cache(kv, kind)
+                    case_args = (q, values, *rest, scales)
+                results = run_case(
+                    "attention", impls, registry, decode_call(scale, kind != "auto"), case_args
+                )
+                per_token = bytes_per_token(kind, dtype, 1, kv_heads, head_dim)
+                case = f"decode attn b{requests} c{context} {kind}"
+                speedups = None
+                if kind == "auto":
+                    model_dtype = {impl: seconds for impl, (seconds, _) in results.items()}
+                elif model_dtype:
+                    speedups = {
+                        impl: model_dtype[impl] / seconds
+                        for impl, (seconds, _) in results.items()
+                        if impl in model_dtype
+                    }
+                report(shape_name, case, results, requests * context * per_token, "GB/s", speedups)
 
         args = attention_inputs(cfg, [prefill], [prefill], dtype, FLAGS.block_size)
         results = run_case(

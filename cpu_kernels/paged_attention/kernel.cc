@@ -3,10 +3,10 @@
 //
 // The cache is float32, or quantized (pallas_kernels/ragged_paged_attention/kv_quant.py): int8
 // with a float32 scale per position and kv head, or fp8 (e4m3fn, e5m2) with one scale per kv
-// head. A quantized block is dequantized, scales applied, into a small float32 tile of the
-// item's heads as the item reaches it (it stays in L1 while every row of the item reads it),
-// and the float32 code below runs on the tile: each byte of the cache is read from memory
-// once, a quarter of float32's.
+// head. Quantized values are converted to float in registers as each K or V vector is loaded
+// (fp8 through a table of its 256 values); int8's scales multiply each position's scores and
+// weights, fp8's are folded into the queries and the output. A decode reads a quarter of
+// float32's bytes from memory.
 //
 // One flattened batch mixes prefill chunks and decodes: request r owns query tokens
 // query_start_loc[r] : query_start_loc[r + 1], the last tokens of its context of seq_lens[r]
@@ -14,24 +14,26 @@
 // (and limited to a sliding window when one is given).
 //
 // Work is split into items of (request, kv head, up to kQueryBlock query tokens); an item's
-// rows are its tokens times the G query heads that share the kv head, so each K and V vector
-// read from the cache serves all of them. A decode (one query token) whose batch has enough of
+// rows are its tokens times the G query heads that share the kv head. The rows of one token
+// and kv head go through a block together, up to three at a time, so each K and V vector read
+// (and converted) serves all of them. A decode (one query token) whose batch has enough of
 // them takes every kv head in one item instead: each position's K and V are then one
 // contiguous run. Each item walks its context one cache block at a time with an online
-// softmax: scores of every row against the block's positions it may see (eight at a time),
+// softmax: scores of every row against the block's positions it may see (four at a time),
 // one rescale of the running sums, then those positions' V weighted into each row's
 // accumulator.
 //
 // A decode reads each cache block once, from memory, and the next block sits anywhere in the
 // cache, where no hardware prefetcher looks: so while a decode item computes one block, it
 // fetches the next one's K and V lines (after its last block, the first block of the item its
-// thread likely takes next), a share per row. On the default model's decode shapes (30
+// thread likely takes next), a share per group of rows. On the default model's decode shapes (30
 // layers, the cache cold) this took the kernel to 0.68-0.77x the time.
 // Tokens that belong to no real request get zeros.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +83,7 @@ struct Inputs {
 struct Float32Values {
   using T = float;
   static constexpr bool kQuantized = false;
+  __m256 Load8(const float* p) const { return _mm256_loadu_ps(p); }
 };
 
 struct Int8Values {
@@ -129,102 +132,146 @@ const float* Fp8Table() {
   return table.data();
 }
 
-// tile[j, h, :] = value(src + j * position_stride + h * d) * scale[j * scale_stride + h] for
-// positions j in [j0, j1) and heads h in [0, heads): a cache block's positions of an item's
-// heads, dequantized.
-template <class F>
-void DequantizeTile(const F& format, const typename F::T* src, const float* scale,
-                    int64_t position_stride, int64_t scale_stride, int j0, int j1, int heads,
-                    int64_t d, float* tile) {
-  for (int j = j0; j < j1; ++j) {
-    for (int h = 0; h < heads; ++h) {
-      const typename F::T* from = src + j * position_stride + h * d;
-      float* to = tile + (int64_t{j} * heads + h) * d;
-      const __m256 s = _mm256_set1_ps(scale[j * scale_stride + h]);
-      for (int64_t i = 0; i < d; i += 8) {
-        _mm256_storeu_ps(to + i, _mm256_mul_ps(format.Load8(from + i), s));
-      }
-    }
-  }
+inline float Max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
 }
 
-inline float Dot(const float* a, const float* b, int64_t d) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  for (; i < d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  return jaxinfer::Sum(_mm256_add_ps(acc0, acc1));
-}
-
-// scores[j] = q . k_j for j in [0, count), k_j = k + j * stride: eight positions at a time,
-// each with its own accumulator (eight independent FMA chains), their eight sums reduced
-// together by three rounds of pairwise adds instead of one horizontal sum each.
-inline void Scores(const float* q, const float* k, int64_t stride, int count, int64_t d,
-                   float* scores) {
+// out[r][j] = q[r] . k_j for the R query rows of one kv head and positions j in [0, count),
+// k_j = k + j * stride (converted by `format`, unscaled): P positions at a time with an
+// accumulator per row and position (8 independent FMA chains for R x P = 1 x 8 or 2 x 4), so
+// every K vector read serves all R rows; each row's P sums are reduced together by rounds of
+// pairwise adds.
+template <int R, int P, class F>
+inline void ScoresGroup(const F& format, const float* const* q, const typename F::T* k,
+                        int64_t stride, int count, int64_t d, float* const* out) {
+  static_assert(P == 4 || P == 8);
   int j = 0;
-  for (; j + 8 <= count; j += 8) {
-    __m256 a[8];
+  for (; j + P <= count; j += P) {
+    __m256 a[R][P];
 #pragma GCC unroll 8
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+      for (int u = 0; u < P; ++u) a[r][u] = _mm256_setzero_ps();
+    }
     for (int64_t i = 0; i < d; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
+      __m256 qv[R];
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) {
-        a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + u) * stride + i), a[u]);
+      for (int r = 0; r < R; ++r) qv[r] = _mm256_loadu_ps(q[r] + i);
+#pragma GCC unroll 8
+      for (int u = 0; u < P; ++u) {
+        const __m256 kv = format.Load8(k + (j + u) * stride + i);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) a[r][u] = _mm256_fmadd_ps(qv[r], kv, a[r][u]);
       }
     }
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    // s0123 = [0 1 2 3 | 0 1 2 3] (each half holds half of every sum), s4567 likewise
-    _mm256_storeu_ps(scores + j,
-                     _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                   _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      // [0 1 2 3 | 0 1 2 3]: each half holds half of the sums of positions 0-3
+      const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]),
+                                          _mm256_hadd_ps(a[r][2], a[r][3]));
+      if constexpr (P == 4) {
+        _mm_storeu_ps(out[r] + j, _mm_add_ps(_mm256_castps256_ps128(s0123),
+                                             _mm256_extractf128_ps(s0123, 1)));
+      } else {
+        const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[r][4], a[r][5]),
+                                            _mm256_hadd_ps(a[r][6], a[r][7]));
+        _mm256_storeu_ps(out[r] + j,
+                         _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                       _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+      }
+    }
   }
-  for (; j < count; ++j) scores[j] = Dot(q, k + j * stride, d);
+  for (; j < count; ++j) {
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        sum = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + i), format.Load8(k + j * stride + i), sum);
+      }
+      out[r][j] = jaxinfer::Sum(sum);
+    }
+  }
 }
 
-// acc[0:8 NV] = acc * c + sum_j p[j] * v_j[0:8 NV] for j in [0, count), v_j = v + j * stride:
-// NV accumulators in registers, so the FMAs of one position are independent of each other.
-// (With one accumulator per 8 dims and the positions inner, every FMA waited on the one
-// before: the whole kernel took 1.3-1.5x as long on decode steps, 1.5x on a prefill.)
-template <int NV>
-inline void AccumulateVectors(float* acc, float c, const float* p, const float* v,
-                              int64_t stride, int count) {
-  __m256 a[NV];
-  const __m256 scale = _mm256_set1_ps(c);
+// acc[r][i : i + 8 NV] = acc[r] * c[r] + sum_j p[r][j] * v_j[i : i + 8 NV] for the R rows of
+// one kv head, j in [0, count), v_j = v + j * stride: R x NV accumulators in registers (8 for
+// R x NV = 1 x 8 or 2 x 4), every V vector read serving all R rows, the FMAs of one position
+// independent of each other.
+template <int R, int NV, class F>
+inline void AccumulateChunk(const F& format, float* const* acc, const float* c,
+                            const float* const* p, const typename F::T* v, int64_t stride,
+                            int count, int64_t i) {
+  __m256 a[R][NV];
 #pragma GCC unroll 8
-  for (int u = 0; u < NV; ++u) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * u), scale);
+  for (int r = 0; r < R; ++r) {
+    const __m256 scale = _mm256_set1_ps(c[r]);
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) a[r][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + i + 8 * u), scale);
+  }
   for (int j = 0; j < count; ++j) {
-    const __m256 weight = _mm256_set1_ps(p[j]);
+    __m256 w[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) w[r] = _mm256_set1_ps(p[r][j]);
 #pragma GCC unroll 8
     for (int u = 0; u < NV; ++u) {
-      a[u] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * stride + 8 * u), a[u]);
+      const __m256 vv = format.Load8(v + j * stride + i + 8 * u);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) a[r][u] = _mm256_fmadd_ps(w[r], vv, a[r][u]);
     }
   }
 #pragma GCC unroll 8
-  for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + 8 * u, a[u]);
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc[r] + i + 8 * u, a[r][u]);
+  }
 }
 
-// acc[0:d] = acc * c + sum_j p[j] * v_j for j in [0, count), v_j = v + j * stride; d is a
-// multiple of 8, taken 64 dims at a time.
-inline void Accumulate(float* acc, float c, const float* p, const float* v, int64_t stride,
-                       int count, int64_t d) {
-  for (int64_t i = 0; i < d; i += 64) {
-    switch (std::min<int64_t>(8, (d - i) / 8)) {
-      case 8: AccumulateVectors<8>(acc + i, c, p, v + i, stride, count); break;
-      case 7: AccumulateVectors<7>(acc + i, c, p, v + i, stride, count); break;
-      case 6: AccumulateVectors<6>(acc + i, c, p, v + i, stride, count); break;
-      case 5: AccumulateVectors<5>(acc + i, c, p, v + i, stride, count); break;
-      case 4: AccumulateVectors<4>(acc + i, c, p, v + i, stride, count); break;
-      case 3: AccumulateVectors<3>(acc + i, c, p, v + i, stride, count); break;
-      case 2: AccumulateVectors<2>(acc + i, c, p, v + i, stride, count); break;
-      default: AccumulateVectors<1>(acc + i, c, p, v + i, stride, count); break;
+// The whole head dim (a multiple of 8) in chunks of CV vectors (see AccumulateChunk).
+template <int R, int CV, class F>
+inline void AccumulateGroup(const F& format, float* const* acc, const float* c,
+                            const float* const* p, const typename F::T* v, int64_t stride,
+                            int count, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8 * CV) {
+    switch (std::min<int64_t>(CV, (d - i) / 8)) {
+      case 8: AccumulateChunk<R, 8>(format, acc, c, p, v, stride, count, i); break;
+      case 7: AccumulateChunk<R, 7>(format, acc, c, p, v, stride, count, i); break;
+      case 6: AccumulateChunk<R, 6>(format, acc, c, p, v, stride, count, i); break;
+      case 5: AccumulateChunk<R, 5>(format, acc, c, p, v, stride, count, i); break;
+      case 4: AccumulateChunk<R, 4>(format, acc, c, p, v, stride, count, i); break;
+      case 3: AccumulateChunk<R, 3>(format, acc, c, p, v, stride, count, i); break;
+      case 2: AccumulateChunk<R, 2>(format, acc, c, p, v, stride, count, i); break;
+      default: AccumulateChunk<R, 1>(format, acc, c, p, v, stride, count, i); break;
     }
   }
+}
+
+// The online softmax of one row over a block's scores p[0:n] (replaced by their exps
+// relative to the new running max); returns the factor the row's sums are rescaled by.
+inline float SoftmaxStep(float* p, int n, float& running_max, float& denom) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + j));
+  float block_max = Max(m);
+  for (; j < n; ++j) block_max = std::max(block_max, p[j]);
+  const float new_max = std::max(running_max, block_max);
+  const float correction = running_max == -INFINITY ? 0.0f : std::exp(running_max - new_max);
+  __m256 sums = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = jaxinfer::Exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(new_max)));
+    _mm256_storeu_ps(p + j, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float block_sum = jaxinfer::Sum(sums);
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - new_max);
+    block_sum += p[j];
+  }
+  denom = denom * correction + block_sum;
+  running_max = new_max;
+  return correction;
 }
 
 // Cache lines of a block's K and V fetched ahead of their use, a share at a time.
@@ -294,6 +341,58 @@ int64_t FirstBlock(const Inputs& in, const Item& item) {
   return start / in.s.block_size;
 }
 
+// Query rows of one token and one kv head taken together through a block of a quantized
+// cache: its values are converted once for all of them. (A float32 cache goes one row at a
+// time, eight positions or 64 dims per step: sharing loads between rows made it slower.)
+constexpr int kGroupRows = 2;
+
+// The scales of a block's positions for a cache with one per position (int8); none else.
+struct BlockScales {
+  const float* k = nullptr;  // the first position's key scale of the group's kv head
+  const float* v = nullptr;
+  int64_t stride = 0;  // floats between positions
+};
+
+// One group of R rows (r0 .. r0 + R - 1, one token, one kv head) through positions [j0, j0 +
+// n) of a block whose K and V of that head start at k and v: scores, scaled per position
+// when the cache says so, the online softmax of each row, then the weighted values.
+template <int R, class F>  // R: 1 or 2
+void RunGroup(const F& format, const typename F::T* k, const typename F::T* v,
+              int64_t stride, const BlockScales& scales, int n, int64_t d, int r0, float* q,
+              float* acc, float* running_max, float* denom, float* scratch) {
+  const float* q_rows[R];
+  float* acc_rows[R];
+  float* p[R];  // the scores, then their exps
+  float* w[R];  // the exps times the value scales (p itself without them)
+  float correction[R];
+  for (int r = 0; r < R; ++r) {
+    q_rows[r] = q + (r0 + r) * d;
+    acc_rows[r] = acc + (r0 + r) * d;
+    p[r] = scratch + r * kMaxBlockSize;
+    w[r] = scales.v != nullptr ? scratch + (R + r) * kMaxBlockSize : p[r];
+  }
+  // 8 independent FMA chains either way, with the accumulators in registers
+  constexpr int kPositions = R == 1 ? 8 : 4;
+  constexpr int kChunk = R == 1 ? 8 : 4;
+  ScoresGroup<R, kPositions>(format, q_rows, k, stride, n, d, p);
+  if (scales.k != nullptr) {
+    for (int j = 0; j < n; ++j) {
+      const float ks = scales.k[j * scales.stride];
+      for (int r = 0; r < R; ++r) p[r][j] *= ks;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    correction[r] = SoftmaxStep(p[r], n, running_max[r0 + r], denom[r0 + r]);
+  }
+  if (scales.v != nullptr) {
+    for (int j = 0; j < n; ++j) {
+      const float vs = scales.v[j * scales.stride];
+      for (int r = 0; r < R; ++r) w[r][j] = p[r][j] * vs;
+    }
+  }
+  AccumulateGroup<R, kChunk>(format, acc_rows, correction, w, v, stride, n, d);
+}
+
 // `next`: the item this thread likely takes next, or nullptr.
 template <class F>
 void RunItem(const Inputs& in, const F& format, const Item& item, const Item* next) {
@@ -305,17 +404,21 @@ void RunItem(const Inputs& in, const F& format, const Item& item, const Item* ne
   const int32_t query_end = in.query_start_loc[item.request + 1];
   const int32_t seq_len = in.seq_lens[item.request];
   int64_t first[kMaxRows], last[kMaxRows];  // visible positions [first, last] of each row
-  int64_t head[kMaxRows];  // offset of each row's kv head in a position's K or V
   float running_max[kMaxRows], denom[kMaxRows];
-  // q [rows, D] (scaled), acc [rows, D], and for a quantized cache the K and V tiles
-  // [BS, the item's kv heads, D]
-  const int64_t tile = F::kQuantized ? bs * item.num_kv_heads * d : 0;
+  // A cache with one scale per kv head (fp8) has them folded into the queries (keys) and
+  // the output (values); one with a scale per position (int8) scales scores and weights.
+  const bool per_head = in.scales != nullptr && in.scale_stride == 0;
+  const int64_t scale_block = in.scale_stride * bs;  // a block's scales of one part (K or V)
+  const int64_t scale_part = in.scale_stride > 0 ? s.num_blocks * scale_block : s.kv_heads;
+  const float* k_scales =
+      in.scales != nullptr ? in.scales + in.layer * 2 * scale_part + item.kv_head : nullptr;
+  const float* v_scales = in.scales != nullptr ? k_scales + scale_part : nullptr;
+  // q [rows, D] (scaled), acc [rows, D], the scores of a group
   thread_local std::vector<float> scratch;
-  scratch.resize(2 * rows * d + 2 * tile);
+  scratch.resize(2 * rows * d + 2 * kGroupRows * kMaxBlockSize);
   float* q = scratch.data();
   float* acc = q + rows * d;
-  float* k_tile = acc + rows * d;
-  float* v_tile = k_tile + tile;
+  float* group_scratch = acc + rows * d;
   int64_t lo = INT64_MAX, hi = -1;
   for (int t = 0; t < item.num_tokens; ++t) {
     const int64_t token = item.first_token + t;
@@ -326,9 +429,9 @@ void RunItem(const Inputs& in, const F& format, const Item& item, const Item* ne
       const int r = t * per_token + h;
       first[r] = start;
       last[r] = position;
-      head[r] = h / g * d;
+      const float scale = in.sm_scale * (per_head ? k_scales[h / g] : 1.0f);
       const float* src = in.q + (token * s.heads + item.kv_head * g + h) * d;
-      for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * in.sm_scale;
+      for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * scale;
       running_max[r] = -INFINITY;
       denom[r] = 0.0f;
       std::memset(acc + r * d, 0, d * sizeof(float));
@@ -337,21 +440,15 @@ void RunItem(const Inputs& in, const F& format, const Item& item, const Item* ne
     hi = std::max(hi, position);
   }
   const int32_t* table = in.block_tables + int64_t{item.request} * s.max_blocks;
-  const int64_t cache_stride = s.kv_heads * d;  // elements between positions in a block
-  const int64_t block_elements = bs * cache_stride;
+  const int64_t stride = s.kv_heads * d;  // elements between positions in a block
+  const int64_t block_elements = bs * stride;
   const T* k_layer = static_cast<const T*>(in.kv) +
                      (in.layer * 2) * s.num_blocks * block_elements + item.kv_head * d;
   const T* v_layer = k_layer + s.num_blocks * block_elements;
-  // where the K and V scales of the item's first head are (per block, for int8)
-  const int64_t scale_block = in.scale_stride * bs;  // 0 for one scale per head
-  const int64_t scale_part = in.scale_stride > 0 ? s.num_blocks * scale_block : s.kv_heads;
-  const float* k_scales =
-      F::kQuantized ? in.scales + in.layer * 2 * scale_part + item.kv_head : nullptr;
-  const float* v_scales = F::kQuantized ? k_scales + scale_part : nullptr;
-  // floats between positions in what the rows read: the cache, or a tile
-  const int64_t position_stride = F::kQuantized ? item.num_kv_heads * d : cache_stride;
-  alignas(32) float scores[kMaxBlockSize];
   const bool decode = item.num_tokens == 1;  // reads each block once: fetch ahead
+  constexpr int group_rows = F::kQuantized ? kGroupRows : 1;
+  const int groups_per_head = static_cast<int>((g + group_rows - 1) / group_rows);
+  const int groups = item.num_tokens * item.num_kv_heads * groups_per_head;
   thread_local std::vector<const char*> lines;
   lines.resize(Fetch::LinesPerBlock(in));
   Fetch fetch(lines.data());
@@ -359,70 +456,58 @@ void RunItem(const Inputs& in, const F& format, const Item& item, const Item* ne
   for (int64_t b = lo / bs; b <= last_block; ++b) {
     const int64_t base = b * bs;
     const int count = static_cast<int>(std::min<int64_t>(bs, hi + 1 - base));
-    const float* k;
-    const float* v;
-    if constexpr (F::kQuantized) {
-      const int j0 = static_cast<int>(std::max<int64_t>(lo, base) - base);
-      const int64_t at = table[b] * scale_block;
-      DequantizeTile(format, k_layer + table[b] * block_elements, k_scales + at, cache_stride,
-                     in.scale_stride, j0, count, item.num_kv_heads, d, k_tile);
-      DequantizeTile(format, v_layer + table[b] * block_elements, v_scales + at, cache_stride,
-                     in.scale_stride, j0, count, item.num_kv_heads, d, v_tile);
-      k = k_tile;
-      v = v_tile;
-    } else {
-      k = k_layer + table[b] * block_elements;
-      v = v_layer + table[b] * block_elements;
-    }
+    const T* k = k_layer + table[b] * block_elements;
+    const T* v = v_layer + table[b] * block_elements;
     fetch.Clear();
     if (decode && b < last_block) {
       const int next_count = static_cast<int>(std::min<int64_t>(bs, hi + 1 - base - bs));
-      fetch.Plan(in, table[b + 1], next_count, item.kv_head, item.num_kv_heads, rows);
+      fetch.Plan(in, table[b + 1], next_count, item.kv_head, item.num_kv_heads, groups);
     } else if (decode && next != nullptr && next->num_tokens == 1) {
       const int32_t block = in.block_tables[int64_t{next->request} * s.max_blocks +
                                             FirstBlock(in, *next)];
-      fetch.Plan(in, block, static_cast<int>(bs), next->kv_head, next->num_kv_heads, rows);
+      fetch.Plan(in, block, static_cast<int>(bs), next->kv_head, next->num_kv_heads, groups);
     }
-    for (int r = 0; r < rows; ++r) {
-      fetch.IssueShare();
-      // the row's visible positions in this block: [j0, j1)
-      const int j0 = static_cast<int>(std::max<int64_t>(first[r], base) - base);
-      const int j1 = static_cast<int>(std::min<int64_t>(last[r] + 1, base + count) - base);
+    for (int t = 0; t < item.num_tokens; ++t) {
+      const int r_token = t * per_token;
+      // the token's visible positions in this block: [j0, j1)
+      const int j0 = static_cast<int>(std::max<int64_t>(first[r_token], base) - base);
+      const int j1 = static_cast<int>(std::min<int64_t>(last[r_token] + 1, base + count) - base);
       if (j0 >= j1) continue;
-      float* p = scores + j0;
-      const int n = j1 - j0;
-      Scores(q + r * d, k + head[r] + j0 * position_stride, position_stride, n, d, p);
-      float block_max = -INFINITY;
-      for (int j = 0; j < n; ++j) block_max = std::max(block_max, p[j]);
-      const float new_max = std::max(running_max[r], block_max);
-      const float correction =
-          running_max[r] == -INFINITY ? 0.0f : std::exp(running_max[r] - new_max);
-      __m256 sums = _mm256_setzero_ps();
-      int j = 0;
-      for (; j + 8 <= n; j += 8) {
-        const __m256 e =
-            jaxinfer::Exp(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(new_max)));
-        _mm256_storeu_ps(p + j, e);
-        sums = _mm256_add_ps(sums, e);
+      for (int h = 0; h < item.num_kv_heads; ++h) {
+        // only visible positions are read from K and V: the rest may hold stale data
+        const T* k_head = k + h * d + j0 * stride;
+        const T* v_head = v + h * d + j0 * stride;
+        BlockScales scales;
+        if (in.scale_stride > 0) {
+          const int64_t at = table[b] * scale_block + j0 * in.scale_stride + h;
+          scales = {k_scales + at, v_scales + at, in.scale_stride};
+        }
+        for (int r = r_token + h * g; r < r_token + (h + 1) * g; r += group_rows) {
+          fetch.IssueShare();
+          const int n = j1 - j0;
+          const int size =
+              static_cast<int>(std::min<int64_t>(group_rows, r_token + (h + 1) * g - r));
+          auto run = [&](auto rows_in_group) {
+            RunGroup<decltype(rows_in_group)::value>(format, k_head, v_head, stride, scales, n,
+                                                     d, r, q, acc, running_max, denom,
+                                                     group_scratch);
+          };
+          if (size == 2) {
+            run(std::integral_constant<int, 2>());
+          } else {
+            run(std::integral_constant<int, 1>());
+          }
+        }
       }
-      float block_sum = jaxinfer::Sum(sums);
-      for (; j < n; ++j) {
-        p[j] = std::exp(p[j] - new_max);
-        block_sum += p[j];
-      }
-      denom[r] = denom[r] * correction + block_sum;
-      running_max[r] = new_max;
-      // only visible positions are read from V: the rest of a block may hold stale data
-      Accumulate(acc + r * d, correction, p, v + head[r] + j0 * position_stride, position_stride,
-                 n, d);
     }
   }
   for (int t = 0; t < item.num_tokens; ++t) {
     for (int h = 0; h < per_token; ++h) {
       const int r = t * per_token + h;
       const float inverse = denom[r] > 0.0f ? 1.0f / denom[r] : 0.0f;
+      const float scale = inverse * (per_head ? v_scales[h / g] : 1.0f);
       float* dst = in.out + ((item.first_token + t) * s.heads + item.kv_head * g + h) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * inverse;
+      for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * scale;
     }
   }
 }
@@ -472,7 +557,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   Inputs in{q.typed_data(),
             kv.untyped_data(),
             type == ffi::DataType::F32 ? int64_t{sizeof(float)} : 1,
-            scales.typed_data(),
+            type == ffi::DataType::F32 ? nullptr : scales.typed_data(),
             per_position ? s.kv_heads : 0,
             block_tables.typed_data(),
             seq_lens.typed_data(),

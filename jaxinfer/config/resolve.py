@@ -170,7 +170,7 @@ def resolve(
 ) -> Resolution:
     """Settles every "auto" of `options` for `platform` and a model of shape `arch`.
     gguf_source: the GGUF file the model folder was converted from, if it keeps one.
-    probe(kind, kernel, arch, dtype, block_size): why a Pallas kernel cannot run on this GPU
+    probe(kind, kernel, arch, dtype, block_size, kv_cache_dtype): why a Pallas kernel cannot run on this GPU
     at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes the
     reference, an explicit "pallas" is an error."""
     reasons: dict[str, str] = {}
@@ -205,7 +205,7 @@ def resolve(
             )
         kernel = registry.get(kind, name)  # a clear error for unknown names
         if name == "pallas" and platform.backend == "gpu":
-            why_not = probe(kind, kernel, arch, dtype, options.block_size)
+            why_not = probe(kind, kernel, arch, dtype, options.block_size, options.kv_cache_dtype)
             if why_not is not None:
                 if asked != "auto":
                     raise ValueError(f"{kind}_impl 'pallas' cannot run here: {why_not}")

@@ -22,6 +22,7 @@ import numpy as np
 from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.ragged_paged_attention.kv_quant import quantize_cache
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 # Max abs error allowed, relative to the reference's largest magnitude (at least 1).
@@ -53,11 +54,19 @@ def _attention_inputs(arch: LlamaConfig, dtype, block_size: int) -> tuple:
     )
 
 
-def _inputs(kind: str, arch: LlamaConfig, dtype, block_size: int) -> tuple[tuple, dict]:
+def _inputs(
+    kind: str, arch: LlamaConfig, dtype, block_size: int, kv_cache_dtype: str = "auto"
+) -> tuple[tuple, dict]:
     rng = np.random.default_rng(1)
     hidden, inter = arch.hidden_size, arch.intermediate_size
     if kind == "attention":
-        return _attention_inputs(arch, dtype, block_size), {"sm_scale": arch.head_dim**-0.5}
+        args = _attention_inputs(arch, dtype, block_size)
+        static = {"sm_scale": arch.head_dim**-0.5}
+        if kv_cache_dtype != "auto":  # the cache format the engine will run
+            q, kv, *rest = args
+            values, static["kv_scales"] = quantize_cache(kv, kv_cache_dtype)
+            args = (q, values, *rest)
+        return args, static
     if kind == "ffn":
         x = rng.standard_normal((4, hidden))  # [T, E]
         gate_up = rng.standard_normal((hidden, 2, inter)) * hidden**-0.5  # [E, 2, I]
@@ -86,11 +95,17 @@ class KernelCheck:
 
 
 def check_kernel(
-    kind: str, kernel: Callable, arch: LlamaConfig, dtype: str, block_size: int
+    kind: str,
+    kernel: Callable,
+    arch: LlamaConfig,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> KernelCheck:
-    """Compile `kernel` (of `kind`) on inputs shaped like the model's and compare it with the
-    reference at the highest matmul precision."""
-    args, static = _inputs(kind, arch, jnp.dtype(dtype), block_size)
+    """Compile `kernel` (of `kind`) on inputs shaped like the model's (an attention kernel over
+    a cache in `kv_cache_dtype`) and compare it with the reference at the highest matmul
+    precision."""
+    args, static = _inputs(kind, arch, jnp.dtype(dtype), block_size, kv_cache_dtype)
     try:
         out = jax.block_until_ready(jax.jit(lambda *a: kernel(*a, **static))(*args))
     except Exception as error:  # anything the kernel's compiler or runtime raises
@@ -119,8 +134,13 @@ def check_kernel(
 
 
 def probe_kernel(
-    kind: str, kernel: Callable, arch: LlamaConfig, dtype: str, block_size: int
+    kind: str,
+    kernel: Callable,
+    arch: LlamaConfig,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> str | None:
     """None if `kernel` (of `kind`) compiles and matches the reference on inputs shaped like
     the model's, else why not."""
-    return check_kernel(kind, kernel, arch, dtype, block_size).reason
+    return check_kernel(kind, kernel, arch, dtype, block_size, kv_cache_dtype).reason

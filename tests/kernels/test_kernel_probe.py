@@ -30,6 +30,18 @@ def test_the_pallas_kernels_pass_interpreted(kind):
     assert probe_kernel(kind, kernel, ARCH, "float32", 16) is None
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_attention_is_probed_over_the_engines_cache_format(kv_cache_dtype):
+    kernel = functools.partial(ragged_paged_attention, interpret=True)
+    assert probe_kernel("attention", kernel, ARCH, "float32", 16, kv_cache_dtype) is None
+
+    def ignores_scales(q, kv, *rest, kv_scales, **kwargs):  # reads int8 codes as values
+        return kernel(q, kv.astype(jnp.float32), *rest, **kwargs)
+
+    reason = probe_kernel("attention", ignores_scales, ARCH, "float32", 16, kv_cache_dtype)
+    assert "differs from the reference" in reason
+
+
 def test_a_wrong_or_failing_kernel_gives_a_reason():
     def wrong(x, gate_up, down):
         return jnp.zeros((x.shape[0], down.shape[1]), x.dtype)

@@ -38,7 +38,7 @@ NO_NATIVE = Platform("cpu", 1, frozenset({"sse2"}), "g++", Path("/nonexistent"))
 GPU = Platform("gpu", 1, frozenset(), None, Path("/nonexistent"))
 
 
-def passes(kind, kernel, arch, dtype, block_size):  # a probe every kernel passes
+def passes(kind, kernel, arch, dtype, block_size, kv_cache_dtype):  # every kernel passes
     return None
 
 
@@ -144,7 +144,7 @@ def test_cpu_with_the_kernels_takes_them(cpu_kernel_dir):
 def test_a_gpu_kernel_that_fails_its_probe_falls_back_to_the_reference():
     probed = []
 
-    def probe(kind, kernel, arch, dtype, block_size):
+    def probe(kind, kernel, arch, dtype, block_size, kv_cache_dtype):
         probed.append((kind, dtype, block_size))
         return "it failed on the model's shapes (TritonError: no)" if kind == "attention" else None
 

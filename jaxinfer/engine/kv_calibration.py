@@ -24,7 +24,7 @@ from flax import nnx
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.layers.kv_cache import SMOOTHING_AXES, CacheConstants, KVCache
+from jaxinfer.layers.kv_cache import SCALE_AXES, SMOOTHING_AXES, CacheConstants, KVCache
 from jaxinfer.model_loader.safetensors_loader import load_kv_scales
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
@@ -90,7 +90,7 @@ def calibrate(
         float(scales[:, 1].min()),
         float(scales[:, 1].max()),
     )
-    return CacheConstants(fp8_scales=partitioner.place(scales, ("layers", None, "kv_heads")))
+    return CacheConstants(fp8_scales=partitioner.place(scales, SCALE_AXES["fp8"]))
 
 
 def key_smoothing(amax: jax.Array) -> jax.Array:  # f32[L, K, D]
@@ -112,7 +112,7 @@ def measure_kv_amax(
     """The largest |K| and |V| of each layer, head and channel over the prompts, prefilled
     together into an unquantized cache of just their blocks."""
     arch, bs = config.model.arch, config.cache.block_size
-    batch, num_blocks = _prefill_batch(prompts, bs)
+    batch, num_blocks = prefill_batch(prompts, bs)
     values = jnp.zeros(
         (arch.num_hidden_layers, 2, num_blocks, bs, arch.num_key_value_heads, arch.head_dim),
         config.model.dtype,
@@ -129,7 +129,7 @@ def measure_kv_amax(
     return run(state, values, batch)
 
 
-def _prefill_batch(prompts: list[list[int]], block_size: int) -> tuple[BatchInputs, int]:
+def prefill_batch(prompts: list[list[int]], block_size: int) -> tuple[BatchInputs, int]:
     """One flat batch prefilling every prompt from position 0 into blocks of its own (block
     0 stays the null block); the number of blocks it uses."""
     tokens, positions, slots, tables, lens = [], [], [], [], []

@@ -54,7 +54,7 @@ def value_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
 
 
 def scale_kind(kv_cache_dtype: str) -> str | None:
-    """ "int8" (per token), "fp8" (per head) or None (no scales)."""
+    """The scales a format keeps: "int8" (per token), "fp8" (per head) or None."""
     if kv_cache_dtype == "auto":
         return None
     return "int8" if kv_cache_dtype == "int8" else "fp8"
@@ -72,6 +72,8 @@ def bytes_per_token(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
+    """The cache in one of the formats above; its arrays are what the step donates."""
+
     values: jax.Array  # [L, 2, NB, BS, K, D]: the model dtype, int8 or fp8
     scales: jax.Array | None = None  # int8: f32[L, 2, NB, BS, K]; fp8: f32[L, 2, K]
     key_smoothing: jax.Array | None = None  # f32[L, K, D]: keys stored divided by it

@@ -67,7 +67,7 @@ class TeacherForced:
         )
 
     def logprobs(self, kind: str, stream: list[int]) -> np.ndarray:  # f32[S, V]
-        batch, _ = kv_calibration._prefill_batch([stream], 16)
+        batch, _ = kv_calibration.prefill_batch([stream], 16)
         batch = dataclasses.replace(batch, logits_indices=np.arange(len(stream), dtype=np.int32))
         return np.asarray(jax.nn.log_softmax(self.runners[kind].forward(batch), axis=-1))
 

@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 
 from cpu_kernels.build import can_build
+from pallas_kernels import gpu_lowering
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
-from pallas_kernels.ragged_paged_attention.kv_quant import dequantize_cache, quantize_cache
+from pallas_kernels.ragged_paged_attention.kv_quant import (
+    FP8_DTYPES,
+    dequantize_cache,
+    quantize_cache,
+)
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from tests.kernels.test_cpu_kernels import ATTENTION_CASES
 from tests.kernels.test_kernels import (
@@ -166,3 +171,29 @@ def test_cpu_kernel_refuses_mismatched_scales(cpu_attention):
         cpu_attention(q, values, *rest, sm_scale=0.25)
     with pytest.raises(Exception, match="kv_scales must be"):
         cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=scales[..., :1])
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_pallas_over_a_quantized_cache_lowers_for_the_gpu(kind):
+    """Lowered for CUDA under an abstract GPU (no GPU needed): one Triton call, decode-sized."""
+    num_tokens, heads, kv_heads, head_dim, blocks, block_size = 32, 9, 3, 64, 128, 16
+    cache_shape = (4, 2, blocks, block_size, kv_heads, head_dim)
+    scales_shape = cache_shape[:-1] if kind == "int8" else (4, 2, kv_heads)
+    args = (
+        jnp.zeros((num_tokens, heads, head_dim), jnp.bfloat16),
+        jnp.zeros(cache_shape, jnp.int8 if kind == "int8" else FP8_DTYPES[kind]),
+        jnp.zeros(scales_shape, jnp.float32),
+        jnp.zeros((num_tokens, 64), jnp.int32),
+        jnp.zeros((num_tokens,), jnp.int32),
+        jnp.zeros((num_tokens + 1,), jnp.int32),
+        jnp.zeros((1,), jnp.int32),
+        jnp.int32(1),
+    )
+
+    def attention(q, kv, scales, tables, lens, starts, num_seqs, layer):
+        return ragged_paged_attention(
+            q, kv, tables, lens, starts, num_seqs, sm_scale=0.1, layer=layer, kv_scales=scales
+        )
+
+    text = gpu_lowering.lower_for_gpu(attention, *args)
+    assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1

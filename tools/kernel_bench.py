@@ -171,7 +171,9 @@ def main(argv):
                     "attention", impls, registry, decode_call(scale, kind != "auto"), case_args
                 )
                 per_token = bytes_per_token(kind, dtype, 1, kv_heads, head_dim)
-                case = f"decode attn b{requests} c{context} {kind}"
+                case = f"decode attn b{requests} c{context}" + (
+                    f" {kind}" if kind != "auto" else ""
+                )
                 speedups = None
                 if kind == "auto":
                     model_dtype = {impl: seconds for impl, (seconds, _) in results.items()}

@@ -33,6 +33,7 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
         "--contexts=40",
         "--prefill_len=32",
         "--repeats=1",
+        "--kv_cache_dtypes=auto,int8",
         f"--output_json={output}",
     )
     rows = json.loads(output.read_text())["rows"]
@@ -40,6 +41,8 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
     assert cases == {
         "decode attn b2 c40",
         "decode attn b3 c40",
+        "decode attn b2 c40 int8",
+        "decode attn b3 c40 int8",
         "prefill attn 32",
         "ffn t2",
         "ffn t32",
@@ -55,6 +58,9 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
         if cpu:
             assert impls["cpu"]["max_abs_error"] < 1e-4, case
         assert all(row["ms"] > 0 for row in impls.values())
+        # a quantized cache's case: each kernel's speed-up over the model-dtype cache
+        quantized = case.endswith("int8")
+        assert all(("speedup_over_model_dtype_cache" in row) == quantized for row in impls.values())
 
 
 def test_decode_roofline_reports_each_batch(tmp_path):

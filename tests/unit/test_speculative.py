@@ -140,6 +140,7 @@ def test_kept_rows_and_recorded_tokens():
 
 
 def test_prometheus_counters():
+    from jaxinfer.config.engine_config import CacheConfig
     from jaxinfer.server.metrics import ServerMetrics
 
     spec = SpecStats()
@@ -154,7 +155,10 @@ def test_prometheus_counters():
         spec=spec,
     )
     engine = types.SimpleNamespace(
-        config=types.SimpleNamespace(speculative=types.SimpleNamespace(method="ngram")),
+        config=types.SimpleNamespace(
+            speculative=types.SimpleNamespace(method="ngram"),
+            cache=CacheConfig(block_size=16, num_blocks=9),
+        ),
         stats=lambda: stats,
     )
     metrics = ServerMetrics(engine)
@@ -166,6 +170,7 @@ def test_prometheus_counters():
     stats.spec = spec.snapshot()
     text = metrics.render().decode()
     assert "jaxinfer:spec_decode_num_drafts_total 3.0" in text
+    assert 'jaxinfer:kv_cache_capacity_tokens{kv_cache_dtype="auto"} 128.0' in text
     assert "jaxinfer:spec_decode_num_draft_tokens_total 9.0" in text
     assert "jaxinfer:spec_decode_num_accepted_tokens_total 3.0" in text
     assert 'jaxinfer:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 2.0' in text

@@ -51,7 +51,7 @@ class TeacherForced:
             model=str(self.folder),
             kv_cache_dtype=kind,
             block_size=16,
-            num_kv_blocks=1 + STREAM // 16,
+            num_kv_blocks=1 + STREAM // 16,  # a stream, or greedy()'s four prompts of 64
             max_num_batched_tokens=STREAM,
             max_num_seqs=1,
             max_model_len=STREAM,
@@ -93,6 +93,41 @@ def report(name, results):
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
 
+PARITY_QUESTIONS = [  # tests/engine/test_default_model.py's
+    "Why is the sky blue?",
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer in one word.",
+    "List three prime numbers.",
+]
+
+
+def greedy(model: TeacherForced, kind: str, prompts, steps: int):
+    """Greedy continuations of the prompts through the format's cache, every step one padded
+    prefill of all of them (one compiled shape): (tokens, each token's logprob, each step's
+    margin between the top two logprobs)."""
+    sequences = [list(p) for p in prompts]
+    logprobs, margins = [[] for _ in prompts], [[] for _ in prompts]
+    assert len(prompts) <= 4 and max(map(len, prompts)) + steps <= 64
+    for _ in range(steps):
+        batch, _ = kv_calibration.prefill_batch(sequences, 16)
+        pad = 4 * 64 - batch.token_ids.shape[0]
+        batch = dataclasses.replace(
+            batch,
+            token_ids=np.pad(batch.token_ids, (0, pad)),
+            positions=np.pad(batch.positions, (0, pad)),
+            slot_mapping=np.pad(batch.slot_mapping, (0, pad)),  # padding: the null block
+            block_tables=np.pad(batch.block_tables, ((0, 0), (0, 4 - batch.block_tables.shape[1]))),
+            logits_indices=(batch.query_start_loc[1:] - 1).astype(np.int32),
+        )
+        lp = np.asarray(jax.nn.log_softmax(model.runners[kind].forward(batch), axis=-1))
+        for i, row in enumerate(lp):
+            top2 = np.sort(row)[-2:]
+            sequences[i].append(int(row.argmax()))
+            logprobs[i].append(float(top2[1]))
+            margins[i].append(float(top2[1] - top2[0]))
+    return [s[len(p) :] for s, p in zip(sequences, prompts, strict=True)], logprobs, margins
+
+
 @pytest.mark.default_model
 def test_int8_keeps_the_default_models_next_token_distributions(model_cache_dir):
     folder = resolve_model(None, model_cache_dir)
@@ -108,6 +143,28 @@ def test_int8_keeps_the_default_models_next_token_distributions(model_cache_dir)
     for kind in ("fp8_e4m3", "fp8_e5m2"):  # reported; far from what a broken scale gives
         kl, top1 = results[kind]
         assert kl <= 0.1 and top1 >= 0.8, kind
+
+    # Greedy generations on the parity prompts, each through its own cache: the same tokens
+    # with close logprobs, or a first difference only where the unquantized model was near a
+    # tie between its top two tokens.
+    prompts = [
+        model.tokenizer.encode(
+            model.tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in PARITY_QUESTIONS
+    ]
+    expected, expected_logprobs, margins = greedy(model, "auto", prompts, 16)
+    tokens, logprobs, _ = greedy(model, "int8", prompts, 16)
+    for i in range(len(prompts)):
+        pairs = enumerate(zip(expected[i], tokens[i], strict=True))
+        same = next((t for t, (a, b) in pairs if a != b), 16)
+        print(f"parity prompt {i}: int8 greedy equal for {same} of 16 tokens")
+        differences = np.abs(np.subtract(logprobs[i][:same], expected_logprobs[i][:same]))
+        if same:  # within 0.15 nats everywhere, 0.03 on average
+            assert differences.max() <= 0.15 and differences.mean() <= 0.03, differences
+        if same < 16:
+            assert margins[i][same] < 0.3, (i, same, margins[i][same])
 
 
 def outlier_model(folder, factor: float = 100.0):

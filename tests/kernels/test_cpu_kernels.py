@@ -196,6 +196,21 @@ def test_attention_long_contexts_and_sliding_window(attention, sliding_window):
     assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)
 
 
+def many_decodes(group: int, num_kv_heads: int) -> tuple:
+    """11 decodes of random contexts and a 24-token prefill chunk (attention_batch's args)."""
+    rng = np.random.default_rng(1)
+    context_lens = [int(c) for c in rng.integers(1, 180, size=11)] + [100]
+    return attention_batch(
+        [1] * 11 + [24],
+        context_lens,
+        group=group,
+        head_dim=64,
+        block_size=16,
+        dtype=F32,
+        num_kv_heads=num_kv_heads,
+    )
+
+
 @pytest.mark.parametrize(
     ("group", "num_kv_heads", "sliding_window"),
     [(3, 3, None), (3, 3, 40), (8, 16, None), (1, 2, None)],
@@ -205,18 +220,7 @@ def test_attention_many_decodes(attention, group, num_kv_heads, sliding_window):
     """Enough decodes for the kernel to give each one all its kv heads in one item (in
     chunks of 64 query heads at most: 8 x 16 heads takes two), with the next block and the
     next item's first block fetched ahead, beside a prefill chunk that keeps per-head items."""
-    rng = np.random.default_rng(1)
-    context_lens = [int(c) for c in rng.integers(1, 180, size=11)] + [100]
-    q_lens = [1] * 11 + [24]
-    args = attention_batch(
-        q_lens,
-        context_lens,
-        group=group,
-        head_dim=64,
-        block_size=16,
-        dtype=F32,
-        num_kv_heads=num_kv_heads,
-    )
+    args = many_decodes(group, num_kv_heads)
     kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
     out = jit(attention, **kwargs)(*args)
     assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)

@@ -22,7 +22,7 @@ from pallas_kernels.ragged_paged_attention.kv_quant import (
     quantize_cache,
 )
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.kernels.test_cpu_kernels import ATTENTION_CASES
+from tests.kernels.test_cpu_kernels import ATTENTION_CASES, many_decodes
 from tests.kernels.test_kernels import (
     F32,
     INTERPRET,
@@ -148,19 +148,8 @@ def test_cpu_long_contexts_and_sliding_window(cpu_attention, kind, sliding_windo
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize(("group", "num_kv_heads"), [(3, 3), (8, 16)], ids=["smollm2", "split"])
 def test_cpu_many_decodes(cpu_attention, kind, group, num_kv_heads):
-    """Decodes that take all their kv heads in one item: the tile holds several heads."""
-    rng = np.random.default_rng(1)
-    context_lens = [int(c) for c in rng.integers(1, 180, size=11)] + [100]
-    args = attention_batch(
-        [1] * 11 + [24],
-        context_lens,
-        group=group,
-        head_dim=64,
-        block_size=16,
-        dtype=F32,
-        num_kv_heads=num_kv_heads,
-    )
-    check(cpu_attention, args, kind, F32, sm_scale=0.125)
+    """Decodes that take all their kv heads in one item, several heads' rows in pairs."""
+    check(cpu_attention, many_decodes(group, num_kv_heads), kind, F32, sm_scale=0.125)
 
 
 @needs_cpp

@@ -32,6 +32,7 @@ from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference, rms_norm
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -52,6 +53,10 @@ class ModelKernels:
     # (float, or int8 with scale [*out]) -> [T, *out]; under a layer scan w is a
     # linear.StackedWeight, to be read in place. None: XLA (jaxinfer.layers.native_kernels).
     matmul: Callable | None = None
+    # The routed experts' products (jaxinfer.layers.moe.experts) in the "in_out" layout:
+    # grouped_matmul_reference(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]. In "out_in"
+    # the matmul kernel's grouped product (C++), else the reference, computes them.
+    grouped_matmul: Callable = grouped_matmul_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False

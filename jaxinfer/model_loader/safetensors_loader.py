@@ -99,7 +99,7 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     """
     files = checkpoint_files(folder)
     cfg = config
-    E, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim  # noqa: E741
+    E, I, V, D = cfg.hidden_size, cfg.dense_intermediate_size, cfg.vocab_size, cfg.head_dim  # noqa: E741
     K = cfg.num_key_value_heads // kv_replicas  # the checkpoint's
     q, kv = cfg.q_size, K * D
     with contextlib.ExitStack() as stack:
@@ -125,17 +125,32 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
             ),
             "qkv_proj": stacked(lambda p: qkv(p, "weight", [(q, E), (kv, E), (kv, E)])),
             "o_proj": stacked(lambda p: get(p + "self_attn.o_proj.weight", (E, q)).T),
-            "gate_up_proj": stacked(
+        }
+        if I:
+            # the dense FFN, or a MoE layer's shared expert
+            mlp = "mlp.shared_expert." if cfg.moe is not None else "mlp."
+            layers["gate_up_proj"] = stacked(
                 lambda p: np.stack(
                     [
-                        get(p + "mlp.gate_proj.weight", (I, E)).T,
-                        get(p + "mlp.up_proj.weight", (I, E)).T,
+                        get(p + mlp + "gate_proj.weight", (I, E)).T,
+                        get(p + mlp + "up_proj.weight", (I, E)).T,
                     ],
                     axis=1,
                 )
-            ),
-            "down_proj": stacked(lambda p: get(p + "mlp.down_proj.weight", (E, I)).T),
-        }
+            )
+            layers["down_proj"] = stacked(lambda p: get(p + mlp + "down_proj.weight", (E, I)).T)
+        if cfg.qk_norm is not None:
+            k_heads = K if cfg.qk_norm == "all" else 1
+            q_width = q if cfg.qk_norm == "all" else D
+
+            def k_norm(p):  # each KV head's part copied with the head
+                w = get(p + "self_attn.k_norm.weight", (k_heads * D,)).reshape(k_heads, D)
+                return np.repeat(w, kv_replicas if k_heads > 1 else 1, axis=0).reshape(-1)
+
+            layers["q_norm"] = stacked(lambda p: get(p + "self_attn.q_norm.weight", (q_width,)))
+            layers["k_norm"] = stacked(k_norm)
+        if cfg.moe is not None:
+            layers.update(load_moe_layers(reader, cfg, dtype))
         if cfg.attention_bias:
             layers["qkv_bias"] = stacked(lambda p: qkv(p, "bias", [(q,), (kv,), (kv,)]))
         params = {
@@ -148,6 +163,68 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     return {
         k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in params.items()
     }
+
+
+# Per-expert tensor names of each MoE family (legacy layout): the block's prefix, then the
+# gate, up and down projections of expert e.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
+}
+_DEFAULT_EXPERT_NAMES = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+
+
+def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
+    """The router and the experts of every layer, stacked ("in_out"): router [L, E, X],
+    experts_gate_up [L, X, E, 2, I], experts_down [L, X, I, E], and Qwen2-MoE's shared
+    expert gate [L, E, 1]. Experts are read from either layout transformers writes: one
+    tensor per expert (`experts.{e}.gate_proj.weight`, ...; Mixtral's `w1`/`w3`/`w2`) or all
+    experts packed (`experts.gate_up_proj` [X, 2I, E] and `experts.down_proj` [X, E, I], with
+    Mixtral's `block_sparse_moe.` renamed `mlp.`)."""
+    cfg, moe = config, config.moe
+    E, X, I = cfg.hidden_size, moe.num_experts, moe.intermediate_size  # noqa: E741
+    block, (gate, up, down) = _EXPERT_NAMES.get(cfg.architecture, _DEFAULT_EXPERT_NAMES)
+
+    def get(name, shape):
+        return reader.get(name, shape, dtype)
+
+    def layer_prefix(i: int) -> str:
+        prefix = f"model.layers.{i}."
+        packed = prefix + "mlp.experts.gate_up_proj"
+        return prefix + ("mlp." if reader.has(packed) else block)
+
+    def experts(i: int) -> tuple[np.ndarray, np.ndarray]:
+        p = layer_prefix(i)
+        if reader.has(p + "experts.gate_up_proj"):
+            gate_up = get(p + "experts.gate_up_proj", (X, 2 * I, E))
+            gate_up = gate_up.reshape(X, 2, I, E).transpose(0, 3, 1, 2)
+            return gate_up, get(p + "experts.down_proj", (X, E, I)).transpose(0, 2, 1)
+        gate_up = np.stack(
+            [
+                np.stack(
+                    [
+                        get(f"{p}experts.{e}.{gate}.weight", (I, E)).T,
+                        get(f"{p}experts.{e}.{up}.weight", (I, E)).T,
+                    ],
+                    axis=1,
+                )
+                for e in range(X)
+            ]
+        )
+        downs = np.stack([get(f"{p}experts.{e}.{down}.weight", (E, I)).T for e in range(X)])
+        return gate_up, downs
+
+    layers = range(cfg.num_hidden_layers)
+    pairs = [experts(i) for i in layers]
+    out = {
+        "router": np.stack([get(layer_prefix(i) + "gate.weight", (X, E)).T for i in layers]),
+        "experts_gate_up": np.stack([g for g, _ in pairs]),
+        "experts_down": np.stack([d for _, d in pairs]),
+    }
+    if moe.shared_expert_gate:
+        out["shared_expert_gate"] = np.stack(
+            [get(f"model.layers.{i}.mlp.shared_expert_gate.weight", (1, E)).T for i in layers]
+        )
+    return out
 
 
 def load_kv_scales(folder: Path, config: LlamaConfig, kv_replicas: int = 1) -> np.ndarray | None:

@@ -19,7 +19,8 @@ from flax import nnx
 from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import KVCache
-from jaxinfer.layers.linear import IN_OUT, OUT_IN, gated_ffn_out_in, lm_logits
+from jaxinfer.layers.linear import IN_OUT, OUT_IN, lm_logits
+from jaxinfer.layers.moe.experts import EXPERT_AXES, EXPERT_PROJECTIONS, dense_ffn, moe_ffn
 from jaxinfer.layers.quantization import QUANTIZERS
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
@@ -45,13 +46,23 @@ PARAM_AXES = {
         "o_proj": ("layers", "q_heads_x_dim", "embed"),
         "gate_up_proj": ("layers", "embed", "gate_up", "mlp"),
         "down_proj": ("layers", "mlp", "embed"),
+        "q_norm": ("layers", None),  # [L, D] per head, or [L, H * D] over all heads
+        "k_norm": ("layers", None),  # [L, D], or [L, K * D]
+        **{name: ("layers", *axes) for name, axes in EXPERT_AXES.items()},
     },
 }
 
 # The projections of a decoder layer, each with its input (contracted) axis in the loader's
 # "in_out" layout, counted from the end: [L, E, K, G + 2, D], [L, H * D, E], [L, E, 2, I],
 # [L, I, E].
-LAYER_PROJECTIONS = {"qkv_proj": -4, "o_proj": -2, "gate_up_proj": -3, "down_proj": -2}
+# [L, I, E]; the experts' (jaxinfer.layers.moe.experts) [L, X, E, 2, I], [L, X, I, E].
+LAYER_PROJECTIONS = {
+    "qkv_proj": -4,
+    "o_proj": -2,
+    "gate_up_proj": -3,
+    "down_proj": -2,
+    **EXPERT_PROJECTIONS,
+}
 
 
 def as_weights(config: LlamaConfig, params: dict) -> dict:
@@ -245,10 +256,16 @@ def decoder_layer(
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
+        if cfg.clip_qkv is not None:
+            qkv = jnp.clip(qkv, -cfg.clip_qkv, cfg.clip_qkv)
         q = qkv[:, :, :group].reshape(num_tokens, -1, cfg.head_dim)  # [T, H, D]
-        q = constrain(apply_rotary(q, cos_sin), ("tokens", "q_heads", "head_dim"))
-        k = apply_rotary(qkv[:, :, group], cos_sin)  # [T, K, D]
+        k = qkv[:, :, group]  # [T, K, D]
         v = qkv[:, :, group + 1]  # [T, K, D]
+        if cfg.qk_norm is not None:
+            q = _qk_norm(q, p["q_norm"], cfg)
+            k = _qk_norm(k, p["k_norm"], cfg)
+        q = constrain(apply_rotary(q, cos_sin), ("tokens", "q_heads", "head_dim"))
+        k = apply_rotary(k, cos_sin)
         kv_cache = kv_cache.write(layer, k, v, batch.slot_mapping)
         attn = kernels.attention(
             kv_cache.queries(q, layer),
@@ -258,6 +275,7 @@ def decoder_layer(
             batch.query_start_loc,
             batch.num_seqs,
             sm_scale=cfg.head_dim**-0.5,
+            sliding_window=cfg.sliding_window,
             layer=layer,
             **kv_cache.attention_kwargs(),
         )  # [T, H, D]
@@ -268,13 +286,23 @@ def decoder_layer(
         x, residual = kernels.add_rms_norm(
             hidden, residual, p["post_attention_norm"], eps=cfg.rms_norm_eps
         )
-        if kernels.weight_layout == IN_OUT:  # the kernel takes float weights
-            gate_up = p["gate_up_proj"].dequantized(x.dtype)
-            hidden = kernels.ffn(x, gate_up, p["down_proj"].dequantized(x.dtype))
+        if cfg.moe is not None:
+            hidden = moe_ffn(cfg, p, x, kernels, partitioner)
         else:
-            hidden = gated_ffn_out_in(x, p["gate_up_proj"], p["down_proj"], kernels.matmul)
+            hidden = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels)
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
+
+
+def _qk_norm(x: jax.Array, weight: jax.Array, cfg: LlamaConfig) -> jax.Array:
+    """RMSNorm of q [T, H, D] or k [T, K, D] over each head (weight [D]) or over all of its
+    heads together (weight [H * D] / [K * D]), in float32 as Hugging Face's."""
+    shape = x.shape
+    if cfg.qk_norm == "all":
+        x = x.reshape(shape[0], -1)
+    y = x.astype(jnp.float32)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return (weight * y.astype(x.dtype)).reshape(shape)
 
 
 def compute_logits(
@@ -317,7 +345,7 @@ def random_params(config: LlamaConfig, dtype, seed: int = 0) -> dict:
     layers, hidden = config.num_hidden_layers, config.hidden_size
     kv, head_dim = config.num_key_value_heads, config.head_dim
     qkv = (kv, config.num_attention_heads // kv + 2, head_dim)
-    inter, vocab = config.intermediate_size, config.vocab_size
+    inter, vocab = config.dense_intermediate_size, config.vocab_size
 
     def normal(*shape):
         return (0.02 * rng.standard_normal(shape, np.float32)).astype(dtype)
@@ -330,10 +358,24 @@ def random_params(config: LlamaConfig, dtype, seed: int = 0) -> dict:
             "post_attention_norm": np.ones((layers, hidden), dtype),
             "qkv_proj": normal(layers, hidden, *qkv),
             "o_proj": normal(layers, config.q_size, hidden),
-            "gate_up_proj": normal(layers, hidden, 2, inter),
-            "down_proj": normal(layers, inter, hidden),
         },
     }
+    if inter:
+        params["layers"]["gate_up_proj"] = normal(layers, hidden, 2, inter)
+        params["layers"]["down_proj"] = normal(layers, inter, hidden)
+    if config.moe is not None:
+        experts, expert_inter = config.moe.num_experts, config.moe.intermediate_size
+        params["layers"]["router"] = normal(layers, hidden, experts)
+        params["layers"]["experts_gate_up"] = normal(layers, experts, hidden, 2, expert_inter)
+        params["layers"]["experts_down"] = normal(layers, experts, expert_inter, hidden)
+        if config.moe.shared_expert_gate:
+            params["layers"]["shared_expert_gate"] = normal(layers, hidden, 1)
+    if config.qk_norm is not None:
+        q, kv = (config.head_dim,) * 2
+        if config.qk_norm == "all":
+            q, kv = config.q_size, config.num_key_value_heads * config.head_dim
+        params["layers"]["q_norm"] = np.ones((layers, q), dtype)
+        params["layers"]["k_norm"] = np.ones((layers, kv), dtype)
     if config.attention_bias:
         params["layers"]["qkv_bias"] = normal(layers, *qkv)
     if not config.tie_word_embeddings:

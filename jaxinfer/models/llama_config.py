@@ -7,8 +7,72 @@ import json
 from pathlib import Path
 from typing import Any
 
-# Architectures that are the Llama block with at most a QKV bias; anything else is refused.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The Llama block and its variants: a QKV bias (Qwen2, Qwen2-MoE), per-head q/k norms (Qwen3,
+# Qwen3-MoE), q/k norms over all heads and a QKV clip (OLMoE), a sliding window (Mistral,
+# Mixtral), and a mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE). Anything else
+# is refused.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+)
+MOE_ARCHITECTURES = (
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+)
+QK_NORMS = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "all"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """How a token's experts and their weights are chosen (jaxinfer.layers.moe.routing): the
+    union of what Mixtral, Qwen-MoE, OLMoE and DeepSeek-V3 do."""
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # "softmax" or "sigmoid" of the router logits
+    renormalize: bool = False  # the top-k weights divided by their sum (norm_topk_prob)
+    scaling_factor: float = 1.0  # routed_scaling_factor, applied after renormalizing
+    correction_bias: bool = False  # e_score_correction_bias: added for the choice only
+    num_groups: int = 1  # grouped top-k: experts in n_group groups ...
+    topk_groups: int = 1  # ... of which the topk_group best (by their top-2 sum) are eligible
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, {self.num_experts}]")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts cannot form {self.num_groups} groups of which "
+                f"{self.topk_groups} are chosen"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts FFN in every layer: routed experts, and optionally a shared
+    expert beside them (the dense FFN of intermediate_size, gated by a sigmoid in Qwen2-MoE)."""
+
+    router: RouterConfig
+    intermediate_size: int  # each routed expert's
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +106,17 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: over each "head", or "all"
+    clip_qkv: float | None = None  # q, k and v clipped to [-c, c] (OLMoE)
+    sliding_window: int | None = None  # each token sees itself and the W - 1 tokens before
+    moe: MoeConfig | None = None  # every layer's FFN is a mixture of experts
+
+    @property
+    def dense_intermediate_size(self) -> int:
+        """The dense FFN's width (a MoE model's shared expert, 0 without one)."""
+        if self.moe is None:
+            return self.intermediate_size
+        return self.moe.shared_intermediate_size
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -63,10 +138,19 @@ class LlamaConfig:
                 f"{source}: architecture {arch!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-            raise ValueError(f"{source}: sliding-window attention is not supported yet")
-        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-            raise ValueError(f"{source}: sliding-window attention is not supported yet")
+        if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
+            raise ValueError(
+                f"{source}: Qwen's sliding window (on layers from max_window_layers) is not "
+                "supported"
+            )
+        if cfg.get("layer_types") and len(set(cfg["layer_types"])) > 1:
+            raise ValueError(
+                f"{source}: layers of different attention types ({sorted(set(cfg['layer_types']))})"
+                " are not supported"
+            )
+        sliding_window = None
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+            sliding_window = cfg.get("sliding_window") or None
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
@@ -89,10 +173,15 @@ class LlamaConfig:
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
+            attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+            or cfg.get("attention_bias", False),
             rope_scaling=_rope_scaling(cfg, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=QK_NORMS.get(arch),
+            clip_qkv=cfg.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
+            sliding_window=sliding_window,
+            moe=_moe_config(arch, cfg, source),
         )
 
     @classmethod
@@ -104,6 +193,41 @@ class LlamaConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(cfg, source=str(path))
+
+
+def _moe_config(arch: str, cfg: dict[str, Any], source: str) -> MoeConfig | None:
+    """The MoE FFN of a MoE architecture (every field its HF implementation reads), or None."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"{source}: dense layers between MoE layers (mlp_only_layers, decoder_sparse_step) "
+            "are not supported: every layer must be a MoE layer"
+        )
+    # transformers writes num_local_experts (recent versions) or num_experts
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not num_experts:
+        raise ValueError(f"{source}: a MoE config needs num_local_experts or num_experts")
+    if arch == "MixtralForCausalLM":
+        renormalize = True  # Mixtral always renormalizes its top-k
+        intermediate = cfg["intermediate_size"]
+    else:
+        renormalize = bool(cfg.get("norm_topk_prob"))
+        intermediate = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    top_k = cfg.get("num_experts_per_tok", 2 if arch == "MixtralForCausalLM" else 8)
+    if arch == "OlmoeForCausalLM":
+        intermediate = cfg["intermediate_size"]
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = cfg.get("shared_expert_intermediate_size", 0)
+        if not shared:
+            raise ValueError(f"{source}: Qwen2-MoE needs shared_expert_intermediate_size")
+    return MoeConfig(
+        router=RouterConfig(num_experts=num_experts, top_k=top_k, renormalize=renormalize),
+        intermediate_size=intermediate,
+        shared_intermediate_size=shared,
+        shared_expert_gate=arch == "Qwen2MoeForCausalLM",
+    )
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

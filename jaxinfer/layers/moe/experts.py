@@ -1,0 +1,201 @@
+"""The mixture-of-experts FFN: route, sort the (token, expert) pairs by expert, run each
+expert's gated FFN on its rows with grouped matmuls, and combine.
+
+Cost follows the active experts: the T * k routed rows go through a grouped matmul that
+multiplies each row by its own expert's weight only (a C++ kernel on CPU, a Pallas kernel on
+GPU; the pure-JAX reference is jax.lax.ragged_dot, dense on XLA:CPU). Each row's products
+and each token's combination (a sum over its k experts in their routing order) are computed
+the same way wherever the token sits in the batch: permuting a batch's tokens permutes the
+output rows exactly.
+
+Parallelism (jaxinfer.parallel.sharding): the experts' weights are sharded over the mesh
+either by expert ("experts", expert parallelism) or within each expert by its intermediate
+axis ("expert_mlp", tensor parallelism). The step's tokens are on every device (the
+attention's output is whole after its all-reduce); each device runs the rows routed to its
+experts (EP) or its slice of every expert (TP), and one all-reduce sums the devices'
+outputs.
+
+T: tokens, E: hidden size, X: experts, k: experts per token, M = T * k routed rows,
+I: an expert's intermediate size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxinfer.layers.linear import IN_OUT, OUT_IN, StackedWeight, gated_ffn_out_in, unstacked
+from jaxinfer.layers.moe.routing import route
+from jaxinfer.layers.weights import Int8
+from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.parallel.sharding import Partitioner
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_out_in_reference
+
+# Logical axes of the MoE parameters of one layer in the loader's "in_out" layout (with the
+# stacked layers' leading axis in models/llama.PARAM_AXES).
+EXPERT_AXES = {
+    "router": ("embed", None),  # [E, X], kept in float
+    "router_bias": (None,),  # [X]
+    "experts_gate_up": ("experts", "embed", "gate_up", "expert_mlp"),  # [X, E, 2, I]
+    "experts_down": ("experts", "expert_mlp", "embed"),  # [X, I, E]
+    "shared_expert_gate": ("embed", None),  # [E, 1]
+}
+# Each expert projection's input axis, counted from the end ("in_out").
+EXPERT_PROJECTIONS = {"experts_gate_up": -3, "experts_down": -2}
+
+
+def moe_ffn(
+    config: LlamaConfig,
+    p: dict,  # one layer's parameters
+    x: jax.Array,  # [T, E], normed
+    kernels,  # jaxinfer.layers.kernel_registry.ModelKernels
+    partitioner: Partitioner | None = None,
+) -> jax.Array:  # [T, E]
+    moe = config.moe
+    logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))  # [T, X]
+    weights, experts = route(logits, moe.router, p.get("router_bias"))  # [T, k] each
+    y = routed_experts(
+        x, weights, experts, p["experts_gate_up"], p["experts_down"], kernels, partitioner
+    )
+    if moe.shared_intermediate_size:
+        shared = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels)
+        if moe.shared_expert_gate:
+            gate = jnp.dot(x.astype(jnp.float32), p["shared_expert_gate"].astype(jnp.float32))
+            shared = shared * jax.nn.sigmoid(gate).astype(shared.dtype)  # [T, 1] gate
+        y = y + shared
+    return y
+
+
+def dense_ffn(x, gate_up, down, kernels):
+    """The gated FFN of a dense layer (and of a MoE layer's shared expert)."""
+    if kernels.weight_layout == IN_OUT:  # the kernel takes float weights
+        return kernels.ffn(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype))
+    return gated_ffn_out_in(x, gate_up, down, kernels.matmul)
+
+
+def routed_experts(
+    x: jax.Array,  # [T, E]
+    weights: jax.Array,  # f32[T, k]
+    experts: jax.Array,  # i32[T, k]
+    gate_up,  # Dense / Int8: [X, E, 2, I] ("in_out") or [X, 2, I, E] ("out_in")
+    down,  # [X, I, E] or [X, E, I]
+    kernels,
+    partitioner: Partitioner | None = None,
+) -> jax.Array:  # [T, E]
+    num_experts = _num_experts(gate_up)
+    if partitioner is None or partitioner.size == 1:
+        return _experts(x, weights, experts, gate_up, down, kernels, 0, num_experts, None)
+    layout = kernels.weight_layout
+    gate_up_spec = _spec(partitioner, gate_up, "experts_gate_up", layout)
+    down_spec = _spec(partitioner, down, "experts_down", layout)
+    sharded = any(_leaf_axes(spec) for spec in (gate_up_spec, down_spec))
+    by_expert = _expert_sharded(gate_up_spec)
+    axis = partitioner.mesh.axis_names[0]
+    reduce = axis if sharded else None
+    local = num_experts // partitioner.size if by_expert else num_experts
+
+    def run(x, weights, experts, gate_up, down):
+        first = jax.lax.axis_index(axis) * local if by_expert else 0
+        return _experts(x, weights, experts, gate_up, down, kernels, first, local, reduce)
+
+    replicated = PartitionSpec()
+    return jax.shard_map(
+        run,
+        mesh=partitioner.mesh,
+        in_specs=(replicated, replicated, replicated, gate_up_spec, down_spec),
+        out_specs=replicated,
+        check_vma=False,
+    )(x, weights, experts, gate_up, down)
+
+
+def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_axis):
+    """The rows routed to experts [first, first + count) (the local ones), combined per token
+    and, with `reduce_axis`, summed over the devices."""
+    tokens, k = experts.shape
+    flat = experts.reshape(-1)  # [M]
+    order = jnp.argsort(flat, stable=True)  # routed rows sorted by expert, [M]
+    local = flat - first
+    in_range = (local >= 0) & (local < count)
+    group_sizes = (
+        jnp.zeros(count, jnp.int32).at[jnp.where(in_range, local, count)].add(1, mode="drop")
+    )  # [count]
+    # Rows of the local experts start after those of the experts before `first`.
+    offset = jnp.sum((flat < first).astype(jnp.int32))
+    rows = jnp.roll(order, -offset)  # local experts' rows first, [M]
+    row_experts = jnp.clip(jnp.roll(flat[order], -offset) - first, 0, count - 1)  # [M]
+    xs = x[rows // k]  # [M, E]
+    h = grouped_project(xs, gate_up, group_sizes, row_experts, kernels)  # [M, 2, I]
+    act = jax.nn.silu(h[:, 0]) * h[:, 1]  # [M, I]
+    ys = grouped_project(act, down, group_sizes, row_experts, kernels)  # [M, E]
+    # Rows past the local experts' are zero. Back to (token, slot) order:
+    ys = jnp.zeros_like(ys).at[rows].set(ys).reshape(tokens, k, -1)  # [T, k, E]
+    out = ys[:, 0] * weights[:, 0, None].astype(ys.dtype)
+    for j in range(1, k):  # each token's k outputs summed in routing order
+        out = out + ys[:, j] * weights[:, j, None].astype(ys.dtype)
+    if reduce_axis is not None:
+        out = jax.lax.psum(out, reduce_axis)
+    return out
+
+
+def grouped_project(
+    xs: jax.Array,  # [M, in], sorted by expert
+    weight,  # Dense / Int8 over [X, ...]
+    group_sizes: jax.Array,  # i32[X]
+    row_experts: jax.Array,  # i32[M], each row's expert (for int8 scales)
+    kernels,
+) -> jax.Array:  # [M, *out]
+    """Each row times its expert's weight: the C++ grouped kernel ("out_in" with the matmul
+    kernel), the selected grouped kernel ("in_out"), or the reference."""
+    layout, matmul = kernels.weight_layout, kernels.matmul
+    scale = weight.scale if isinstance(weight, Int8) else None
+    w = weight.q if isinstance(weight, Int8) else weight.w
+    if layout == OUT_IN and matmul is not None and getattr(matmul, "grouped", None):
+        return matmul.grouped(xs, w, group_sizes, scale)
+    w = unstacked(w)
+    num_experts = w.shape[0]
+    if layout == OUT_IN:  # [X, *out, in]
+        out = w.shape[1:-1]
+        flat = w.reshape(num_experts, -1, w.shape[-1])
+        y = grouped_matmul_out_in_reference(xs, flat, group_sizes)
+    else:  # [X, in, *out]
+        out = w.shape[2:]
+        y = kernels.grouped_matmul(xs, w.reshape(num_experts, w.shape[1], -1), group_sizes)
+    y = y.reshape(xs.shape[0], *out)
+    if scale is not None:  # [X, *out]
+        y = y * scale[row_experts].astype(y.dtype)
+    return y
+
+
+def _num_experts(weight) -> int:
+    w = weight.q if isinstance(weight, Int8) else weight.w
+    return w.stacked.shape[1] if isinstance(w, StackedWeight) else w.shape[0]
+
+
+def _spec(partitioner: Partitioner, weight, name: str, layout: str):
+    """The weight's PartitionSpecs (a pytree like it) on the mesh."""
+    axes = weight.axes(EXPERT_AXES[name])
+    if layout == OUT_IN:
+        axes = axes.to_out_in()
+    arrays = jax.tree.leaves(weight)
+    specs = [
+        partitioner.spec(a, tuple(x.shape)) for a, x in zip(_axes_leaves(axes), arrays, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(weight), specs)
+
+
+def _axes_leaves(axes) -> list[tuple]:
+    return jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _leaf_axes(spec) -> tuple:
+    return tuple(a for s in jax.tree.leaves(spec, is_leaf=_is_spec) for a in s if a is not None)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _expert_sharded(spec) -> bool:
+    first = jax.tree.leaves(spec, is_leaf=_is_spec)[0]
+    return len(first) > 0 and first[0] is not None

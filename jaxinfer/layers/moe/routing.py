@@ -1,0 +1,66 @@
+"""Routing: which experts each token goes to and with what weights.
+
+One implementation of what the supported families do (and DeepSeek-V3's router):
+
+- scores: softmax (Mixtral, Qwen-MoE, OLMoE) or sigmoid (DeepSeek-V3) of the router logits,
+  in float32;
+- choice: the top k scores, plus a correction bias used for the choice only
+  (e_score_correction_bias), optionally within the best `topk_groups` of `num_groups` groups of
+  experts ranked by the sum of their top 2 biased scores (grouped top-k);
+- weights: the chosen experts' unbiased scores, renormalized to sum to 1 when `renormalize`
+  (norm_topk_prob; Mixtral always), then times `scaling_factor` (routed_scaling_factor).
+
+Ties go to the lower expert index (jax.lax.top_k), as torch.topk does on CPU.
+
+T: tokens, X: experts, k: experts per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.models.llama_config import RouterConfig
+
+
+def route(
+    logits: jax.Array,  # f32[T, X], the router's
+    config: RouterConfig,
+    correction_bias: jax.Array | None = None,  # f32[X]
+) -> tuple[jax.Array, jax.Array]:  # (weights f32[T, k], experts i32[T, k])
+    """The k experts of each token, best first, and their weights."""
+    logits = logits.astype(jnp.float32)
+    if config.scoring == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores
+    if config.correction_bias:
+        if correction_bias is None:
+            raise ValueError("this router needs its correction bias")
+        choice = scores + correction_bias.astype(jnp.float32)
+    if config.num_groups > 1:
+        choice = _within_best_groups(choice, config.num_groups, config.topk_groups)
+    _, experts = jax.lax.top_k(choice, config.top_k)  # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.renormalize:
+        denominator = jnp.sum(weights, axis=-1, keepdims=True)
+        if config.scoring == "sigmoid":
+            denominator = denominator + 1e-20  # as DeepSeek-V3 (softmax scores are positive)
+        weights = weights / denominator
+    if config.scaling_factor != 1.0:
+        weights = weights * config.scaling_factor
+    return weights, experts.astype(jnp.int32)
+
+
+def _within_best_groups(choice: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+    """choice [T, X] with the experts outside each token's best `topk_groups` groups (ranked by
+    the sum of their top 2 scores) set to -inf."""
+    tokens, experts = choice.shape
+    grouped = choice.reshape(tokens, num_groups, experts // num_groups)
+    top2 = jax.lax.top_k(grouped, min(2, experts // num_groups))[0]
+    group_scores = jnp.sum(top2, axis=-1)  # [T, groups]
+    _, best = jax.lax.top_k(group_scores, topk_groups)  # [T, topk_groups]
+    keep = jnp.zeros((tokens, num_groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
+    keep = jnp.repeat(keep, experts // num_groups, axis=-1)  # [T, X]
+    return jnp.where(keep, choice, -jnp.inf)

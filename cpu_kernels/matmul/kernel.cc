@@ -32,6 +32,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -436,7 +437,145 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Run(pool, p);
 }
 
+// Grouped products (the experts of a mixture-of-experts layer): rows of x sorted by group,
+// group g's rows [offset_g, offset_g + size_g) times its own weight w[g] [N, K]; rows after
+// the last group are zero. Each group is the problem above over its rows (its own path by its
+// row count), and the tiles of output columns of every group are shared out together, so a
+// decode step's few rows per expert still keep every thread busy.
+template <typename W>
+ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+                      const int32_t* sizes, int64_t groups, int64_t m, int64_t n, int64_t k,
+                      bool fixed_order, float* y) {
+  std::vector<Problem<W>> problems;
+  std::vector<int64_t> first_task{0};  // each problem's first tile in the task list
+  std::vector<int64_t> columns;
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t size = sizes[g];
+    if (size < 0 || row + size > m) {
+      return ffi::Error::InvalidArgument("grouped matmul: group sizes must sum to at most M");
+    }
+    if (size == 0) continue;
+    Problem<W> p{x + row * k, w + g * n * k, scale == nullptr ? nullptr : scale + g * n,
+                 y + row * n};
+    p.m = size, p.n = n, p.k = k, p.fixed_order = fixed_order;
+    const int64_t c = p.Streams() ? std::max(kTile, (n + kStreamClaims - 1) / kStreamClaims)
+                                  : kOuterTile;
+    problems.push_back(p);
+    columns.push_back(c);
+    first_task.push_back(first_task.back() + (n + c - 1) / c);
+    row += size;
+  }
+  std::fill(y + row * n, y + m * n, 0.0f);
+  // Per problem: x^T for the outer-product path, or x rounded to int16 (int8 streaming).
+  std::vector<std::vector<float>> transposed(problems.size());
+  std::vector<std::vector<int16_t>> rounded(problems.size());
+  std::vector<std::array<float, 3>> row_scales(problems.size());
+  std::vector<float*> xt(problems.size(), nullptr);
+  std::vector<int64_t> mp(problems.size(), 0);
+  for (size_t i = 0; i < problems.size(); ++i) {
+    Problem<W>& p = problems[i];
+    if (!p.Streams()) {
+      mp[i] = (p.m + 7) & ~int64_t{7};
+      transposed[i].resize(p.k * mp[i] + 16);
+      xt[i] = reinterpret_cast<float*>(
+          (reinterpret_cast<uintptr_t>(transposed[i].data()) + 63) & ~uintptr_t{63});
+      Transpose(p.x, p.m, p.k, xt[i], mp[i]);
+    } else if constexpr (std::is_same_v<W, int8_t>) {
+      rounded[i].resize(p.m * p.k);
+      RoundRows(p.x, p.m, p.k, rounded[i].data(), row_scales[i].data());
+      p.xq = rounded[i].data();
+      p.x_scale = row_scales[i].data();
+    }
+  }
+  jaxinfer::ParallelFor(pool, first_task.back(), [&](int64_t t) {
+    const size_t i =
+        std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
+    const int64_t col0 = (t - first_task[i]) * columns[i];
+    Columns(problems[i], xt[i], mp[i], col0, std::min(n, col0 + columns[i]));
+  });
+  return ffi::Error::Success();
+}
+
+// Checks a grouped product's shapes: x [M, K], w [L, G, N, K] (L >= 1 stacked layers, the
+// product uses layer `layer`), sizes [G], y [M, N]; sets m, n, k and the layer's offset.
+template <typename XBuffer, typename WBuffer, typename YBuffer>
+ffi::Error GroupedShape(const XBuffer& x, const WBuffer& w, int64_t groups, const YBuffer& y,
+                        int64_t layer, int64_t& m, int64_t& n, int64_t& k, int64_t& offset) {
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() < 3 || x_dims.back() != w_dims.back()) {
+    return ffi::Error::InvalidArgument("grouped matmul: x [M, K] and w [.., G, N, K]");
+  }
+  m = x_dims[0], k = x_dims[1], n = w_dims[w_dims.size() - 2];
+  if (w_dims[w_dims.size() - 3] != groups ||
+      static_cast<int64_t>(y.element_count()) != m * n) {
+    return ffi::Error::InvalidArgument("grouped matmul: w's groups or y's size mismatch");
+  }
+  const int64_t weight = groups * n * k;
+  const int64_t layers = weight == 0 ? 0 : static_cast<int64_t>(w.element_count()) / weight;
+  if (weight > 0 && (layer < 0 || layer >= layers)) {
+    return ffi::Error::InvalidArgument("grouped matmul: layer out of range");
+  }
+  offset = layer * weight;
+  return ffi::Error::Success();
+}
+
+ffi::Error F32GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> sizes,
+                            ffi::Buffer<ffi::S32> layer, bool fixed_order,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  int64_t m, n, k, offset;
+  const int64_t groups = sizes.element_count();
+  if (ffi::Error e = GroupedShape(x, w, groups, *y, layer.typed_data()[0], m, n, k, offset);
+      e.failure()) {
+    return e;
+  }
+  return RunGrouped<float>(pool, x.typed_data(), w.typed_data() + offset, nullptr,
+                           sizes.typed_data(), groups, m, n, k, fixed_order, y->typed_data());
+}
+
+ffi::Error Int8GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> layer,
+                             bool fixed_order, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t m, n, k, offset;
+  const int64_t groups = sizes.element_count();
+  if (ffi::Error e = GroupedShape(x, w, groups, *y, layer.typed_data()[0], m, n, k, offset);
+      e.failure()) {
+    return e;
+  }
+  if (static_cast<int64_t>(scale.element_count()) != groups * n) {
+    return ffi::Error::InvalidArgument("grouped matmul: scale must be [G, N]");
+  }
+  return RunGrouped<int8_t>(pool, x.typed_data(), w.typed_data() + offset, scale.typed_data(),
+                            sizes.typed_data(), groups, m, n, k, fixed_order, y->typed_data());
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32GroupedMatmul, F32GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w [L, G, N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<bool>("fixed_order")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8GroupedMatmul, Int8GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // w [L, G, N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<bool>("fixed_order")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()

@@ -6,6 +6,7 @@ scales) on XLA:CPU through the C++ kernel in kernel.cc.
     y = matmul(x, q, scale)           # int8 q
     y = matmul(x, stacked, layer=i)   # layer i of stacked weights [L, *out, K], in place
     y = matmul(x, w, fixed_order=True)  # each row's sum in one order for any row count
+    y = grouped_matmul(x, w, group_sizes)  # rows sorted by group, w [G, *out, K]
 
 T: tokens (rows of x), K: the contracted (input) axis, *out: the weight's output axes.
 """
@@ -23,6 +24,7 @@ from cpu_kernels.build import KernelBuildError, build, load, register
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 F32_TARGET, INT8_TARGET = "jaxinfer_f32_matmul", "jaxinfer_int8_matmul"
+F32_GROUPED, INT8_GROUPED = "jaxinfer_f32_grouped_matmul", "jaxinfer_int8_grouped_matmul"
 
 
 def matmul(
@@ -65,6 +67,57 @@ def matmul(
     return y.reshape(x.shape[0], *out)  # [T, *out]
 
 
+def grouped_matmul(
+    x: jax.Array,  # [M, K] float32, rows sorted by group
+    w: jax.Array,  # [G, *out, K] float32, or int8 with `scale`; [L, G, *out, K] with `layer`
+    group_sizes: jax.Array,  # i32[G], summing to at most M
+    scale: jax.Array | None = None,  # [G, *out] float32 (one layer's)
+    *,
+    layer: jax.Array | None = None,
+    fixed_order: bool = False,
+) -> jax.Array:  # [M, *out] float32
+    """Each group's rows times its own weight (the experts of a MoE layer): rows
+    offsets[g] .. offsets[g] + group_sizes[g] by w[g], rows after the last group zero (as
+    pallas_kernels.grouped_matmul.reference, on "out_in" weights). Each group runs as `matmul`
+    over its rows, with the same paths and `fixed_order`."""
+    int8 = w.dtype == jnp.int8
+    if (
+        x.dtype != jnp.float32
+        or w.dtype not in (jnp.float32, jnp.int8)
+        or int8 != (scale is not None)
+    ):
+        raise TypeError(
+            "grouped_matmul takes float32 x with float32 w, or with int8 w and its scale; got "
+            f"{x.dtype}, {w.dtype}, {None if scale is None else scale.dtype}"
+        )
+    lead = 2 if layer is not None else 1
+    groups, out = w.shape[lead - 1], w.shape[lead:-1]
+    if (
+        x.ndim != 2
+        or x.shape[1] != w.shape[-1]
+        or group_sizes.shape != (groups,)
+        or (int8 and scale.shape != (groups, *out))
+    ):
+        raise ValueError(
+            "grouped_matmul: x [M, K], w [G, *out, K] ([L, G, *out, K] with a layer), "
+            f"group_sizes [G], scale [G, *out]; got {x.shape}, {w.shape}, {group_sizes.shape}, "
+            f"{None if scale is None else scale.shape}"
+        )
+    n = math.prod(out)
+    w = w.reshape(*w.shape[:lead], n, w.shape[-1])
+    result = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    sizes = group_sizes.astype(jnp.int32)
+    if int8:
+        scale = scale.reshape(groups, n).astype(jnp.float32)
+        y = jax.ffi.ffi_call(INT8_GROUPED, result)(
+            x, w, scale, sizes, index, fixed_order=fixed_order
+        )
+    else:
+        y = jax.ffi.ffi_call(F32_GROUPED, result)(x, w, sizes, index, fixed_order=fixed_order)
+    return y.reshape(x.shape[0], *out)
+
+
 def load_matmul(build_dir: Path) -> Callable:
     """`matmul`, ready to call: builds kernel.cc into `build_dir` if needed and registers it.
     KernelBuildError if the host has no C++ compiler, or a CPU without AVX2 and FMA."""
@@ -73,4 +126,6 @@ def load_matmul(build_dir: Path) -> Callable:
         raise KernelBuildError("the CPU matmul kernel needs a CPU with AVX2 and FMA")
     register(library, "JaxinferF32Matmul", F32_TARGET)
     register(library, "JaxinferInt8Matmul", INT8_TARGET)
+    register(library, "JaxinferF32GroupedMatmul", F32_GROUPED)
+    register(library, "JaxinferInt8GroupedMatmul", INT8_GROUPED)
     return matmul

@@ -81,6 +81,7 @@ class SpeculativeConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     kv_replicas: int = 1  # copies of each checkpoint KV head (tp > KV heads)
+    expert_parallel: bool = False  # a MoE model's experts whole per device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,27 @@ def model_arch(options: EngineOptions, model_path: Path) -> LlamaConfig:
     return dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
 
 
+def check_expert_split(arch: LlamaConfig, tp: int, expert_parallel: bool) -> None:
+    """A clear error unless the devices split a MoE model's experts evenly (whole experts
+    with expert parallelism, each expert's intermediate axis without)."""
+    if expert_parallel and arch.moe is None:
+        raise ValueError(
+            f"expert_parallel needs a mixture-of-experts model, not {arch.architecture}"
+        )
+    if arch.moe is None or tp == 1:
+        return
+    if expert_parallel and arch.moe.num_experts % tp:
+        raise ValueError(
+            f"expert_parallel: {arch.moe.num_experts} experts do not split over "
+            f"tensor_parallel_size {tp}"
+        )
+    if not expert_parallel and arch.moe.intermediate_size % tp:
+        raise ValueError(
+            f"each expert's intermediate size {arch.moe.intermediate_size} does not split over "
+            f"tensor_parallel_size {tp}: choose another size, or expert_parallel"
+        )
+
+
 def build_engine_config(
     options: EngineOptions, resolved: ResolvedOptions, model_path: Path
 ) -> EngineConfig:
@@ -136,6 +158,7 @@ def build_engine_config(
     replicas = kv_replicas(arch, tp)
     # The model's view: each KV head copied `replicas` times (so every device holds one).
     arch = dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
+    check_expert_split(arch, tp, options.expert_parallel)
     dtype = resolved.jnp_dtype
     max_model_len = options.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
@@ -178,7 +201,11 @@ def build_engine_config(
             spec_lookahead=num_speculative if options.speculative_method == "draft" else 0,
         ),
         resolved=resolved,
-        parallel=ParallelConfig(tensor_parallel_size=tp, kv_replicas=replicas),
+        parallel=ParallelConfig(
+            tensor_parallel_size=tp,
+            kv_replicas=replicas,
+            expert_parallel=options.expert_parallel,
+        ),
         speculative=SpeculativeConfig(
             method=options.speculative_method,
             num_speculative_tokens=num_speculative,

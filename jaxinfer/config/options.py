@@ -105,6 +105,17 @@ class EngineOptions:
     norm_impl: str = option(
         "auto", "Residual-add + RMSNorm kernel: reference, pallas, pallas_interpret, ... or auto."
     )
+    grouped_matmul_impl: str = option(
+        "auto",
+        "A MoE model's expert products: reference (jax.lax.ragged_dot), pallas (GPU), "
+        "pallas_interpret, a registered name, or auto (the C++ kernel with the CPU matmul "
+        "kernel, pallas on one GPU).",
+    )
+    expert_parallel: bool = option(
+        False,
+        "A MoE model's experts split whole over the tensor_parallel_size devices (expert "
+        "parallelism) instead of each expert's intermediate axis (tensor parallelism).",
+    )
     weight_layout: str = option(
         "auto",
         "Projection weights: in_out (x @ W), out_in (W @ x^T, faster on XLA:CPU at "
@@ -206,7 +217,9 @@ class EngineOptions:
             )
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
-        for name in ("attention_impl", "ffn_impl", "norm_impl"):
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
+        for name in ("attention_impl", "ffn_impl", "norm_impl", "grouped_matmul_impl"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
         if not self.kv_cache_memory_gb > 0:

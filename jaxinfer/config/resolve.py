@@ -35,6 +35,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError
+from cpu_kernels.matmul.kernel import grouped_matmul
 from jaxinfer.config.options import EngineOptions
 from jaxinfer.config.platform import Platform
 from jaxinfer.layers.kernel_probe import probe_kernel
@@ -57,6 +58,7 @@ class ResolvedOptions:
     attention: str  # a KernelRegistry name ("cpu": the C++ kernel)
     ffn: str
     norm: str
+    grouped_matmul: str  # the MoE experts' product: "cpu" (C++, "out_in") or a registry name
     weight_layout: str  # "in_out" or "out_in"
     weight_format: str  # the projections' format: "dense" (in dtype) or the quantization
     matmul: str  # "cpu" (the C++ kernel) or "xla"
@@ -130,6 +132,7 @@ INVARIANT_KERNELS = {
     "attention": ("auto", "cpu", "pallas_interpret"),
     "ffn": ("auto", "reference"),
     "norm": ("auto", "invariant", "pallas", "pallas_interpret"),
+    "grouped_matmul": ("auto", "reference"),  # unused: "out_in" takes the C++ kernel's
 }
 
 
@@ -216,6 +219,7 @@ def resolve(
 
     ffn = pick("ffn", options.ffn_impl)
     norm = pick("norm", options.norm_impl)
+    grouped = pick("grouped_matmul", options.grouped_matmul_impl)
     reference_ffn = registry.get("ffn", ffn) is fused_ffn_reference
     layout = options.weight_layout
     if layout == "auto" and invariant:
@@ -234,6 +238,13 @@ def resolve(
             "'in_out' weights: use weight_layout 'in_out' or 'auto'"
         )
 
+    if layout == OUT_IN and options.grouped_matmul_impl not in ("auto", "reference"):
+        raise ValueError(
+            f"weight_layout 'out_in' runs the experts through the C++ grouped kernel or the "
+            f"reference; grouped_matmul_impl {options.grouped_matmul_impl!r} takes 'in_out' "
+            "weights: use weight_layout 'in_out' or 'auto'"
+        )
+
     # the matmul kernel
     matmul_fn = None
     if options.matmul_impl != "xla":
@@ -247,6 +258,12 @@ def resolve(
             if invariant:
                 reasons["matmul"] += " (batch_invariant: its fixed order for every row count)"
     matmul = "cpu" if matmul_fn is not None else "xla"
+    if matmul_fn is not None:  # the C++ library's grouped product, "out_in"
+        grouped = "cpu"
+        if options.grouped_matmul_impl == "auto":
+            reasons["grouped_matmul"] = "the C++ matmul kernel's grouped product"
+    elif layout == OUT_IN:
+        grouped = "reference"
 
     # attention: the C++ kernel for "cpu", and for "auto" where it runs
     attention_fn, why_not = None, ""
@@ -324,6 +341,7 @@ def resolve(
         attention=attention,
         ffn=ffn,
         norm=norm,
+        grouped_matmul=grouped,
         weight_layout=layout,
         weight_format=options.quantization or "dense",
         matmul=matmul,
@@ -344,10 +362,13 @@ def resolve(
         attention=attention_fn,
         ffn=registry.get("ffn", ffn),
         add_rms_norm=registry.get("norm", norm),
+        grouped_matmul=registry.get("grouped_matmul", "reference" if grouped == "cpu" else grouped),
         weight_layout=layout,
         matmul=None
         if matmul_fn is None
-        else KernelMatmul(matmul_fn, gguf_kernel=gguf_fn, fixed_order=invariant),
+        else KernelMatmul(
+            matmul_fn, gguf_kernel=gguf_fn, fixed_order=invariant, grouped_kernel=grouped_matmul
+        ),
         batch_invariant=invariant,
     )
     return Resolution(resolved, kernels)

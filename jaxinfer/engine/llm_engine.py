@@ -53,7 +53,10 @@ class LLMEngine:
         self.tokenizer = TokenizerWrapper(folder)
         self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
 
-        self.partitioner = Partitioner(make_mesh(self.config.parallel.tensor_parallel_size))
+        parallel = self.config.parallel
+        self.partitioner = Partitioner(
+            make_mesh(parallel.tensor_parallel_size), expert_parallel=parallel.expert_parallel
+        )
         graphdef, state, self.gguf_weights = load_model(
             folder, self.config, self.partitioner, gguf_source if resolved.gguf_blocks else None
         )  # gguf_weights: the weights kept with GGUF blocks too

@@ -1,6 +1,6 @@
 """A kernel tried once on the model's real shapes before the engine relies on it.
 
-`probe_kernel` compiles a kernel of one kind (attention, ffn, norm) on a small input shaped
+`probe_kernel` compiles a kernel of one kind (attention, ffn, norm, grouped_matmul) on a small input shaped
 like the model's (head_dim, query heads per KV head, hidden and FFN sizes, dtype) and compares
 it with the pure-JAX reference, computed at the highest matmul precision. Whatever goes wrong
 (a Triton compile failure, a missing Pallas backend, a head size the kernel cannot tile, a
@@ -22,6 +22,7 @@ import numpy as np
 from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.ragged_paged_attention.kv_quant import quantize_cache
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -67,6 +68,13 @@ def _inputs(
             values, static["kv_scales"] = quantize_cache(kv, kv_cache_dtype)
             args = (q, values, *rest)
         return args, static
+    if kind == "grouped_matmul":  # an expert's gate/up product over uneven groups
+        experts = 4 if arch.moe is None else min(4, arch.moe.num_experts)
+        inter = inter if arch.moe is None else arch.moe.intermediate_size
+        x = rng.standard_normal((13, hidden))  # [M, E]
+        w = rng.standard_normal((experts, hidden, 2 * inter)) * hidden**-0.5  # [G, E, 2I]
+        sizes = jnp.asarray([5, 0, 7, 1][:experts], jnp.int32)
+        return (jnp.asarray(x, dtype), jnp.asarray(w, dtype), sizes), {}
     if kind == "ffn":
         x = rng.standard_normal((4, hidden))  # [T, E]
         gate_up = rng.standard_normal((hidden, 2, inter)) * hidden**-0.5  # [E, 2, I]
@@ -82,6 +90,7 @@ REFERENCES: dict[str, Callable] = {
     "attention": ragged_paged_attention_reference,
     "ffn": fused_ffn_reference,
     "norm": add_rms_norm_reference,
+    "grouped_matmul": grouped_matmul_reference,
 }
 
 

@@ -1,11 +1,13 @@
 """Named kernel implementations the model can run, chosen by the engine config.
 
-Three kinds, each with the signature of its pure-JAX reference:
+Four kinds, each with the signature of its pure-JAX reference:
 
 - "attention": ragged_paged_attention_reference(q, kv_cache, block_tables, seq_lens,
   query_start_loc, num_seqs, *, sm_scale, sliding_window=None, layer=None) -> [T, H, D]
 - "ffn": fused_ffn_reference(x, gate_up [E, 2, I], down [I, E]) -> [T, E]
 - "norm": add_rms_norm_reference(x, residual, weight, *, eps) -> (normed, x + residual)
+- "grouped_matmul": grouped_matmul_reference(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]
+  (a MoE layer's experts, rows sorted by expert; "in_out" weights)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -32,11 +34,12 @@ from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference, rms_norm
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.grouped_matmul.kernel import grouped_matmul
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-KINDS = ("attention", "ffn", "norm")
+KINDS = ("attention", "ffn", "norm", "grouped_matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,7 @@ def default_registry() -> KernelRegistry:
         "attention": (ragged_paged_attention_reference, ragged_paged_attention),
         "ffn": (fused_ffn_reference, fused_ffn),
         "norm": (add_rms_norm_reference, add_rms_norm),
+        "grouped_matmul": (grouped_matmul_reference, grouped_matmul),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

@@ -42,6 +42,9 @@ class KernelMatmul:
     # Batch-invariant mode: every product through `kernel` in its fixed order, whatever the
     # number of rows (no XLA GEMM for long chunks; resolve leaves out the GGUF blocks).
     fixed_order: bool = False
+    # The experts' grouped products (cpu_kernels.matmul.kernel.grouped_matmul), every row
+    # count (XLA has no grouped product but a dense one over all experts); None: the reference.
+    grouped_kernel: Callable | None = None
 
     def float32(self, x, w):  # x [T, in], w [*out, in] -> [T, *out]
         if x.shape[0] > self.max_float_rows and not self.fixed_order:
@@ -56,6 +59,14 @@ class KernelMatmul:
         if isinstance(w, StackedWeight):
             return self.kernel(x, w.stacked, scale, layer=w.layer, **order)
         return self.kernel(x, w, scale, **order)
+
+    def grouped(self, x, w, group_sizes, scale=None):
+        """x [M, in] sorted by group times w [G, *out, in] (or its StackedWeight), with
+        scale [G, *out] for int8 w -> [M, *out], through `grouped_kernel`."""
+        order = {"fixed_order": True} if self.fixed_order else {}
+        if isinstance(w, StackedWeight):
+            return self.grouped_kernel(x, w.stacked, group_sizes, scale, layer=w.layer, **order)
+        return self.grouped_kernel(x, w, group_sizes, scale, **order)
 
     def blocks(self, x, weight):
         """A weight with GGUF blocks (jaxinfer.layers.weights.GGUFBlocks)."""

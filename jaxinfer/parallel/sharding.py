@@ -5,6 +5,8 @@ Model code names logical axes only (PARAM_AXES in models/llama.py for the parame
 axis. Under jit, XLA's partitioner (GSPMD) then splits every matmul and inserts the
 collectives: one all-reduce after the O projection and one after the down projection of each
 layer (both are split by rows), and an all-gather of the logits, which the sampler sees whole.
+A MoE layer's experts are split within each expert ("expert_mlp") or, with expert parallelism,
+whole experts per device ("experts"); jaxinfer.layers.moe.experts runs them under shard_map.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ RULES: dict[str, str] = {
     "q_heads": TP_AXIS,  # attention output: by query head
     "q_heads_x_dim": TP_AXIS,  # O projection: by rows (query head x head dim)
     "mlp": TP_AXIS,  # gate/up by columns, down by rows
+    "expert_mlp": TP_AXIS,  # each MoE expert's gate/up and down, as "mlp"
 }
+# Expert parallelism (EngineOptions.expert_parallel): whole experts per device instead.
+EXPERT_PARALLEL_RULES: dict[str, str | None] = {"experts": TP_AXIS, "expert_mlp": None}
 
 Axes = tuple[str | None, ...]
 
@@ -35,17 +40,23 @@ class Partitioner:
     """Places arrays on a mesh by logical axes (static under jit: it is hashable)."""
 
     mesh: Mesh
+    expert_parallel: bool = False  # a MoE model's experts by "experts", not "expert_mlp"
 
     @property
     def size(self) -> int:
         return self.mesh.size
 
+    @property
+    def rules(self) -> dict[str, str | None]:
+        return {**RULES, **EXPERT_PARALLEL_RULES} if self.expert_parallel else RULES
+
     def spec(self, axes: Axes, shape: tuple[int, ...] | None = None) -> PartitionSpec:
         """The mesh axes of logical `axes`; an axis that does not divide evenly by the mesh
         (a vocabulary of odd size, say) stays replicated."""
         names = []
+        rules = self.rules
         for i, axis in enumerate(axes):
-            mesh_axis = RULES.get(axis) if axis is not None else None
+            mesh_axis = rules.get(axis) if axis is not None else None
             if mesh_axis is not None and shape is not None and shape[i] % self.size:
                 mesh_axis = None
             names.append(mesh_axis)

@@ -35,6 +35,4 @@ def grouped_matmul_out_in_reference(
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0],
     )
-    return jax.lax.ragged_dot_general(
-        x, w.astype(x.dtype), group_sizes.astype(jnp.int32), numbers
-    )
+    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), numbers)

@@ -21,6 +21,8 @@ I: an expert's intermediate size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -150,8 +152,8 @@ def grouped_project(
     layout, matmul = kernels.weight_layout, kernels.matmul
     scale = weight.scale if isinstance(weight, Int8) else None
     w = weight.q if isinstance(weight, Int8) else weight.w
-    if layout == OUT_IN and matmul is not None and getattr(matmul, "grouped", None):
-        return matmul.grouped(xs, w, group_sizes, scale)
+    if layout == OUT_IN and matmul is not None and matmul.grouped_kernel is not None:
+        return matmul.grouped(xs, w, group_sizes, scale)  # scaled by the kernel
     w = unstacked(w)
     num_experts = w.shape[0]
     if layout == OUT_IN:  # [X, *out, in]
@@ -174,7 +176,8 @@ def _num_experts(weight) -> int:
 
 def _spec(partitioner: Partitioner, weight, name: str, layout: str):
     """The weight's PartitionSpecs (a pytree like it) on the mesh."""
-    axes = weight.axes(EXPERT_AXES[name])
+    in_out = dataclasses.replace(weight, input_axis=EXPERT_PROJECTIONS[name])
+    axes = in_out.axes(EXPERT_AXES[name])  # the loader's layout's axes, then moved
     if layout == OUT_IN:
         axes = axes.to_out_in()
     arrays = jax.tree.leaves(weight)

@@ -45,6 +45,7 @@ class Harness:
         weight_layout: str = "in_out",
         matmul=None,
         attention=None,
+        expert_parallel: bool = False,
     ):
         options = EngineOptions(
             model=str(folder),
@@ -54,6 +55,7 @@ class Harness:
             max_num_batched_tokens=128,
             max_num_seqs=8,
             tensor_parallel_size=tensor_parallel_size,
+            expert_parallel=expert_parallel,
             weight_layout=weight_layout,
             matmul_impl="xla",
             attention_impl="reference",
@@ -61,21 +63,25 @@ class Harness:
         )
         self.config, _ = configure(options, folder)
         arch = self.config.model.arch
-        partitioner = Partitioner(make_mesh(tensor_parallel_size))
+        partitioner = Partitioner(make_mesh(tensor_parallel_size), expert_parallel)
         params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)
         graphdef, state = build_llama(arch, params, jnp.float32, partitioner, weight_layout)
         kernels = ModelKernels(weight_layout=weight_layout, matmul=matmul)
+        self.partitioner = partitioner
         if attention is not None:
             kernels = dataclasses.replace(kernels, attention=attention)
+        self.state = state
         self.runner = ModelRunner(self.config, graphdef, state, kernels, partitioner)
         self.builder = BatchBuilder(self.config)
+        self.folder = folder
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         self.rng = np.random.default_rng(0)
         self.free_blocks = list(self.rng.permutation(np.arange(1, NUM_BLOCKS)))
         self.live: list[str] = []  # request ids, oldest first
 
-    def new_request(self, request_id: str, prompt: list[int]) -> Request:
-        num_blocks = -(-len(prompt) // BLOCK_SIZE)
+    def new_request(self, request_id: str, prompt: list[int], extra_tokens: int = 0) -> Request:
+        """A request with blocks for its prompt and `extra_tokens` more."""
+        num_blocks = -(-(len(prompt) + extra_tokens) // BLOCK_SIZE)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -99,6 +105,19 @@ class Harness:
         for request, count in chunks:
             request.num_computed_tokens += count
         return np.asarray(logits)[: len(chunks)]
+
+    def greedy(self, prompts: dict[str, list[int]], num_tokens: int) -> dict[str, list[int]]:
+        """Greedy generations of `num_tokens` tokens, the prompts prefilled in one step and
+        decoded together."""
+        requests = [self.new_request(name, p, num_tokens) for name, p in prompts.items()]
+        logits = self.step([(r, r.num_prompt_tokens) for r in requests])
+        for _ in range(num_tokens):
+            for request, row in zip(requests, logits, strict=True):
+                request.append_accepted_token(int(np.argmax(row)))
+            if requests[0].num_output_tokens == num_tokens:
+                break
+            logits = self.step([(r, 1) for r in requests])
+        return {r.request_id: list(r.output_token_ids) for r in requests}
 
     def reference(self, prompt: list[int]) -> np.ndarray:
         with torch.no_grad():

@@ -10,7 +10,8 @@ One implementation of what the supported families do (and DeepSeek-V3's router):
 - weights: the chosen experts' unbiased scores, renormalized to sum to 1 when `renormalize`
   (norm_topk_prob; Mixtral always), then times `scaling_factor` (routed_scaling_factor).
 
-Ties go to the lower expert index (jax.lax.top_k), as torch.topk does on CPU.
+Ties go to the lower expert index (jax.lax.top_k); torch.topk, which Hugging Face uses, leaves
+the order of tied values unspecified, so on an exact tie either choice is the model's.
 
 T: tokens, X: experts, k: experts per token.
 """

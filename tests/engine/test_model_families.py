@@ -1,0 +1,303 @@
+"""Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE and sliding-window Mistral against Hugging Face
+transformers on tiny random models (written by transformers, no downloads).
+
+Per family: logits within 1e-5 relative in float32 for a prompt in one step, in chunks over
+shuffled blocks and inside a mixed batch (the CPU default: the C++ matmul, grouped-matmul and
+attention kernels under the layer scan; the MoE families also through the references in the
+"in_out" layout); greedy generations through the engine equal HF's generate; a checkpoint
+whose experts are packed (`experts.gate_up_proj`, the layout of recent transformers) loads to
+the same model as one tensor per expert; and a MoE model split over 4 and 8 virtual CPU
+devices, by tensor parallelism within the experts or by expert parallelism, generates the
+tokens of one device.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from tests.conftest import write_tiny_tokenizer
+from tests.engine.test_model_parity import Harness, assert_close
+
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(head_dim=16)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        dict(MOE, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen2MoeConfig,
+        dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
+    "mixtral": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        dict(MOE, num_local_experts=6, intermediate_size=48),
+    ),
+    "olmoe": (
+        transformers.OlmoeForCausalLM,
+        transformers.OlmoeConfig,
+        dict(MOE, num_experts=8, intermediate_size=32, clip_qkv=4.0),
+    ),
+    "mistral_sliding_window": (
+        transformers.MistralForCausalLM,
+        transformers.MistralConfig,
+        dict(sliding_window=16),
+    ),
+}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def make_family_model(folder, family: str, seed: int = 0, **overrides):
+    """A random model of `family` saved by transformers, with a byte-level tokenizer; weights
+    scaled up (norms aside) so that logits are far from uniform and bugs show."""
+    model_class, config_class, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**BASE, **kwargs, **overrides}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    write_tiny_tokenizer(folder, BASE["vocab_size"])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def family_folder(tmp_path_factory):
+    folders = {}
+
+    def folder(family: str):
+        if family not in folders:
+            folders[family] = make_family_model(tmp_path_factory.mktemp(family), family)
+        return folders[family]
+
+    return folder
+
+
+EXECUTIONS = {"cpu": ("scan", "out_in"), "reference": ("scan", "in_out")}
+CASES = [(f, "cpu") for f in FAMILIES] + [(f, "reference") for f in MOE_FAMILIES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{e}" for f, e in CASES])
+def harness(request, family_folder):
+    family, execution = request.param
+    layer_execution, layout = EXECUTIONS[execution]
+    if execution == "reference":
+        return Harness(family_folder(family), layer_execution, weight_layout=layout)
+    from cpu_kernels.matmul.kernel import grouped_matmul
+    from jaxinfer.layers.native_kernels import KernelMatmul
+
+    matmul = KernelMatmul(request.getfixturevalue("cpu_matmul"), grouped_kernel=grouped_matmul)
+    return Harness(
+        family_folder(family),
+        layer_execution,
+        weight_layout=layout,
+        matmul=matmul,
+        attention=request.getfixturevalue("cpu_attention"),
+    )
+
+
+RTOL = 1e-5
+
+
+def test_prompt_in_one_step(harness):
+    prompt = list(np.random.default_rng(1).integers(0, 320, size=37))
+    request = harness.new_request("a", prompt)
+    logits = harness.step([(request, len(prompt))])
+    assert_close(logits[0], harness.reference(prompt)[-1], RTOL)
+
+
+def test_prompt_in_chunks_over_shuffled_blocks(harness):
+    prompt = list(np.random.default_rng(2).integers(0, 320, size=53))
+    request = harness.new_request("b", prompt)
+    reference = harness.reference(prompt)
+    position = 0
+    for count in (5, 8, 1, 17, 22):  # chunk edges inside and across blocks (and windows)
+        logits = harness.step([(request, count)])
+        position += count
+        assert_close(logits[0], reference[position - 1], RTOL)
+
+
+def test_prompt_inside_mixed_batch(harness):
+    rng = np.random.default_rng(3)
+    prompts = {
+        name: list(rng.integers(0, 320, size=n)) for name, n in [("x", 29), ("y", 41), ("z", 7)]
+    }
+    requests = {name: harness.new_request(name, p) for name, p in prompts.items()}
+    references = {name: harness.reference(p) for name, p in prompts.items()}
+    harness.step([(requests["x"], 28)])
+    harness.step([(requests["y"], 16)])
+    logits = harness.step([(requests["x"], 1), (requests["y"], 20), (requests["z"], 7)])
+    assert_close(logits[0], references["x"][28], RTOL)
+    assert_close(logits[1], references["y"][35], RTOL)
+    assert_close(logits[2], references["z"][6], RTOL)
+
+
+GREEDY_PROMPTS = [[5, 9, 14], list(range(40, 63)), [int(t) for t in np.arange(3, 300, 7)]]
+
+
+def hf_greedy(folder, prompts, num_tokens: int) -> list[list[int]]:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            tokens = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=num_tokens,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        out.append(tokens[0, len(prompt) :].tolist())
+    return out
+
+
+def test_greedy_generation_matches_hugging_face(harness):
+    """The model's greedy tokens, the prompts batched together, equal HF's generate."""
+    prompts = {str(i): p for i, p in enumerate(GREEDY_PROMPTS)}
+    tokens = harness.greedy(prompts, 12)
+    assert list(tokens.values()) == hf_greedy(harness.folder, GREEDY_PROMPTS, 12)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mistral_sliding_window"])
+def test_engine_generates_hugging_faces_tokens(family, family_folder):
+    """Through the whole engine (scheduler, chunked prefill, CPU defaults): a MoE family, and
+    the sliding window, whose prompts outgrow the window."""
+    from jaxinfer import LLM, SamplingParams
+
+    folder = family_folder(family)
+    llm = LLM(
+        model=str(folder),
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=96,
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(GREEDY_PROMPTS, params)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens == hf_greedy(folder, GREEDY_PROMPTS, 12)
+
+
+def _pack_experts(source, target, prefix: str, names: tuple[str, str, str]):
+    """The checkpoint of `source` with each layer's experts packed as recent transformers
+    writes them: experts.gate_up_proj [X, 2I, E] (gate rows, then up) and experts.down_proj
+    [X, E, I], under `mlp.`."""
+    tensors = load_file(str(source / "model.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    gate, up, down = names
+    out = {}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.{prefix}experts."
+        count = len({k.split(".")[5] for k in tensors if k.startswith(p)})
+        out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(
+            [
+                np.concatenate(
+                    [tensors.pop(f"{p}{e}.{gate}.weight"), tensors.pop(f"{p}{e}.{up}.weight")]
+                )
+                for e in range(count)
+            ]
+        )
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack(
+            [tensors.pop(f"{p}{e}.{down}.weight") for e in range(count)]
+        )
+        router = tensors.pop(f"model.layers.{i}.{prefix}gate.weight")
+        out[f"model.layers.{i}.mlp.gate.weight"] = router
+    out.update(tensors)
+    target.mkdir(exist_ok=True)
+    save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+
+
+@pytest.mark.parametrize(
+    "family,prefix,names",
+    [
+        ("mixtral", "block_sparse_moe.", ("w1", "w3", "w2")),
+        ("qwen2_moe", "mlp.", ("gate_proj", "up_proj", "down_proj")),
+    ],
+)
+def test_packed_expert_layout_loads_the_same_model(family, prefix, names, family_folder, tmp_path):
+    from jaxinfer.model_loader.safetensors_loader import load_llama_params
+    from jaxinfer.models.llama_config import LlamaConfig
+
+    source = family_folder(family)
+    _pack_experts(source, tmp_path / "packed", prefix, names)
+    config = LlamaConfig.from_file(source / "config.json")
+    per_expert = load_llama_params(source, config, np.float32)
+    packed = load_llama_params(tmp_path / "packed", config, np.float32)
+    for name in ("router", "experts_gate_up", "experts_down"):
+        np.testing.assert_array_equal(packed["layers"][name], per_expert["layers"][name])
+    # and transformers reads the packed folder as the same model
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "packed").eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    tokens = torch.tensor([[5, 9, 14, 200, 31]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, reference(tokens).logits)
+
+
+# A MoE model whose 8 query heads, 8 experts and expert width 32 split over 8 devices.
+SPLIT_MODEL = dict(
+    num_attention_heads=8, head_dim=8, num_experts=8, moe_intermediate_size=32, num_hidden_layers=2
+)
+SPLITS = [(4, False), (8, False), (4, True), (8, True)]
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory):
+    return make_family_model(tmp_path_factory.mktemp("split_moe"), "qwen3_moe", **SPLIT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def one_device_tokens(split_model):
+    harness = Harness(split_model, "per_layer", weight_layout="out_in")
+    return harness.greedy(_split_prompts(), 10)
+
+
+def _split_prompts():
+    rng = np.random.default_rng(4)
+    return {
+        name: list(rng.integers(0, 320, size=n)) for name, n in [("a", 5), ("b", 19), ("c", 31)]
+    }
+
+
+@pytest.mark.parametrize(
+    "tp,expert_parallel", SPLITS, ids=[f"{'ep' if e else 'tp'}{n}" for n, e in SPLITS]
+)
+def test_split_over_devices_generates_one_devices_tokens(
+    tp, expert_parallel, split_model, one_device_tokens
+):
+    harness = Harness(
+        split_model,
+        "per_layer",
+        tensor_parallel_size=tp,
+        weight_layout="out_in",
+        expert_parallel=expert_parallel,
+    )
+    # the experts really are split: each device holds 1 / tp of them, or of each one
+    gate_up = harness.state["layers"]["experts_gate_up"].get_value().w
+    shard = gate_up.addressable_shards[0].data.shape
+    axis = 1 if expert_parallel else 3  # [L, X, 2, I, E] ("out_in")
+    assert shard[axis] * tp == gate_up.shape[axis]
+    assert harness.greedy(_split_prompts(), 10) == one_device_tokens

@@ -63,8 +63,11 @@ def moe_ffn(
     if moe.shared_intermediate_size:
         shared = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels)
         if moe.shared_expert_gate:
-            gate = jnp.dot(x.astype(jnp.float32), p["shared_expert_gate"].astype(jnp.float32))
-            shared = shared * jax.nn.sigmoid(gate).astype(shared.dtype)  # [T, 1] gate
+            # one output: a product and a row sum (XLA:CPU's matrix-vector product sums a
+            # row differently by where it sits in the batch)
+            w = p["shared_expert_gate"][:, 0].astype(jnp.float32)  # [E]
+            gate = jnp.sum(x.astype(jnp.float32) * w, axis=-1, keepdims=True)  # [T, 1]
+            shared = shared * jax.nn.sigmoid(gate).astype(shared.dtype)
         y = y + shared
     return y
 
@@ -165,7 +168,7 @@ def grouped_project(
         y = kernels.grouped_matmul(xs, w.reshape(num_experts, w.shape[1], -1), group_sizes)
     y = y.reshape(xs.shape[0], *out)
     if scale is not None:  # [X, *out]
-        y = y * scale[row_experts].astype(y.dtype)
+        y = y * jnp.take(scale, row_experts, axis=0).astype(y.dtype)
     return y
 
 

@@ -50,6 +50,9 @@ namespace {
 // prefetchers follow best (16-row claims: 1.05-1.1x the time at 1-2 rows).
 constexpr int64_t kTile = 16, kStreamClaims = 4;
 constexpr int64_t kOuterTile = 48;  // the same for more rows: 8 outer-product blocks
+// A grouped product streams the weight for groups of up to 8 rows (a decode step's few rows per
+// expert), where the outer-product path would pad them to 8 and transpose them.
+constexpr int kMaxStreamRows = 8;
 // Claims of a large weight streamed by up to 3 rows (an LM head): 64 rows each (the default
 // model's int8 head, one row: 1.2-1.8 against 2.3 ms with 16-row claims; quarters of it were
 // no faster in float32 and 1.03-1.04x the time in int8).
@@ -72,21 +75,30 @@ struct Problem {
   const float* x_scale = nullptr;  // [M]
   bool fixed_order = false;  // every row count through the outer-product path
 
-  bool Streams() const { return m <= 3 && !fixed_order; }
+  // Rows up to which the product streams the weight (grouped products: up to kMaxStreamRows).
+  int64_t stream_rows = 3;
+
+  bool Streams() const { return m <= stream_rows && !fixed_order; }
+
+  // Grouped products: row i of the product goes to row y_rows[i] of y (nullptr: row i).
+  const int32_t* y_rows = nullptr;
 
   void Store(int64_t row, int64_t col, float value) const {
-    y[row * n + col] = scale == nullptr ? value : value * scale[col];
+    const int64_t out = y_rows == nullptr ? row : y_rows[row];
+    y[out * n + col] = scale == nullptr ? value : value * scale[col];
   }
 };
 
-// Rows [0, MR) of x times float32 weight row `col`.
+// Rows [0, MR) of x times float32 weight row `col`: Q accumulators per row (4 up to 3 rows;
+// 2, then 1, for the 4-8 rows of a grouped product's small groups, within the 16 registers).
 template <int MR>
 void StreamRow(const Problem<float>& p, int64_t col) {
-  __m256 acc[MR][4];
-#pragma GCC unroll 4
+  constexpr int Q = MR <= 3 ? 4 : MR <= 6 ? 2 : 1;
+  __m256 acc[MR][Q];
+#pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_ps();
+    for (int q = 0; q < Q; ++q) acc[i][q] = _mm256_setzero_ps();
   const float* w = p.w + col * p.k;
   const int64_t k32 = p.k & ~int64_t{31};
   // No software prefetch: the row is one sequential stream, which the hardware prefetchers
@@ -95,14 +107,21 @@ void StreamRow(const Problem<float>& p, int64_t col) {
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
       const __m256 wv = _mm256_loadu_ps(w + kk + 8 * q);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i)
-        acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(p.x + i * p.k + kk + 8 * q), wv, acc[i][q]);
+        acc[i][q % Q] =
+            _mm256_fmadd_ps(_mm256_loadu_ps(p.x + i * p.k + kk + 8 * q), wv, acc[i][q % Q]);
     }
   }
   for (int i = 0; i < MR; ++i) {
-    float s = jaxinfer::Sum(_mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
-                                _mm256_add_ps(acc[i][2], acc[i][3])));
+    __m256 total = acc[i][0];
+    if constexpr (Q == 4) {
+      total = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                            _mm256_add_ps(acc[i][2], acc[i][3]));
+    } else if constexpr (Q == 2) {
+      total = _mm256_add_ps(acc[i][0], acc[i][1]);
+    }
+    float s = jaxinfer::Sum(total);
     for (int64_t kk = k32; kk < p.k; ++kk) s += p.x[i * p.k + kk] * w[kk];
     p.Store(i, col, s);
   }
@@ -122,14 +141,14 @@ void StreamRowInt16(const Problem<int8_t>& p, int64_t col) {
   for (int64_t start = 0; start < k32; start += kFlush) {
     const int64_t stop = std::min(k32, start + kFlush);
     __m256i acc[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
     for (int64_t kk = start; kk < stop; kk += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(w + kk) + 1024, _MM_HINT_T0);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk));
       const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
       const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const int16_t* x = p.xq + i * p.k + kk;
         const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -161,13 +180,18 @@ void RoundRows(const float* x, int64_t m, int64_t k, int16_t* xq, float* scale) 
 }
 
 // x [M, K] -> xt [K, mp] (mp >= M, a multiple of 8; rows M.. are zero), by 8 x 8 blocks.
-void Transpose(const float* x, int64_t m, int64_t k, float* xt, int64_t mp) {
+// With `rows`, row i of the input is x's row rows[i] (a gather, for grouped products).
+void Transpose(const float* x, int64_t m, int64_t k, float* xt, int64_t mp,
+               const int32_t* rows = nullptr) {
+  const auto row = [x, k, rows](int64_t i) { return x + (rows == nullptr ? i : rows[i]) * k; };
   const int64_t m8 = m & ~int64_t{7}, k8 = k & ~int64_t{7};
   for (int64_t i = 0; i < m8; i += 8) {
+    const float* in[8];
+    for (int a = 0; a < 8; ++a) in[a] = row(i + a);
     for (int64_t j = 0; j < k8; j += 8) {
       __m256 r[8];
 #pragma GCC unroll 8
-      for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(x + (i + a) * k + j);
+      for (int a = 0; a < 8; ++a) r[a] = _mm256_loadu_ps(in[a] + j);
       __m256 t[8];
 #pragma GCC unroll 4
       for (int a = 0; a < 8; a += 2) {
@@ -190,12 +214,14 @@ void Transpose(const float* x, int64_t m, int64_t k, float* xt, int64_t mp) {
       }
     }
     for (int64_t j = k8; j < k; ++j)
-      for (int64_t a = 0; a < 8; ++a) xt[j * mp + i + a] = x[(i + a) * k + j];
+      for (int64_t a = 0; a < 8; ++a) xt[j * mp + i + a] = in[a][j];
   }
-  for (int64_t j = 0; j < k; ++j) {
-    for (int64_t i = m8; i < m; ++i) xt[j * mp + i] = x[i * k + j];
+  for (int64_t i = m8; i < m; ++i) {
+    const float* in = row(i);
+    for (int64_t j = 0; j < k; ++j) xt[j * mp + i] = in[j];
+  }
+  for (int64_t j = 0; j < k; ++j)
     for (int64_t i = m; i < mp; ++i) xt[j * mp + i] = 0.0f;
-  }
 }
 
 // y[m0 + i, col0 + j] for i < min(8 MV, m - m0), j < NR: the outer products of the weight
@@ -332,20 +358,25 @@ void OuterColumns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0
   }
 }
 
+// Rows [0, m) of x (m <= kMaxStreamRows) times weight row `col`, streaming.
+template <int MR = 1, typename W>
+void StreamRows(const Problem<W>& p, int64_t col) {
+  if constexpr (MR <= kMaxStreamRows) {
+    if (p.m != MR) return StreamRows<MR + 1>(p, col);
+    if constexpr (std::is_same_v<W, int8_t>) {
+      StreamRowInt16<MR>(p, col);
+    } else {
+      StreamRow<MR>(p, col);
+    }
+  }
+}
+
 // Output columns [col0, col1) for every row of x (x^T: `xt`, when there are more than 3 rows).
 template <typename W>
 void Columns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0, int64_t col1) {
   if (p.Streams()) {
     for (int64_t col = col0; col < col1; ++col) {
-      if constexpr (std::is_same_v<W, int8_t>) {
-        if (p.m == 1) StreamRowInt16<1>(p, col);
-        if (p.m == 2) StreamRowInt16<2>(p, col);
-        if (p.m == 3) StreamRowInt16<3>(p, col);
-      } else {
-        if (p.m == 1) StreamRow<1>(p, col);
-        if (p.m == 2) StreamRow<2>(p, col);
-        if (p.m == 3) StreamRow<3>(p, col);
-      }
+      StreamRows(p, col);
     }
     return;
   }
@@ -437,16 +468,21 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Run(pool, p);
 }
 
-// Grouped products (the experts of a mixture-of-experts layer): rows of x sorted by group,
-// group g's rows [offset_g, offset_g + size_g) times its own weight w[g] [N, K]; rows after
-// the last group are zero. Each group is the problem above over its rows (its own path by its
-// row count), and the tiles of output columns of every group are shared out together, so a
+// Grouped products (the experts of a mixture-of-experts layer): rows of the product sorted by
+// group, group g's rows [offset_g, offset_g + size_g) times its own weight w[g] [N, K]. Row r
+// of the product reads x's row x_rows[r] (a gather: x holds each token once) and is written to
+// y's row y_rows[r] (a scatter back to the tokens' order); without them, row r itself. Rows
+// after the last group are zero. Each group is the problem above over its rows (its own path
+// by its row count). Preparing each group's rows (transposed, or gathered and rounded) and
+// then the tiles of output columns of every group are shared out over the threads, so a
 // decode step's few rows per expert still keep every thread busy.
 template <typename W>
-ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
-                      const int32_t* sizes, int64_t groups, int64_t m, int64_t n, int64_t k,
-                      bool fixed_order, float* y) {
+ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, int64_t x_count, const W* w,
+                      const float* scale, const int32_t* sizes, int64_t groups,
+                      const int32_t* x_rows, const int32_t* y_rows, int64_t m, int64_t n,
+                      int64_t k, bool fixed_order, float* y) {
   std::vector<Problem<W>> problems;
+  std::vector<int64_t> starts;  // each problem's first row of the product
   std::vector<int64_t> first_task{0};  // each problem's first tile in the task list
   std::vector<int64_t> columns;
   int64_t row = 0;
@@ -457,37 +493,68 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, const W* w, const f
     }
     if (size == 0) continue;
     Problem<W> p{x + row * k, w + g * n * k, scale == nullptr ? nullptr : scale + g * n,
-                 y + row * n};
+                 y_rows == nullptr ? y + row * n : y};
     p.m = size, p.n = n, p.k = k, p.fixed_order = fixed_order;
+    p.stream_rows = kMaxStreamRows;
+    if (y_rows != nullptr) p.y_rows = y_rows + row;
     const int64_t c = p.Streams() ? std::max(kTile, (n + kStreamClaims - 1) / kStreamClaims)
                                   : kOuterTile;
     problems.push_back(p);
+    starts.push_back(row);
     columns.push_back(c);
     first_task.push_back(first_task.back() + (n + c - 1) / c);
     row += size;
   }
-  std::fill(y + row * n, y + m * n, 0.0f);
-  // Per problem: x^T for the outer-product path, or x rounded to int16 (int8 streaming).
-  std::vector<std::vector<float>> transposed(problems.size());
-  std::vector<std::vector<int16_t>> rounded(problems.size());
-  std::vector<std::array<float, 3>> row_scales(problems.size());
-  std::vector<float*> xt(problems.size(), nullptr);
-  std::vector<int64_t> mp(problems.size(), 0);
-  for (size_t i = 0; i < problems.size(); ++i) {
+  if (x_rows != nullptr) {
+    for (int64_t r = 0; r < row; ++r) {
+      if (x_rows[r] < 0 || x_rows[r] >= x_count) {
+        return ffi::Error::InvalidArgument("grouped matmul: x_rows out of range");
+      }
+    }
+  }
+  if (y_rows != nullptr) {
+    for (int64_t r = 0; r < m; ++r) {
+      if (y_rows[r] < 0 || y_rows[r] >= m) {
+        return ffi::Error::InvalidArgument("grouped matmul: y_rows out of range");
+      }
+    }
+    for (int64_t r = row; r < m; ++r) std::fill(y + y_rows[r] * n, y + (y_rows[r] + 1) * n, 0.0f);
+  } else {
+    std::fill(y + row * n, y + m * n, 0.0f);
+  }
+  // Per problem: x^T for the outer-product path; for streaming, its rows gathered (x_rows)
+  // and, for int8 weights, rounded to int16.
+  const size_t count = problems.size();
+  std::vector<std::vector<float>> buffers(count);
+  std::vector<std::vector<int16_t>> rounded(count);
+  std::vector<std::array<float, kMaxStreamRows>> row_scales(count);
+  std::vector<float*> xt(count, nullptr);
+  std::vector<int64_t> mp(count, 0);
+  jaxinfer::ParallelFor(pool, static_cast<int64_t>(count), [&](int64_t i) {
     Problem<W>& p = problems[i];
+    const int32_t* rows = x_rows == nullptr ? nullptr : x_rows + starts[i];
     if (!p.Streams()) {
       mp[i] = (p.m + 7) & ~int64_t{7};
-      transposed[i].resize(p.k * mp[i] + 16);
+      buffers[i].resize(p.k * mp[i] + 16);
       xt[i] = reinterpret_cast<float*>(
-          (reinterpret_cast<uintptr_t>(transposed[i].data()) + 63) & ~uintptr_t{63});
-      Transpose(p.x, p.m, p.k, xt[i], mp[i]);
-    } else if constexpr (std::is_same_v<W, int8_t>) {
+          (reinterpret_cast<uintptr_t>(buffers[i].data()) + 63) & ~uintptr_t{63});
+      Transpose(rows == nullptr ? p.x : x, p.m, p.k, xt[i], mp[i], rows);
+      return;
+    }
+    if (rows != nullptr) {
+      buffers[i].resize(p.m * p.k);
+      for (int64_t r = 0; r < p.m; ++r) {
+        std::copy(x + rows[r] * k, x + (rows[r] + 1) * k, buffers[i].data() + r * k);
+      }
+      p.x = buffers[i].data();
+    }
+    if constexpr (std::is_same_v<W, int8_t>) {
       rounded[i].resize(p.m * p.k);
       RoundRows(p.x, p.m, p.k, rounded[i].data(), row_scales[i].data());
       p.xq = rounded[i].data();
       p.x_scale = row_scales[i].data();
     }
-  }
+  });
   jaxinfer::ParallelFor(pool, first_task.back(), [&](int64_t t) {
     const size_t i =
         std::upper_bound(first_task.begin(), first_task.end(), t) - first_task.begin() - 1;
@@ -497,20 +564,26 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, const W* w, const f
   return ffi::Error::Success();
 }
 
-// Checks a grouped product's shapes: x [M, K], w [L, G, N, K] (L >= 1 stacked layers, the
-// product uses layer `layer`), sizes [G], y [M, N]; sets m, n, k and the layer's offset.
-template <typename XBuffer, typename WBuffer, typename YBuffer>
-ffi::Error GroupedShape(const XBuffer& x, const WBuffer& w, int64_t groups, const YBuffer& y,
+// Checks a grouped product's shapes: x [X, K], w [L, G, N, K] (L >= 1 stacked layers, the
+// product uses layer `layer`), sizes [G], x_rows and y_rows [M] or empty, y [M, N] (M = X
+// without x_rows); sets m, n, k and the layer's offset.
+template <typename XBuffer, typename WBuffer, typename RowBuffer, typename YBuffer>
+ffi::Error GroupedShape(const XBuffer& x, const WBuffer& w, int64_t groups,
+                        const RowBuffer& x_rows, const RowBuffer& y_rows, const YBuffer& y,
                         int64_t layer, int64_t& m, int64_t& n, int64_t& k, int64_t& offset) {
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() < 3 || x_dims.back() != w_dims.back()) {
-    return ffi::Error::InvalidArgument("grouped matmul: x [M, K] and w [.., G, N, K]");
+  const auto y_dims = y.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() < 3 || y_dims.size() != 2 ||
+      x_dims.back() != w_dims.back()) {
+    return ffi::Error::InvalidArgument("grouped matmul: x [X, K], w [.., G, N, K], y [M, N]");
   }
-  m = x_dims[0], k = x_dims[1], n = w_dims[w_dims.size() - 2];
-  if (w_dims[w_dims.size() - 3] != groups ||
-      static_cast<int64_t>(y.element_count()) != m * n) {
-    return ffi::Error::InvalidArgument("grouped matmul: w's groups or y's size mismatch");
+  m = y_dims[0], k = x_dims[1], n = w_dims[w_dims.size() - 2];
+  const int64_t x_count = static_cast<int64_t>(x_rows.element_count());
+  const int64_t y_count = static_cast<int64_t>(y_rows.element_count());
+  if (w_dims[w_dims.size() - 3] != groups || y_dims[1] != n || (x_count != 0 && x_count != m) ||
+      (x_count == 0 && x_dims[0] != m) || (y_count != 0 && y_count != m)) {
+    return ffi::Error::InvalidArgument("grouped matmul: mismatched groups, rows or outputs");
   }
   const int64_t weight = groups * n * k;
   const int64_t layers = weight == 0 ? 0 : static_cast<int64_t>(w.element_count()) / weight;
@@ -521,35 +594,45 @@ ffi::Error GroupedShape(const XBuffer& x, const WBuffer& w, int64_t groups, cons
   return ffi::Error::Success();
 }
 
+const int32_t* RowsOrNull(const ffi::Buffer<ffi::S32>& rows) {
+  return rows.element_count() == 0 ? nullptr : rows.typed_data();
+}
+
 ffi::Error F32GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> sizes,
+                            ffi::Buffer<ffi::S32> x_rows, ffi::Buffer<ffi::S32> y_rows,
                             ffi::Buffer<ffi::S32> layer, bool fixed_order,
                             ffi::ResultBuffer<ffi::F32> y) {
   int64_t m, n, k, offset;
   const int64_t groups = sizes.element_count();
-  if (ffi::Error e = GroupedShape(x, w, groups, *y, layer.typed_data()[0], m, n, k, offset);
+  if (ffi::Error e = GroupedShape(x, w, groups, x_rows, y_rows, *y, layer.typed_data()[0], m, n,
+                                  k, offset);
       e.failure()) {
     return e;
   }
-  return RunGrouped<float>(pool, x.typed_data(), w.typed_data() + offset, nullptr,
-                           sizes.typed_data(), groups, m, n, k, fixed_order, y->typed_data());
+  return RunGrouped<float>(pool, x.typed_data(), x.dimensions()[0], w.typed_data() + offset,
+                           nullptr, sizes.typed_data(), groups, RowsOrNull(x_rows),
+                           RowsOrNull(y_rows), m, n, k, fixed_order, y->typed_data());
 }
 
 ffi::Error Int8GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> layer,
+                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> x_rows,
+                             ffi::Buffer<ffi::S32> y_rows, ffi::Buffer<ffi::S32> layer,
                              bool fixed_order, ffi::ResultBuffer<ffi::F32> y) {
   int64_t m, n, k, offset;
   const int64_t groups = sizes.element_count();
-  if (ffi::Error e = GroupedShape(x, w, groups, *y, layer.typed_data()[0], m, n, k, offset);
+  if (ffi::Error e = GroupedShape(x, w, groups, x_rows, y_rows, *y, layer.typed_data()[0], m, n,
+                                  k, offset);
       e.failure()) {
     return e;
   }
   if (static_cast<int64_t>(scale.element_count()) != groups * n) {
     return ffi::Error::InvalidArgument("grouped matmul: scale must be [G, N]");
   }
-  return RunGrouped<int8_t>(pool, x.typed_data(), w.typed_data() + offset, scale.typed_data(),
-                            sizes.typed_data(), groups, m, n, k, fixed_order, y->typed_data());
+  return RunGrouped<int8_t>(pool, x.typed_data(), x.dimensions()[0], w.typed_data() + offset,
+                            scale.typed_data(), sizes.typed_data(), groups, RowsOrNull(x_rows),
+                            RowsOrNull(y_rows), m, n, k, fixed_order, y->typed_data());
 }
 
 }  // namespace
@@ -557,9 +640,11 @@ ffi::Error Int8GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32GroupedMatmul, F32GroupedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [X, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [L, G, N, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // x_rows [M] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // y_rows [M] or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Attr<bool>("fixed_order")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
@@ -568,10 +653,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32GroupedMatmul, F32GroupedMatmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8GroupedMatmul, Int8GroupedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [X, K]
                                   .Arg<ffi::Buffer<ffi::S8>>()   // w [L, G, N, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // x_rows [M] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // y_rows [M] or [0]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Attr<bool>("fixed_order")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]

@@ -68,18 +68,22 @@ def matmul(
 
 
 def grouped_matmul(
-    x: jax.Array,  # [M, K] float32, rows sorted by group
+    x: jax.Array,  # [M, K] float32 rows sorted by group; [X, K] with x_rows
     w: jax.Array,  # [G, *out, K] float32, or int8 with `scale`; [L, G, *out, K] with `layer`
     group_sizes: jax.Array,  # i32[G], summing to at most M
     scale: jax.Array | None = None,  # [G, *out] float32 (one layer's)
     *,
+    x_rows: jax.Array | None = None,  # i32[M]: row r of the product reads x[x_rows[r]]
+    y_rows: jax.Array | None = None,  # i32[M], a permutation: row r is written to y[y_rows[r]]
     layer: jax.Array | None = None,
     fixed_order: bool = False,
 ) -> jax.Array:  # [M, *out] float32
-    """Each group's rows times its own weight (the experts of a MoE layer): rows
-    offsets[g] .. offsets[g] + group_sizes[g] by w[g], rows after the last group zero (as
-    pallas_kernels.grouped_matmul.reference, on "out_in" weights). Each group runs as `matmul`
-    over its rows, with the same paths and `fixed_order`."""
+    """Each group's rows times its own weight (the experts of a MoE layer): product rows
+    offsets[g] .. offsets[g] + group_sizes[g] by w[g], product rows after the last group zero
+    (as pallas_kernels.grouped_matmul.reference, on "out_in" weights). `x_rows` gathers the
+    product's rows from x and `y_rows` scatters them into y inside the kernel (a MoE layer's
+    tokens to their sorted rows and back, without materializing either copy). Each group
+    runs as `matmul` over its rows, with the same paths and `fixed_order`."""
     int8 = w.dtype == jnp.int8
     if (
         x.dtype != jnp.float32
@@ -92,30 +96,40 @@ def grouped_matmul(
         )
     lead = 2 if layer is not None else 1
     groups, out = w.shape[lead - 1], w.shape[lead:-1]
+    rows = x.shape[0] if x_rows is None else x_rows.shape[0]
     if (
         x.ndim != 2
         or x.shape[1] != w.shape[-1]
         or group_sizes.shape != (groups,)
         or (int8 and scale.shape != (groups, *out))
+        or (y_rows is not None and y_rows.shape != (rows,))
     ):
         raise ValueError(
             "grouped_matmul: x [M, K], w [G, *out, K] ([L, G, *out, K] with a layer), "
-            f"group_sizes [G], scale [G, *out]; got {x.shape}, {w.shape}, {group_sizes.shape}, "
-            f"{None if scale is None else scale.shape}"
+            "group_sizes [G], scale [G, *out], x_rows and y_rows [M]; got "
+            f"{x.shape}, {w.shape}, {group_sizes.shape}, "
+            f"{None if scale is None else scale.shape}, "
+            f"{None if x_rows is None else x_rows.shape}, "
+            f"{None if y_rows is None else y_rows.shape}"
         )
     n = math.prod(out)
     w = w.reshape(*w.shape[:lead], n, w.shape[-1])
-    result = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    result = jax.ShapeDtypeStruct((rows, n), x.dtype)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     sizes = group_sizes.astype(jnp.int32)
+    none = jnp.zeros((0,), jnp.int32)
+    x_rows = none if x_rows is None else x_rows.astype(jnp.int32)
+    y_rows = none if y_rows is None else y_rows.astype(jnp.int32)
     if int8:
         scale = scale.reshape(groups, n).astype(jnp.float32)
         y = jax.ffi.ffi_call(INT8_GROUPED, result)(
-            x, w, scale, sizes, index, fixed_order=fixed_order
+            x, w, scale, sizes, x_rows, y_rows, index, fixed_order=fixed_order
         )
     else:
-        y = jax.ffi.ffi_call(F32_GROUPED, result)(x, w, sizes, index, fixed_order=fixed_order)
-    return y.reshape(x.shape[0], *out)
+        y = jax.ffi.ffi_call(F32_GROUPED, result)(
+            x, w, sizes, x_rows, y_rows, index, fixed_order=fixed_order
+        )
+    return y.reshape(rows, *out)
 
 
 def load_matmul(build_dir: Path) -> Callable:

@@ -60,13 +60,16 @@ class KernelMatmul:
             return self.kernel(x, w.stacked, scale, layer=w.layer, **order)
         return self.kernel(x, w, scale, **order)
 
-    def grouped(self, x, w, group_sizes, scale=None):
-        """x [M, in] sorted by group times w [G, *out, in] (or its StackedWeight), with
-        scale [G, *out] for int8 w -> [M, *out], through `grouped_kernel`."""
-        order = {"fixed_order": True} if self.fixed_order else {}
+    def grouped(self, x, w, group_sizes, scale=None, x_rows=None, y_rows=None):
+        """x [M, in] sorted by group (or [X, in] gathered by x_rows) times w [G, *out, in] (or
+        its StackedWeight), with scale [G, *out] for int8 w -> [M, *out] (scattered by y_rows),
+        through `grouped_kernel` (cpu_kernels.matmul.kernel.grouped_matmul)."""
+        kwargs = {"x_rows": x_rows, "y_rows": y_rows}
+        if self.fixed_order:
+            kwargs["fixed_order"] = True
         if isinstance(w, StackedWeight):
-            return self.grouped_kernel(x, w.stacked, group_sizes, scale, layer=w.layer, **order)
-        return self.grouped_kernel(x, w, group_sizes, scale, **order)
+            return self.grouped_kernel(x, w.stacked, group_sizes, scale, layer=w.layer, **kwargs)
+        return self.grouped_kernel(x, w, group_sizes, scale, **kwargs)
 
     def blocks(self, x, weight):
         """A weight with GGUF blocks (jaxinfer.layers.weights.GGUFBlocks)."""

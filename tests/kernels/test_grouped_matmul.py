@@ -84,6 +84,32 @@ def test_cpu_kernel(cpu_matmul, case):
     np.testing.assert_allclose(y, numpy_grouped(x, w, sizes), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_cpu_kernel_gathers_and_scatters_rows(cpu_matmul, int8):
+    """x_rows: product row r reads x[x_rows[r]] (tokens to sorted rows); y_rows: it is
+    written to y[y_rows[r]] (back to the tokens' order); rows after the groups are zero at
+    their destinations. Groups of 1-8 rows stream the weight, larger ones do not."""
+    from cpu_kernels.matmul.kernel import grouped_matmul
+
+    rng = np.random.default_rng(5)
+    tokens, rows, depth, outputs = 9, 40, 48, 24
+    sizes = np.asarray([5, 8, 0, 12, 1, 9], np.int32)  # 35 of 40 rows
+    x = rng.standard_normal((tokens, depth)).astype(np.float32)
+    w = rng.standard_normal((6, outputs, depth)).astype(np.float32)  # "out_in"
+    scale = None
+    if int8:
+        w = rng.integers(-127, 128, w.shape).astype(np.int8)
+        scale = rng.uniform(0.01, 0.02, (6, outputs)).astype(np.float32)
+    x_rows = rng.integers(0, tokens, rows).astype(np.int32)
+    y_rows = rng.permutation(rows).astype(np.int32)
+    y = jax.jit(grouped_matmul)(x, w, sizes, scale, x_rows=x_rows, y_rows=y_rows)
+    sorted_rows = numpy_grouped(x[x_rows], np.swapaxes(w, 1, 2), sizes, scale)
+    expected = np.zeros_like(sorted_rows)
+    expected[y_rows] = sorted_rows
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
+    assert not np.asarray(y)[y_rows[35:]].any()
+
+
 def test_cpu_kernel_fixed_order_rows_do_not_depend_on_their_group(cpu_matmul):
     """With fixed_order a row's result is the same bits in a group of 1 row or of 40."""
     from cpu_kernels.matmul.kernel import grouped_matmul

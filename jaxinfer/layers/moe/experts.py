@@ -118,7 +118,7 @@ def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_a
     """The rows routed to experts [first, first + count) (the local ones), combined per token
     and, with `reduce_axis`, summed over the devices."""
     tokens, k = experts.shape
-    flat = experts.reshape(-1)  # [M]
+    flat = experts.reshape(-1)  # [M], row t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # routed rows sorted by expert, [M]
     local = flat - first
     in_range = (local >= 0) & (local < count)
@@ -126,17 +126,18 @@ def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_a
         jnp.zeros(count, jnp.int32).at[jnp.where(in_range, local, count)].add(1, mode="drop")
     )  # [count]
     # Rows of the local experts start after those of the experts before `first`.
-    offset = jnp.sum((flat < first).astype(jnp.int32))
-    rows = jnp.roll(order, -offset)  # local experts' rows first, [M]
-    row_experts = jnp.clip(jnp.roll(flat[order], -offset) - first, 0, count - 1)  # [M]
-    xs = x[rows // k]  # [M, E]
-    h = grouped_project(xs, gate_up, group_sizes, row_experts, kernels)  # [M, 2, I]
-    act = jax.nn.silu(h[:, 0]) * h[:, 1]  # [M, I]
-    ys = grouped_project(act, down, group_sizes, row_experts, kernels)  # [M, E]
-    # Rows past the local experts' are zero. Back to (token, slot) order:
-    ys = jnp.zeros_like(ys).at[rows].set(ys).reshape(tokens, k, -1)  # [T, k, E]
+    rows = order
+    if not (isinstance(first, int) and first == 0):
+        rows = jnp.roll(order, -jnp.sum((flat < first).astype(jnp.int32)))
+    row_experts = jnp.clip(flat[rows] - first, 0, count - 1)  # [M], sorted
+    # sorted row r holds token rows[r] // k, and its output goes back to row rows[r]
+    h = grouped_project(x, gate_up, group_sizes, row_experts, kernels, x_rows=rows // k)
+    act = jax.nn.silu(h[:, 0]) * h[:, 1]  # [M, I], sorted
+    ys = grouped_project(act, down, group_sizes, row_experts, kernels, y_rows=rows)  # [M, E]
+    # Rows of other devices' experts are zero. Each token's k outputs, in routing order:
+    ys = ys.reshape(tokens, k, -1)  # [T, k, E]
     out = ys[:, 0] * weights[:, 0, None].astype(ys.dtype)
-    for j in range(1, k):  # each token's k outputs summed in routing order
+    for j in range(1, k):
         out = out + ys[:, j] * weights[:, j, None].astype(ys.dtype)
     if reduce_axis is not None:
         out = jax.lax.psum(out, reduce_axis)
@@ -144,31 +145,41 @@ def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_a
 
 
 def grouped_project(
-    xs: jax.Array,  # [M, in], sorted by expert
+    x: jax.Array,  # [M, in] sorted by expert, or [X, in] gathered by x_rows
     weight,  # Dense / Int8 over [X, ...]
     group_sizes: jax.Array,  # i32[X]
-    row_experts: jax.Array,  # i32[M], each row's expert (for int8 scales)
+    row_experts: jax.Array,  # i32[M], each sorted row's expert (for int8 scales)
     kernels,
+    x_rows: jax.Array | None = None,  # i32[M]: sorted row r is x[x_rows[r]]
+    y_rows: jax.Array | None = None,  # i32[M], a permutation: row r goes to y_rows[r]
 ) -> jax.Array:  # [M, *out]
     """Each row times its expert's weight: the C++ grouped kernel ("out_in" with the matmul
-    kernel), the selected grouped kernel ("in_out"), or the reference."""
+    kernel, which gathers and scatters the rows itself), the selected grouped kernel
+    ("in_out"), or the reference."""
     layout, matmul = kernels.weight_layout, kernels.matmul
     scale = weight.scale if isinstance(weight, Int8) else None
     w = weight.q if isinstance(weight, Int8) else weight.w
     if layout == OUT_IN and matmul is not None and matmul.grouped_kernel is not None:
-        return matmul.grouped(xs, w, group_sizes, scale)  # scaled by the kernel
+        return matmul.grouped(x, w, group_sizes, scale, x_rows=x_rows, y_rows=y_rows)
+    if x_rows is not None:
+        x = jnp.take(x, x_rows, axis=0)
     w = unstacked(w)
     num_experts = w.shape[0]
     if layout == OUT_IN:  # [X, *out, in]
         out = w.shape[1:-1]
         flat = w.reshape(num_experts, -1, w.shape[-1])
-        y = grouped_matmul_out_in_reference(xs, flat, group_sizes)
+        y = grouped_matmul_out_in_reference(x, flat, group_sizes)
     else:  # [X, in, *out]
         out = w.shape[2:]
-        y = kernels.grouped_matmul(xs, w.reshape(num_experts, w.shape[1], -1), group_sizes)
-    y = y.reshape(xs.shape[0], *out)
+        y = kernels.grouped_matmul(x, w.reshape(num_experts, w.shape[1], -1), group_sizes)
+    y = y.reshape(x.shape[0], *out)
     if scale is not None:  # [X, *out]
         y = y * jnp.take(scale, row_experts, axis=0).astype(y.dtype)
+    if y_rows is not None:  # the inverse permutation's gather
+        inverse = (
+            jnp.zeros_like(y_rows).at[y_rows].set(jnp.arange(y_rows.shape[0], dtype=y_rows.dtype))
+        )
+        y = jnp.take(y, inverse, axis=0)
     return y
 
 

@@ -13,10 +13,12 @@ ratio (goal: at most 1.5x at 32 and 512 tokens). --reference adds the MoE layer 
 pure-JAX reference (jax.lax.ragged_dot, dense over all experts on XLA:CPU) up to
 --reference_max_tokens tokens.
 
---engine: random Qwen3-MoE and Qwen3 (dense) models of equal active size, written by
-transformers into a temporary folder, each run by the engine on the same requests: the mean
-decode step time at batch 1 and at --engine_batch requests, and the prefill time of their
-prompts.
+--engine: random Qwen3-MoE (64 experts of width 128, top 8) and Qwen3 (dense, width 1024)
+models of equal active size (4 layers, hidden 512), written by transformers into a temporary
+folder, each run by the engine (CPU defaults) on the same 64-token prompts, 1 and
+--engine_batch at a time: the decode step time, from the difference between generating
+--engine_tokens and twice as many tokens (the same prefill in both; medians of --rounds), and
+the prefill time that leaves.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def _write_models(folder: Path) -> dict[str, Path]:
     import torch
     import transformers
 
-    from tests.conftest import write_tiny_tokenizer
+    from tools.tiny_tokenizer import write_tiny_tokenizer
 
     common = dict(
         vocab_size=512,
@@ -179,24 +181,26 @@ def engine_rows() -> list[dict]:
         prompts = [list(map(int, rng.integers(3, 500, 64))) for _ in range(FLAGS.engine_batch)]
         for name, folder in folders.items():
             llm = LLM(model=str(folder), max_model_len=256, max_num_seqs=FLAGS.engine_batch)
-            params = SamplingParams(temperature=0, max_tokens=FLAGS.engine_tokens, ignore_eos=True)
-            llm.generate(prompts[:2], params)  # warm
             row = {"model": name}
             for batch in (1, FLAGS.engine_batch):
-                prefill = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-                start = time.perf_counter()
-                llm.generate(prompts[:batch], prefill)
-                prefill_s = time.perf_counter() - start
-                start = time.perf_counter()
-                llm.generate(prompts[:batch], params)
-                total = time.perf_counter() - start
-                row[f"decode_step_ms_batch{batch}"] = (
-                    (total - prefill_s) / (FLAGS.engine_tokens - 1) * 1e3
+
+                def run(tokens: int, batch: int = batch, llm=llm) -> float:
+                    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+                    start = time.perf_counter()
+                    llm.generate(prompts[:batch], params)
+                    return time.perf_counter() - start
+
+                run(2)  # warm
+                short, long = FLAGS.engine_tokens, 2 * FLAGS.engine_tokens
+                times = [(run(short), run(long)) for _ in range(FLAGS.rounds)]
+                # the same prefill in both: the difference is `short` decode steps
+                step = float(np.median([(b - a) / short for a, b in times]))
+                row[f"decode_step_ms_batch{batch}"] = step * 1e3
+                row[f"prefill_ms_batch{batch}"] = float(
+                    np.median([a - short * step for a, _ in times]) * 1e3
                 )
-                row[f"prefill_ms_batch{batch}"] = prefill_s * 1e3
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del llm
     return rows
 
 

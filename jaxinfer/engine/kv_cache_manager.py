@@ -3,6 +3,12 @@
 Full blocks are identified by a chained SHA-256: hash(parent block's hash, the block's token
 ids, extra keys), the extra keys (a per-request cache_salt) folded into the first block, so
 tenants with different salts never share blocks.
+
+With a sliding window (the model attends to the last W positions only), a running request's
+blocks that lie wholly before every position it will still attend to go back to the pool: its
+block list keeps the null block in their place, so positions still index it. A freed block
+keeps its hash, so it stays a prefix-cache hit until evicted; a hit is a chain from the first
+block, so a prefix whose early blocks were evicted is recomputed from there, never read wrong.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import hashlib
 
 import numpy as np
 
-from jaxinfer.engine.block_pool import BlockPool
+from jaxinfer.engine.block_pool import NULL_BLOCK, BlockPool
 from jaxinfer.engine.request import Request
 
 _ROOT = b"\x00" * 32
@@ -25,10 +31,18 @@ def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
+        """sliding_window: the model's (None: blocks are held until the request ends)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
 
@@ -71,7 +85,9 @@ class KVCacheManager:
     ) -> bool:
         """Grows the request's blocks to hold its computed tokens, `computed_blocks` (cache hits,
         which raise num_computed_tokens) and num_new_tokens. False if the pool cannot; nothing
-        changes then."""
+        changes then (but blocks outside the sliding window are freed first)."""
+        if self.sliding_window is not None and not computed_blocks:
+            self.free_outside_window(request)
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = self.blocks_for(total + num_new_tokens)
         missing = needed - len(request.block_ids) - len(computed_blocks)
@@ -86,6 +102,21 @@ class KVCacheManager:
         if missing > 0:
             request.block_ids.extend(self.pool.allocate(missing))
         return True
+
+    def free_outside_window(self, request: Request) -> int:
+        """Frees the request's blocks that every position from its next token on cannot see
+        (all of their positions < next - W + 1); returns how many. At scheduling, computed
+        tokens never move back again (proposals are verified before the next step is
+        scheduled). With prefix caching, only blocks already registered (findable)."""
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        dead = max(0, first_visible) // self.block_size
+        if self.enable_prefix_caching:
+            dead = min(dead, request.num_cached_blocks)
+        blocks = [b for b in request.block_ids[:dead] if b != NULL_BLOCK]
+        if blocks:
+            self.pool.free(blocks)
+            request.block_ids[:dead] = [NULL_BLOCK] * dead
+        return len(blocks)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -106,10 +137,11 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request)
         for index in range(request.num_cached_blocks, num_full):
-            self.pool.cache(request.block_ids[index], hashes[index])
+            if request.block_ids[index] != NULL_BLOCK:  # (freed: registered before it was)
+                self.pool.cache(request.block_ids[index], hashes[index])
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids[::-1])
+        self.pool.free([b for b in request.block_ids[::-1] if b != NULL_BLOCK])
         request.block_ids = []
         request.num_cached_blocks = 0

@@ -194,10 +194,22 @@ def test_engine_generates_hugging_faces_tokens(family, family_folder):
         num_kv_blocks=64,
         max_model_len=96,
     )
+    kv = llm.engine.kv_cache_manager
+    freed = []  # blocks freed behind the window, per call
+    free_outside_window = kv.free_outside_window
+    kv.free_outside_window = lambda request: freed.append(free_outside_window(request))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate(GREEDY_PROMPTS, params)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     assert tokens == hf_greedy(folder, GREEDY_PROMPTS, 12)
+    assert (sum(freed) > 0) == (kv.sliding_window is not None)
+    if kv.sliding_window is not None:
+        # Blocks behind the window went back to the pool as the requests ran, yet stayed
+        # prefix-cache hits: the same prompts again hit them and give the same tokens.
+        hits = kv.prefix_cache_hits
+        again = llm.generate(GREEDY_PROMPTS, params)
+        assert kv.prefix_cache_hits > hits
+        assert [list(o.outputs[0].token_ids) for o in again] == tokens
 
 
 def _pack_experts(source, target, prefix: str, names: tuple[str, str, str]):

@@ -88,21 +88,29 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
     proposed = {}  # proposals scheduled in `output`, by request id
     if output is not None:
         proposed = {item.request_id: len(item.draft_token_ids) for item in output.scheduled}
+    window = kv.sliding_window
     for request in requests:
-        blocks = request.block_ids
+        blocks = [b for b in request.block_ids if b != 0]
         assert len(set(blocks)) == len(blocks), "a request holds a block twice"
         if request.status is not RequestStatus.RUNNING:
-            assert not blocks, f"{request.status} request holds blocks"
+            assert not request.block_ids, f"{request.status} request holds blocks"
             continue
-        assert 0 not in blocks, "the null block was handed out"
+        # null blocks only where every position the request will still attend to is past them
+        for index, block in enumerate(request.block_ids):
+            if block == 0:
+                assert window is not None, "the null block was handed out"
+                last = (index + 1) * kv.block_size - 1
+                assert last < request.num_computed_tokens - window + 1, "a visible block freed"
         in_flight = proposed.get(request.request_id, 0)
         assert request.num_computed_tokens <= request.num_tokens_with_placeholders + in_flight
         # Only tokens known on the host are in the prefix cache (never a proposal).
         assert request.num_cached_blocks * kv.block_size <= request.num_tokens
         for index in range(request.num_cached_blocks):  # (None: a twin block was cached)
-            assert pool.block_hash[blocks[index]] in (None, kv.block_hashes(request)[index])
+            block = request.block_ids[index]
+            if block != 0:
+                assert pool.block_hash[block] in (None, kv.block_hashes(request)[index])
         assert request.num_tokens_with_placeholders <= config.max_model_len
-        assert len(blocks) * kv.block_size >= request.num_computed_tokens
+        assert len(request.block_ids) * kv.block_size >= request.num_computed_tokens
         holders.update(blocks)
     for block in range(1, pool.num_blocks):
         assert pool.ref_counts[block] == holders[block], f"block {block}: refs != owners"
@@ -123,6 +131,12 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
             needed = item.num_computed_tokens + item.num_new_tokens
             assert len(item.block_ids) * kv.block_size >= needed, "blocks missing"
             assert item.block_ids == tuple(request.block_ids)
+            first_write = item.num_computed_tokens // kv.block_size
+            assert 0 not in item.block_ids[first_write:], "the step writes to a freed block"
+            if window is not None:  # the step's first query sees back to its window's start
+                seen = item.num_computed_tokens - window + 1
+                nulls = [i for i, b in enumerate(item.block_ids) if b == 0]
+                assert all((i + 1) * kv.block_size - 1 < seen for i in nulls), "a seen block"
         ids = [item.request_id for item in output.scheduled]
         assert len(set(ids)) == len(ids)
 
@@ -168,6 +182,7 @@ operations = st.lists(
     num_speculative=st.sampled_from([0, 0, 3, 8]),
     spec_free_tokens=st.sampled_from([1, 8, 96]),
     spec_lookahead=st.sampled_from([0, 0, 5]),
+    sliding_window=st.sampled_from([None, None, 6, 21]),
     seed=st.integers(0, 2**16),
 )
 def test_random_add_step_abort_keeps_block_accounting(
@@ -181,6 +196,7 @@ def test_random_add_step_abort_keeps_block_accounting(
     num_speculative,
     spec_free_tokens,
     spec_lookahead,
+    sliding_window,
     seed,
 ):
     max_model_len = 128
@@ -195,7 +211,7 @@ def test_random_add_step_abort_keeps_block_accounting(
         spec_free_tokens=spec_free_tokens,
         spec_lookahead=spec_lookahead if num_speculative else 0,  # (a draft model's blocks)
     )
-    kv = KVCacheManager(block_size, num_blocks, prefix_caching)
+    kv = KVCacheManager(block_size, num_blocks, prefix_caching, sliding_window=sliding_window)
     scheduler = Scheduler(config, kv)
     requests: list[Request] = []
 

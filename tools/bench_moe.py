@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from cpu_kernels.matmul.kernel import grouped_matmul, load_matmul
+from cpu_kernels.matmul.kernel import load_matmul
 from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
@@ -207,9 +207,7 @@ def engine_rows() -> list[dict]:
 def main(argv):
     del argv
     matmul = load_matmul(Path(EngineOptions().cache_dir) / "cpu_kernels")
-    kernels = ModelKernels(
-        weight_layout=OUT_IN, matmul=KernelMatmul(matmul, grouped_kernel=grouped_matmul)
-    )
+    kernels = ModelKernels(weight_layout=OUT_IN, matmul=KernelMatmul(matmul))
     print(
         f"MoE: {FLAGS.experts} experts x {FLAGS.expert_intermediate}, top {FLAGS.top_k}, hidden "
         f"{FLAGS.hidden}; dense: width {FLAGS.top_k * FLAGS.expert_intermediate}"

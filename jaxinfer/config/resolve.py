@@ -35,7 +35,6 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError
-from cpu_kernels.matmul.kernel import grouped_matmul
 from jaxinfer.config.options import EngineOptions
 from jaxinfer.config.platform import Platform
 from jaxinfer.layers.kernel_probe import probe_kernel
@@ -219,7 +218,13 @@ def resolve(
 
     ffn = pick("ffn", options.ffn_impl)
     norm = pick("norm", options.norm_impl)
-    grouped = pick("grouped_matmul", options.grouped_matmul_impl)
+    if arch.moe is not None:
+        grouped = pick("grouped_matmul", options.grouped_matmul_impl)
+    else:  # no experts to run: nothing to choose or probe
+        grouped = (
+            "reference" if options.grouped_matmul_impl == "auto" else options.grouped_matmul_impl
+        )
+        registry.get("grouped_matmul", grouped)  # (a clear error for an unknown name)
     reference_ffn = registry.get("ffn", ffn) is fused_ffn_reference
     layout = options.weight_layout
     if layout == "auto" and invariant:
@@ -260,7 +265,7 @@ def resolve(
     matmul = "cpu" if matmul_fn is not None else "xla"
     if matmul_fn is not None:  # the C++ library's grouped product, "out_in"
         grouped = "cpu"
-        if options.grouped_matmul_impl == "auto":
+        if options.grouped_matmul_impl == "auto" and arch.moe is not None:
             reasons["grouped_matmul"] = "the C++ matmul kernel's grouped product"
     elif layout == OUT_IN:
         grouped = "reference"
@@ -366,9 +371,7 @@ def resolve(
         weight_layout=layout,
         matmul=None
         if matmul_fn is None
-        else KernelMatmul(
-            matmul_fn, gguf_kernel=gguf_fn, fixed_order=invariant, grouped_kernel=grouped_matmul
-        ),
+        else KernelMatmul(matmul_fn, gguf_kernel=gguf_fn, fixed_order=invariant),
         batch_invariant=invariant,
     )
     return Resolution(resolved, kernels)

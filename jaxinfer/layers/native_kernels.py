@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from cpu_kernels.matmul.kernel import grouped_matmul
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, unstacked, xla_dense
 
 # Rows of x up to which float32 products take the kernel (a step bucket; XLA above), where
@@ -42,9 +43,9 @@ class KernelMatmul:
     # Batch-invariant mode: every product through `kernel` in its fixed order, whatever the
     # number of rows (no XLA GEMM for long chunks; resolve leaves out the GGUF blocks).
     fixed_order: bool = False
-    # The experts' grouped products (cpu_kernels.matmul.kernel.grouped_matmul), every row
-    # count (XLA has no grouped product but a dense one over all experts); None: the reference.
-    grouped_kernel: Callable | None = None
+    # The experts' grouped products, every row count (XLA has no grouped product but a dense
+    # one over all experts): the same C++ library's, registered with `kernel`.
+    grouped_kernel: Callable = grouped_matmul
 
     def float32(self, x, w):  # x [T, in], w [*out, in] -> [T, *out]
         if x.shape[0] > self.max_float_rows and not self.fixed_order:

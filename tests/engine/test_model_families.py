@@ -105,10 +105,9 @@ def harness(request, family_folder):
     layer_execution, layout = EXECUTIONS[execution]
     if execution == "reference":
         return Harness(family_folder(family), layer_execution, weight_layout=layout)
-    from cpu_kernels.matmul.kernel import grouped_matmul
     from jaxinfer.layers.native_kernels import KernelMatmul
 
-    matmul = KernelMatmul(request.getfixturevalue("cpu_matmul"), grouped_kernel=grouped_matmul)
+    matmul = KernelMatmul(request.getfixturevalue("cpu_matmul"))
     return Harness(
         family_folder(family),
         layer_execution,

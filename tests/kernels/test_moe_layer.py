@@ -62,10 +62,9 @@ def _kernels(name: str, request) -> ModelKernels:
                 pallas_grouped, interpret=True, block_n=16, block_k=16
             ),
         )
-    from cpu_kernels.matmul.kernel import grouped_matmul
     from jaxinfer.layers.native_kernels import KernelMatmul
 
-    matmul = KernelMatmul(request.getfixturevalue("cpu_matmul"), grouped_kernel=grouped_matmul)
+    matmul = KernelMatmul(request.getfixturevalue("cpu_matmul"))
     return ModelKernels(weight_layout=OUT_IN, matmul=matmul)
 
 

@@ -159,7 +159,7 @@ def grouped_project(
     layout, matmul = kernels.weight_layout, kernels.matmul
     scale = weight.scale if isinstance(weight, Int8) else None
     w = weight.q if isinstance(weight, Int8) else weight.w
-    if layout == OUT_IN and matmul is not None and matmul.grouped_kernel is not None:
+    if layout == OUT_IN and matmul is not None:
         return matmul.grouped(x, w, group_sizes, scale, x_rows=x_rows, y_rows=y_rows)
     if x_rows is not None:
         x = jnp.take(x, x_rows, axis=0)

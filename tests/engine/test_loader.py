@@ -98,7 +98,21 @@ def test_missing_tensor_and_missing_files(single_file, tmp_path):
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "multiple of"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding-window"),
+        ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "Qwen's sliding"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "different attention types"),
+        (
+            {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "mlp_only_layers": [0]},
+            "dense layers between MoE layers",
+        ),
+        (
+            {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "decoder_sparse_step": 2},
+            "dense layers between MoE layers",
+        ),
+        ({"architectures": ["MixtralForCausalLM"]}, "num_local_experts or num_experts"),
+        (
+            {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8},
+            "shared_expert_intermediate_size",
+        ),
     ],
 )
 def test_unsupported_configs_are_refused(single_file, change, message):
@@ -106,3 +120,36 @@ def test_unsupported_configs_are_refused(single_file, change, message):
     config.update(change)
     with pytest.raises(ValueError, match=message):
         LlamaConfig.from_dict(config)
+
+
+def test_family_fields_are_read(single_file):
+    """Each family's own fields (the architectures' parity with HF is tested in
+    test_model_families.py)."""
+    base = json.loads((single_file / "config.json").read_text())
+    mistral = LlamaConfig.from_dict(
+        {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    )
+    assert mistral.sliding_window == 4096 and mistral.moe is None
+    assert LlamaConfig.from_dict(base).sliding_window is None  # Llama: no window
+    mixtral = LlamaConfig.from_dict(
+        {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8}
+    )
+    assert mixtral.moe.router.renormalize and mixtral.moe.top_k == 2
+    assert mixtral.moe.intermediate_size == base["intermediate_size"]
+    qwen3_moe = LlamaConfig.from_dict(
+        {
+            **base,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 24,
+            "norm_topk_prob": False,
+        }
+    )
+    assert (qwen3_moe.moe.num_experts, qwen3_moe.moe.top_k) == (16, 4)
+    assert qwen3_moe.moe.intermediate_size == 24 and not qwen3_moe.moe.router.renormalize
+    assert qwen3_moe.qk_norm == "head" and qwen3_moe.dense_intermediate_size == 0
+    olmoe = LlamaConfig.from_dict(
+        {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 8, "clip_qkv": 8.0}
+    )
+    assert olmoe.qk_norm == "all" and olmoe.clip_qkv == 8.0

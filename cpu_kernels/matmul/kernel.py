@@ -27,6 +27,22 @@ F32_TARGET, INT8_TARGET = "jaxinfer_f32_matmul", "jaxinfer_int8_matmul"
 F32_GROUPED, INT8_GROUPED = "jaxinfer_f32_grouped_matmul", "jaxinfer_int8_grouped_matmul"
 
 
+def _is_int8(x: jax.Array, w: jax.Array, scale: jax.Array | None, name: str) -> bool:
+    """Whether w is int8 (with its scale); a TypeError unless x is float32 and w float32, or
+    int8 with a scale."""
+    int8 = w.dtype == jnp.int8
+    if (
+        x.dtype != jnp.float32
+        or w.dtype not in (jnp.float32, jnp.int8)
+        or int8 != (scale is not None)
+    ):
+        raise TypeError(
+            f"{name} takes float32 x with float32 w, or with int8 w and its scale; got "
+            f"{x.dtype}, {w.dtype}, {None if scale is None else scale.dtype}"
+        )
+    return int8
+
+
 def matmul(
     x: jax.Array,  # [T, K] float32
     w: jax.Array,  # [*out, K] float32, or int8 with `scale`; [L, *out, K] with `layer`
@@ -40,16 +56,7 @@ def matmul(
     layer scan, slicing it instead would copy the weight every layer. With `fixed_order`
     every output is one FMA chain over K in order, whatever the number of rows (the
     batch-invariant mode); without it up to 3 rows take a faster, differently ordered path."""
-    int8 = w.dtype == jnp.int8
-    if (
-        x.dtype != jnp.float32
-        or w.dtype not in (jnp.float32, jnp.int8)
-        or int8 != (scale is not None)
-    ):
-        raise TypeError(
-            "matmul takes float32 x with float32 w, or with int8 w and its scale; got "
-            f"{x.dtype}, {w.dtype}, {None if scale is None else scale.dtype}"
-        )
+    int8 = _is_int8(x, w, scale, "matmul")
     out = w.shape[1:-1] if layer is not None else w.shape[:-1]
     if x.ndim != 2 or x.shape[1] != w.shape[-1] or (int8 and scale.shape != out):
         raise ValueError(
@@ -84,16 +91,7 @@ def grouped_matmul(
     product's rows from x and `y_rows` scatters them into y inside the kernel (a MoE layer's
     tokens to their sorted rows and back, without materializing either copy). Each group
     runs as `matmul` over its rows, with the same paths and `fixed_order`."""
-    int8 = w.dtype == jnp.int8
-    if (
-        x.dtype != jnp.float32
-        or w.dtype not in (jnp.float32, jnp.int8)
-        or int8 != (scale is not None)
-    ):
-        raise TypeError(
-            "grouped_matmul takes float32 x with float32 w, or with int8 w and its scale; got "
-            f"{x.dtype}, {w.dtype}, {None if scale is None else scale.dtype}"
-        )
+    int8 = _is_int8(x, w, scale, "grouped_matmul")
     lead = 2 if layer is not None else 1
     groups, out = w.shape[lead - 1], w.shape[lead:-1]
     rows = x.shape[0] if x_rows is None else x_rows.shape[0]

@@ -22,7 +22,12 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 from tests.conftest import write_tiny_tokenizer
-from tests.engine.test_model_parity import Harness, assert_close
+from tests.engine.test_model_parity import (
+    Harness,
+    check_prompt_in_chunks_over_shuffled_blocks,
+    check_prompt_in_one_step,
+    check_prompt_inside_mixed_batch,
+)
 
 BASE = dict(
     vocab_size=320,
@@ -121,36 +126,16 @@ RTOL = 1e-5
 
 
 def test_prompt_in_one_step(harness):
-    prompt = list(np.random.default_rng(1).integers(0, 320, size=37))
-    request = harness.new_request("a", prompt)
-    logits = harness.step([(request, len(prompt))])
-    assert_close(logits[0], harness.reference(prompt)[-1], RTOL)
+    check_prompt_in_one_step(harness, RTOL)
 
 
 def test_prompt_in_chunks_over_shuffled_blocks(harness):
-    prompt = list(np.random.default_rng(2).integers(0, 320, size=53))
-    request = harness.new_request("b", prompt)
-    reference = harness.reference(prompt)
-    position = 0
-    for count in (5, 8, 1, 17, 22):  # chunk edges inside and across blocks (and windows)
-        logits = harness.step([(request, count)])
-        position += count
-        assert_close(logits[0], reference[position - 1], RTOL)
+    """(Chunk edges inside and across blocks, and across the sliding window.)"""
+    check_prompt_in_chunks_over_shuffled_blocks(harness, RTOL)
 
 
 def test_prompt_inside_mixed_batch(harness):
-    rng = np.random.default_rng(3)
-    prompts = {
-        name: list(rng.integers(0, 320, size=n)) for name, n in [("x", 29), ("y", 41), ("z", 7)]
-    }
-    requests = {name: harness.new_request(name, p) for name, p in prompts.items()}
-    references = {name: harness.reference(p) for name, p in prompts.items()}
-    harness.step([(requests["x"], 28)])
-    harness.step([(requests["y"], 16)])
-    logits = harness.step([(requests["x"], 1), (requests["y"], 20), (requests["z"], 7)])
-    assert_close(logits[0], references["x"][28], RTOL)
-    assert_close(logits[1], references["y"][35], RTOL)
-    assert_close(logits[2], references["z"][6], RTOL)
+    check_prompt_inside_mixed_batch(harness, RTOL)
 
 
 GREEDY_PROMPTS = [[5, 9, 14], list(range(40, 63)), [int(t) for t in np.arange(3, 300, 7)]]

@@ -5,7 +5,9 @@ reference, and on a GPU the share of the device's measured ceilings.
 
 Cases per model shape (random inputs): decode attention (each of --decode_batches requests of
 one new token at each of --contexts), prefill attention (one request of --prefill_len tokens),
-the FFN at --batch and --prefill_len tokens, and the residual add + RMSNorm at --batch tokens. Decode attention is
+the FFN at --batch and --prefill_len tokens, a MoE layer's experts (the gate/up grouped matmul
+of 64 experts of the FFN's width / 8, top 8) at --batch tokens (and --prefill_len on a GPU), and
+the residual add + RMSNorm at --batch tokens. Decode attention is
 reported as bandwidth (K/V bytes read per second, scales included) against a measured
 device-to-device copy, for each of --kv_cache_dtypes (a quantized cache is also reported as a
 speed-up over the model-dtype cache, same kernel, same run: a ratio that holds across noisy
@@ -206,6 +208,24 @@ def main(argv):
                 (x, gate_up, down),
             )
             report(shape_name, f"ffn t{tokens}", results, 6 * tokens * hidden * inter, "TFLOP/s")
+
+        # A MoE layer's experts at the FFN's active size: 64 experts of width I / 8, top 8,
+        # routed evenly; the gate/up product over the T * 8 rows sorted by expert.
+        experts, top_k, width = 64, 8, max(16, inter // 8)
+        expert_w = jax.random.normal(keys[0], (experts, hidden, 2 * width), dtype) * hidden**-0.5
+        for tokens in (batch, prefill) if gpu else (batch,):
+            routed = tokens * top_k
+            sizes = jnp.asarray(np.bincount(np.arange(routed) % experts, minlength=experts))
+            x = jax.random.normal(keys[2], (routed, hidden), dtype)
+            results = run_case(
+                "grouped_matmul",
+                runnable(registry.names("grouped_matmul"), cpu_kernel),
+                registry,
+                lambda f: f,
+                (x, expert_w, sizes.astype(jnp.int32)),
+            )
+            work = 4 * routed * hidden * width
+            report(shape_name, f"experts t{tokens}", results, work, "TFLOP/s")
 
         x = jax.random.normal(keys[2], (batch, hidden), dtype)
         weight = jnp.ones((hidden,), dtype)

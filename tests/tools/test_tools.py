@@ -46,6 +46,7 @@ def test_kernel_bench_compares_every_implementation(tmp_path):
         "prefill attn 32",
         "ffn t2",
         "ffn t32",
+        "experts t2",
         "add+rmsnorm t2",
     }
     for case in cases:

@@ -17,10 +17,17 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.layers import invariant
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import KVCache
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, lm_logits
-from jaxinfer.layers.moe.experts import EXPERT_AXES, EXPERT_PROJECTIONS, dense_ffn, moe_ffn
+from jaxinfer.layers.moe.experts import (
+    EXPERT_AXES,
+    EXPERT_PROJECTIONS,
+    FLOAT_PROJECTIONS,
+    dense_ffn,
+    moe_ffn,
+)
 from jaxinfer.layers.quantization import QUANTIZERS
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
@@ -66,11 +73,12 @@ LAYER_PROJECTIONS = {
 
 
 def as_weights(config: LlamaConfig, params: dict) -> dict:
-    """The loader's tree with every projection (and the LM head; the embedding, which is the
-    head when tied) as a jaxinfer.layers.weights.Dense."""
+    """The loader's tree with every projection (a MoE router too; the LM head; the embedding,
+    which is the head when tied) as a jaxinfer.layers.weights.Dense."""
     out = dict(params)
+    projections = {**LAYER_PROJECTIONS, **FLOAT_PROJECTIONS}
     out["layers"] = {
-        name: Dense(a, LAYER_PROJECTIONS[name]) if name in LAYER_PROJECTIONS else a
+        name: Dense(a, projections[name]) if name in projections else a
         for name, a in params["layers"].items()
     }
     out["embed"] = Dense(params["embed"], -1)  # [V, E]
@@ -296,13 +304,12 @@ def decoder_layer(
 
 def _qk_norm(x: jax.Array, weight: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """RMSNorm of q [T, H, D] or k [T, K, D] over each head (weight [D]) or over all of its
-    heads together (weight [H * D] / [K * D]), in float32 as Hugging Face's."""
+    heads together (weight [H * D] / [K * D]), in float32 as Hugging Face's, its mean of
+    squares a fixed tree (a row's result independent of the other rows: batch_invariant)."""
     shape = x.shape
     if cfg.qk_norm == "all":
         x = x.reshape(shape[0], -1)
-    y = x.astype(jnp.float32)
-    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    return (weight * y.astype(x.dtype)).reshape(shape)
+    return invariant.rms_norm(x, weight, cfg.rms_norm_eps).reshape(shape)
 
 
 def compute_logits(

@@ -151,3 +151,17 @@ def test_default_model_bit_identical(model_cache_dir):
             use_tqdm=False,
         )
         assert record(outputs[where]) == alone, f"among {count}"
+
+
+def test_moe_model_bit_identical(tmp_path_factory):
+    """A mixture-of-experts model (Qwen3-MoE, 8 experts, top 2): the router and the experts'
+    grouped products through the C++ kernels in their fixed order, whatever rows share the
+    experts."""
+    from tests.engine.test_model_families import make_family_model
+
+    folder = make_family_model(tmp_path_factory.mktemp("moe_invariant"), "qwen3_moe")
+    options = dict(max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=512)
+    llm = LLM(model=str(folder), **{**WIDE, **options, "batch_invariant": True})
+    alone = record(llm.generate([FIXED_PROMPT], FIXED, use_tqdm=False)[0])
+    for count in (5, 15):
+        assert among(llm, random.Random(10 + count), count) == alone

@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxinfer.layers.invariant import tree_sum
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, StackedWeight, gated_ffn_out_in, unstacked
 from jaxinfer.layers.moe.routing import route
-from jaxinfer.layers.weights import Int8
+from jaxinfer.layers.weights import Int8, dense
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_out_in_reference
@@ -37,7 +38,7 @@ from pallas_kernels.grouped_matmul.reference import grouped_matmul_out_in_refere
 # Logical axes of the MoE parameters of one layer in the loader's "in_out" layout (with the
 # stacked layers' leading axis in models/llama.PARAM_AXES).
 EXPERT_AXES = {
-    "router": ("embed", None),  # [E, X], kept in float
+    "router": ("embed", None),  # [E, X], a float Dense weight (never quantized)
     "router_bias": (None,),  # [X]
     "experts_gate_up": ("experts", "embed", "gate_up", "expert_mlp"),  # [X, E, 2, I]
     "experts_down": ("experts", "expert_mlp", "embed"),  # [X, I, E]
@@ -45,6 +46,8 @@ EXPERT_AXES = {
 }
 # Each expert projection's input axis, counted from the end ("in_out").
 EXPERT_PROJECTIONS = {"experts_gate_up": -3, "experts_down": -2}
+# Projections kept in float whatever the quantization (the router decides, and is small).
+FLOAT_PROJECTIONS = {"router": -2}
 
 
 def moe_ffn(
@@ -55,7 +58,9 @@ def moe_ffn(
     partitioner: Partitioner | None = None,
 ) -> jax.Array:  # [T, E]
     moe = config.moe
-    logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))  # [T, X]
+    # The router in the model's dtype, as Hugging Face computes it, through the projection
+    # path (the matmul kernel's fixed order under batch_invariant); scores in float32.
+    logits = dense(x, p["router"], kernels).astype(jnp.float32)  # [T, X]
     weights, experts = route(logits, moe.router, p.get("router_bias"))  # [T, k] each
     y = routed_experts(
         x, weights, experts, p["experts_gate_up"], p["experts_down"], kernels, partitioner
@@ -63,10 +68,10 @@ def moe_ffn(
     if moe.shared_intermediate_size:
         shared = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels)
         if moe.shared_expert_gate:
-            # one output: a product and a row sum (XLA:CPU's matrix-vector product sums a
-            # row differently by where it sits in the batch)
+            # one output: a product and a fixed-tree row sum (XLA:CPU's matrix-vector product
+            # sums a row differently by where it sits in the batch)
             w = p["shared_expert_gate"][:, 0].astype(jnp.float32)  # [E]
-            gate = jnp.sum(x.astype(jnp.float32) * w, axis=-1, keepdims=True)  # [T, 1]
+            gate = tree_sum(x.astype(jnp.float32) * w)[:, None]  # [T, 1]
             shared = shared * jax.nn.sigmoid(gate).astype(shared.dtype)
         y = y + shared
     return y

@@ -10,7 +10,8 @@ One implementation of what the supported families do (and DeepSeek-V3's router):
 - weights: the chosen experts' unbiased scores, renormalized to sum to 1 when `renormalize`
   (norm_topk_prob; Mixtral always), then times `scaling_factor` (routed_scaling_factor).
 
-Ties go to the lower expert index (jax.lax.top_k); torch.topk, which Hugging Face uses, leaves
+Sums are fixed trees (jaxinfer.layers.invariant), so a token's routing does not depend on the
+tokens beside it (batch_invariant). Ties go to the lower expert index (jax.lax.top_k); torch.topk, which Hugging Face uses, leaves
 the order of tied values unspecified, so on an exact tie either choice is the model's.
 
 T: tokens, X: experts, k: experts per token.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.layers.invariant import tree_sum
 from jaxinfer.models.llama_config import RouterConfig
 
 
@@ -32,7 +34,8 @@ def route(
     """The k experts of each token, best first, and their weights."""
     logits = logits.astype(jnp.float32)
     if config.scoring == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
+        exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        scores = exp / tree_sum(exp)[..., None]
     else:
         scores = jax.nn.sigmoid(logits)
     choice = scores
@@ -45,7 +48,7 @@ def route(
     _, experts = jax.lax.top_k(choice, config.top_k)  # [T, k]
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if config.renormalize:
-        denominator = jnp.sum(weights, axis=-1, keepdims=True)
+        denominator = tree_sum(weights)[..., None]
         if config.scoring == "sigmoid":
             denominator = denominator + 1e-20  # as DeepSeek-V3 (softmax scores are positive)
         weights = weights / denominator

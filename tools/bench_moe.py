@@ -18,7 +18,7 @@ models of equal active size (4 layers, hidden 512), written by transformers into
 folder, each run by the engine (CPU defaults) on the same 64-token prompts, 1 and
 --engine_batch at a time: the decode step time, from the difference between generating
 --engine_tokens and twice as many tokens (the same prefill in both; medians of --rounds), and
-the prefill time that leaves.
+the time to the first token (the prompts' prefill and one sample).
 """
 
 from __future__ import annotations
@@ -196,11 +196,14 @@ def engine_rows() -> list[dict]:
                 # the same prefill in both: the difference is `short` decode steps
                 step = float(np.median([(b - a) / short for a, b in times]))
                 row[f"decode_step_ms_batch{batch}"] = step * 1e3
-                row[f"prefill_ms_batch{batch}"] = float(
-                    np.median([a - short * step for a, _ in times]) * 1e3
-                )
+                # the prompts' prefill and one sampled token
+                first = [run(1) for _ in range(FLAGS.rounds)]
+                row[f"first_token_ms_batch{batch}"] = float(np.median(first) * 1e3)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    moe, dense = rows
+    for key in [k for k in moe if k != "model"]:
+        print(f"{key}: MoE / dense {moe[key] / dense[key]:.2f}x")
     return rows
 
 

@@ -80,6 +80,30 @@ def test_decode_roofline_reports_each_batch(tmp_path):
     assert all(row["step_ms"] > 0 and row["roofline_ms"] > 0 for row in rows)
 
 
+def test_moe_bench_reports_each_token_count(tmp_path):
+    if not can_build():
+        pytest.skip("no C++ compiler to build the matmul kernel")
+    output = tmp_path / "moe.json"
+    run(
+        "-m",
+        "tools.bench_moe",
+        "--tokens=1,6",
+        "--hidden=64",
+        "--experts=8",
+        "--top_k=2",
+        "--expert_intermediate=32",
+        "--rounds=1",
+        "--repeats=1",
+        "--reference",
+        f"--output_json={output}",
+    )
+    rows = json.loads(output.read_text())["layer"]
+    assert [row["tokens"] for row in rows] == [1, 6]
+    assert all(
+        row["moe_ms"] > 0 and row["dense_ms"] > 0 and row["reference_moe_ms"] > 0 for row in rows
+    )
+
+
 def test_cpu_matmul_bench_reports_every_weight():
     if not can_build():
         pytest.skip("no C++ compiler to build the matmul kernel")

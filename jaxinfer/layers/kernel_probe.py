@@ -1,7 +1,8 @@
 """A kernel tried once on the model's real shapes before the engine relies on it.
 
-`probe_kernel` compiles a kernel of one kind (attention, ffn, norm, grouped_matmul) on a small input shaped
-like the model's (head_dim, query heads per KV head, hidden and FFN sizes, dtype) and compares
+`probe_kernel` compiles a kernel of one kind (attention, ffn, norm, grouped_matmul) on a small
+input shaped like the model's (head_dim, query heads per KV head, hidden, FFN and expert
+sizes, dtype) and compares
 it with the pure-JAX reference, computed at the highest matmul precision. Whatever goes wrong
 (a Triton compile failure, a missing Pallas backend, a head size the kernel cannot tile, a
 wrong result) comes back as a reason instead of an exception, so "auto" can fall back to the

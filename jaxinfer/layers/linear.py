@@ -115,6 +115,15 @@ def gated_ffn_out_in(x: jax.Array, gate_up, down, matmul: Callable | None = None
     return y.T
 
 
+def dense_ffn(x: jax.Array, gate_up, down, kernels) -> jax.Array:
+    """The gated FFN of a dense layer (and of a MoE layer's shared expert) -> [T, E], in the
+    model's weight layout: "in_out" through the FFN kernel (float weights), "out_in" as
+    gated_ffn_out_in (through the matmul kernel where there is one)."""
+    if kernels.weight_layout == IN_OUT:
+        return kernels.ffn(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype))
+    return gated_ffn_out_in(x, gate_up, down, kernels.matmul)
+
+
 def lm_logits(x: jax.Array, head, layout: str, tied: bool, matmul: Callable | None = None):
     """x [N, E] times the LM head (jaxinfer.layers.weights) -> [N, V]. The head is [V, E] when
     tied (the embedding) or in "out_in", else [E, V]. In "out_in" a `matmul` kernel computes

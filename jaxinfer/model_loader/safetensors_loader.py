@@ -77,6 +77,12 @@ def fuse_qkv(q, k, v, num_kv_heads: int, head_dim: int):
     return np.concatenate([q, k, v], axis=-2)
 
 
+def gate_up_in_out(gate, up):
+    """A gated FFN's gate and up weights ([I, E] each, as checkpoints store them) as the fused
+    "in_out" weight [E, 2, I]."""
+    return np.stack([gate.T, up.T], axis=1)
+
+
 def replicate_kv(qkv, replicas: int, xp=np):
     """[.., K, G + 2, D] -> [.., K * r, G / r + 2, D]: each KV head copied r times, each copy
     serving G / r of its query heads (for more tensor-parallel devices than KV heads)."""
@@ -130,12 +136,9 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
             # the dense FFN, or a MoE layer's shared expert
             mlp = "mlp.shared_expert." if cfg.moe is not None else "mlp."
             layers["gate_up_proj"] = stacked(
-                lambda p: np.stack(
-                    [
-                        get(p + mlp + "gate_proj.weight", (I, E)).T,
-                        get(p + mlp + "up_proj.weight", (I, E)).T,
-                    ],
-                    axis=1,
+                lambda p: gate_up_in_out(
+                    get(p + mlp + "gate_proj.weight", (I, E)),
+                    get(p + mlp + "up_proj.weight", (I, E)),
                 )
             )
             layers["down_proj"] = stacked(lambda p: get(p + mlp + "down_proj.weight", (E, I)).T)
@@ -200,12 +203,9 @@ def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
             return gate_up, get(p + "experts.down_proj", (X, E, I)).transpose(0, 2, 1)
         gate_up = np.stack(
             [
-                np.stack(
-                    [
-                        get(f"{p}experts.{e}.{gate}.weight", (I, E)).T,
-                        get(f"{p}experts.{e}.{up}.weight", (I, E)).T,
-                    ],
-                    axis=1,
+                gate_up_in_out(
+                    get(f"{p}experts.{e}.{gate}.weight", (I, E)),
+                    get(f"{p}experts.{e}.{up}.weight", (I, E)),
                 )
                 for e in range(X)
             ]

@@ -20,12 +20,11 @@ from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers import invariant
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import KVCache
-from jaxinfer.layers.linear import IN_OUT, OUT_IN, lm_logits
+from jaxinfer.layers.linear import IN_OUT, OUT_IN, dense_ffn, lm_logits
 from jaxinfer.layers.moe.experts import (
     EXPERT_AXES,
     EXPERT_PROJECTIONS,
     FLOAT_PROJECTIONS,
-    dense_ffn,
     moe_ffn,
 )
 from jaxinfer.layers.quantization import QUANTIZERS
@@ -61,7 +60,6 @@ PARAM_AXES = {
 
 # The projections of a decoder layer, each with its input (contracted) axis in the loader's
 # "in_out" layout, counted from the end: [L, E, K, G + 2, D], [L, H * D, E], [L, E, 2, I],
-# [L, I, E].
 # [L, I, E]; the experts' (jaxinfer.layers.moe.experts) [L, X, E, 2, I], [L, X, I, E].
 LAYER_PROJECTIONS = {
     "qkv_proj": -4,

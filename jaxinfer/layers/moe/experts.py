@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxinfer.layers.invariant import tree_sum
-from jaxinfer.layers.linear import IN_OUT, OUT_IN, StackedWeight, gated_ffn_out_in, unstacked
+from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense_ffn, unstacked
 from jaxinfer.layers.moe.routing import route
 from jaxinfer.layers.weights import Int8, dense
 from jaxinfer.models.llama_config import LlamaConfig
@@ -75,13 +75,6 @@ def moe_ffn(
             shared = shared * jax.nn.sigmoid(gate).astype(shared.dtype)
         y = y + shared
     return y
-
-
-def dense_ffn(x, gate_up, down, kernels):
-    """The gated FFN of a dense layer (and of a MoE layer's shared expert)."""
-    if kernels.weight_layout == IN_OUT:  # the kernel takes float weights
-        return kernels.ffn(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype))
-    return gated_ffn_out_in(x, gate_up, down, kernels.matmul)
 
 
 def routed_experts(

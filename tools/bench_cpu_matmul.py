@@ -19,6 +19,7 @@ from absl import app, flags
 
 from cpu_kernels.matmul.kernel import load_matmul
 from jaxinfer.config import EngineOptions
+from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import OUT_IN, lm_logits, xla_dense
 from jaxinfer.layers.quantization import quantize_int8
 from jaxinfer.layers.weights import Dense, Int8
@@ -49,7 +50,7 @@ def main(argv):
 
             def xla(x, w, s=None):
                 weight = Dense(w, -1) if s is None else Int8(w, s, -1)
-                return lm_logits(x, weight, OUT_IN, tied=True)
+                return lm_logits(x, weight, True, ModelKernels(weight_layout=OUT_IN))
         else:
 
             def xla(x, w, s=None):

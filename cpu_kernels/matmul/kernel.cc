@@ -83,6 +83,19 @@ struct Problem {
   // Grouped products: row i of the product goes to row y_rows[i] of y (nullptr: row i).
   const int32_t* y_rows = nullptr;
 
+  // int4 weights (W = uint8_t: two 4-bit values a byte, pallas_kernels/int4_matmul/reference.py):
+  // W = q * scale + bias per group of `group` inputs; scale and bias [N, K / group], each
+  // float32 or float16.
+  const void* group_scale = nullptr;
+  const void* group_bias = nullptr;
+  bool scale_f16 = false, bias_f16 = false;
+  int64_t group = 0;
+  // Streaming rows against int4 weights: each row's sum over each group [M, K / group]; with
+  // int8 activations, x rounded to int8 per run of 32 [M, K] with its scales [M, K / 32].
+  const float* x_sums = nullptr;
+  const int8_t* x8 = nullptr;
+  const float* x8_scale = nullptr;
+
   void Store(int64_t row, int64_t col, float value) const {
     const int64_t out = y_rows == nullptr ? row : y_rows[row];
     y[out * n + col] = scale == nullptr ? value : value * scale[col];
@@ -163,6 +176,206 @@ void StreamRowInt16(const Problem<int8_t>& p, int64_t col) {
     float tail = 0.0f;
     for (int64_t kk = k32; kk < p.k; ++kk) tail += p.x[i * p.k + kk] * static_cast<float>(w[kk]);
     p.Store(i, col, total[i] * p.x_scale[i] + tail);
+  }
+}
+
+// count values of a float32 or float16 array from `offset`, as float32.
+inline void GroupFloats(const void* data, bool f16, int64_t offset, int64_t count, float* out) {
+  if (!f16) {
+    std::copy_n(static_cast<const float*>(data) + offset, count, out);
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(data) + offset;
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+  for (; i < count; ++i) out[i] = _cvtsh_ss(h[i]);
+}
+
+// The 32 weights of one packed run (16 bytes) dequantized exactly (one FMA q * scale + bias),
+// as 4 vectors of 8 floats, values 8v .. 8v + 7. Bytes j .. j + 7 zero-extended to 32 bits hold
+// values j .. j + 7 in their low nibbles and j + 16 .. j + 23 in their high ones.
+__attribute__((always_inline)) inline void Dequantize32(const uint8_t* run, __m256 s, __m256 b,
+                                                        __m256 (&v)[4]) {
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(run)));
+  const __m256i b1 =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(run + 8)));
+  v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), s, b);
+  v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), s, b);
+  v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), s, b);
+  v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), s, b);
+}
+
+// sum_g a[g] * b[g].
+inline float Dot(const float* a, const float* b, int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  float s = jaxinfer::Sum(acc);
+  for (; i < count; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Rows [m0, m0 + MR) of x (float32) times int4 weight row `col`: each run of 32 weights
+// dequantized exactly in registers (never to memory), FMAs into Q accumulators per row.
+template <int MR>
+void StreamRowInt4(const Problem<uint8_t>& p, int64_t col, int64_t m0, const float* scale,
+                   const float* bias) {
+  constexpr int Q = MR <= 2 ? 4 : 2;
+  const int64_t groups = p.k / p.group, runs = p.group / 32;
+  const uint8_t* w = p.w + col * (p.k / 2);
+  const float* x = p.x + m0 * p.k;
+  __m256 acc[MR][Q];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int q = 0; q < Q; ++q) acc[i][q] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 s = _mm256_set1_ps(scale[g]), b = _mm256_set1_ps(bias[g]);
+    for (int64_t r = 0; r < runs; ++r) {
+      const int64_t kk = (g * runs + r) * 32;
+      __m256 v[4];
+      Dequantize32(w + kk / 2, s, b, v);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q)
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; ++i)
+          acc[i][q % Q] =
+              _mm256_fmadd_ps(_mm256_loadu_ps(x + i * p.k + kk + 8 * q), v[q], acc[i][q % Q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    __m256 sum = _mm256_add_ps(acc[i][0], acc[i][1]);
+    if constexpr (Q == 4) sum = _mm256_add_ps(sum, _mm256_add_ps(acc[i][2], acc[i][3]));
+    p.Store(m0 + i, col, jaxinfer::Sum(sum));
+  }
+}
+
+// The same with x rounded to int8 per run of 32 (llama.cpp's approach): each run's product
+// of the unsigned 4-bit values and the int8 values in integers (two multiply-adds for 32),
+// converted once and scaled by the group's scale times the run's scale of x. The bias term
+// uses x's exact sums.
+template <int MR>
+void StreamRowInt4Int8(const Problem<uint8_t>& p, int64_t col, int64_t m0, const float* scale,
+                       const float* bias) {
+  constexpr int A = MR == 1 ? 4 : 2;  // accumulators per row (independent FMA chains)
+  const int64_t groups = p.k / p.group, runs = p.group / 32, all_runs = p.k / 32;
+  const uint8_t* w = p.w + col * (p.k / 2);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[MR][A];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int a = 0; a < A; ++a) total[i][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < all_runs; b += A) {
+#pragma GCC unroll 4
+    for (int a = 0; a < A; ++a) {
+      if (b + a >= all_runs) break;
+      const int64_t run = b + a;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + run * 16));
+      const __m128i lo = _mm_and_si128(bytes, mask);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+      const __m256i wv = _mm256_set_m128i(hi, lo);  // values 0 .. 31 in order
+      const float s = scale[run / runs];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(p.x8 + (m0 + i) * p.k + run * 32));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+        const __m256 d = _mm256_set1_ps(s * p.x8_scale[(m0 + i) * all_runs + run]);
+        total[i][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d, total[i][a]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    __m256 sum = total[i][0];
+#pragma GCC unroll 4
+    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, total[i][a]);
+    const float* sums = p.x_sums + (m0 + i) * groups;
+    p.Store(m0 + i, col, jaxinfer::Sum(sum) + Dot(bias, sums, groups));
+  }
+}
+
+// Rows [0, m) of x (m <= kMaxStreamRows) times int4 weight row `col`, 4 rows at a time.
+inline void StreamRowsInt4(const Problem<uint8_t>& p, int64_t col) {
+  const int64_t groups = p.k / p.group;
+  constexpr int64_t kStackGroups = 512;
+  float stack[2 * kStackGroups];  // the row's scales, then its biases
+  std::vector<float> heap(groups > kStackGroups ? 2 * groups : 0);
+  float* scale = groups > kStackGroups ? heap.data() : stack;
+  float* bias = scale + groups;
+  GroupFloats(p.group_scale, p.scale_f16, col * groups, groups, scale);
+  GroupFloats(p.group_bias, p.bias_f16, col * groups, groups, bias);
+  for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, p.m - m0);
+    if (p.x8 != nullptr) {
+      if (rows == 4) StreamRowInt4Int8<4>(p, col, m0, scale, bias);
+      if (rows == 3) StreamRowInt4Int8<3>(p, col, m0, scale, bias);
+      if (rows == 2) StreamRowInt4Int8<2>(p, col, m0, scale, bias);
+      if (rows == 1) StreamRowInt4Int8<1>(p, col, m0, scale, bias);
+    } else {
+      if (rows == 4) StreamRowInt4<4>(p, col, m0, scale, bias);
+      if (rows == 3) StreamRowInt4<3>(p, col, m0, scale, bias);
+      if (rows == 2) StreamRowInt4<2>(p, col, m0, scale, bias);
+      if (rows == 1) StreamRowInt4<1>(p, col, m0, scale, bias);
+    }
+  }
+}
+
+// int4 weight rows [col0, col0 + count) dequantized to float32 rows of K in `out` (exactly:
+// one FMA q * scale + bias per value).
+inline void DequantizeInt4Rows(const Problem<uint8_t>& p, int64_t col0, int64_t count,
+                               float* out) {
+  const int64_t groups = p.k / p.group, runs = p.group / 32;
+  std::vector<float> params(2 * groups);
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t col = col0 + j;
+    GroupFloats(p.group_scale, p.scale_f16, col * groups, groups, params.data());
+    GroupFloats(p.group_bias, p.bias_f16, col * groups, groups, params.data() + groups);
+    const uint8_t* w = p.w + col * (p.k / 2);
+    float* row = out + j * p.k;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 s = _mm256_set1_ps(params[g]), b = _mm256_set1_ps(params[groups + g]);
+      for (int64_t r = 0; r < runs; ++r) {
+        const int64_t kk = (g * runs + r) * 32;
+        __m256 v[4];
+        Dequantize32(w + kk / 2, s, b, v);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; ++q) _mm256_storeu_ps(row + kk + 8 * q, v[q]);
+      }
+    }
+  }
+}
+
+// Per row of x [M, K]: its sums over each group of `group` [M, K / group]; with x8, x rounded
+// to int8 per run of 32 (max |x| / 127 per run) and the runs' scales [M, K / 32].
+void PrepareInt4Rows(const float* x, int64_t m, int64_t k, int64_t group, float* sums,
+                     int8_t* x8, float* x8_scale) {
+  const int64_t groups = k / group;
+  for (int64_t i = 0; i < m; ++i) {
+    const float* row = x + i * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < group; ++j) s += row[g * group + j];
+      sums[i * groups + g] = s;
+    }
+    if (x8 == nullptr) continue;
+    for (int64_t r = 0; r < k / 32; ++r) {
+      float largest = 0.0f;
+      for (int64_t j = 0; j < 32; ++j) largest = std::max(largest, std::abs(row[r * 32 + j]));
+      const float d = largest / 127.0f;
+      const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      x8_scale[i * (k / 32) + r] = d;
+      for (int64_t j = 0; j < 32; ++j) {
+        x8[i * k + r * 32 + j] = static_cast<int8_t>(std::lrintf(row[r * 32 + j] * inverse));
+      }
+    }
   }
 }
 
@@ -337,6 +550,11 @@ void OuterColumns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0
       for (int64_t kk = k8; kk < p.k; ++kk) out[kk] = static_cast<float>(row[kk]);
       w[j] = out;
     }
+  } else if constexpr (std::is_same_v<W, uint8_t>) {
+    thread_local std::vector<float> buffer;  // the tile's weight rows, dequantized
+    buffer.resize(kOuterTile * p.k);
+    DequantizeInt4Rows(p, col0, count, buffer.data());
+    for (int64_t j = 0; j < count; ++j) w[j] = buffer.data() + j * p.k;
   } else {
     for (int64_t j = 0; j < count; ++j) w[j] = p.w + (col0 + j) * p.k;
   }
@@ -365,6 +583,8 @@ void StreamRows(const Problem<W>& p, int64_t col) {
     if (p.m != MR) return StreamRows<MR + 1>(p, col);
     if constexpr (std::is_same_v<W, int8_t>) {
       StreamRowInt16<MR>(p, col);
+    } else if constexpr (std::is_same_v<W, uint8_t>) {
+      StreamRowsInt4(p, col);
     } else {
       StreamRow<MR>(p, col);
     }
@@ -465,6 +685,87 @@ ffi::Error F32Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   if (ffi::Error error = Shape(p, x, w, *y, layer.typed_data()[0]); error.failure()) {
     return error;
   }
+  return Run(pool, p);
+}
+
+// Rows of x up to which int4 products stream the weight (more: dequantized tiles through the
+// outer-product path).
+constexpr int64_t kInt4StreamRows = 4;
+
+// Checks an int4 product's shapes and points p at layer `layer`: x [M, K], qs [L, N, K / 2]
+// (L >= 1 stacked layers), scale and bias [L, N, K / G] (G a multiple of 32 dividing K), each
+// float32 or float16, y [M, N].
+ffi::Error Int4Shape(Problem<uint8_t>& p, const ffi::Buffer<ffi::F32>& x,
+                     const ffi::Buffer<ffi::U8>& qs, const ffi::AnyBuffer& scale,
+                     const ffi::AnyBuffer& bias, int64_t y_count, int64_t layer) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("int4 matmul: x must be [M, K]");
+  p.m = x_dims[0], p.k = x_dims[1];
+  if (p.k % 32 != 0) return ffi::Error::InvalidArgument("int4 matmul: K must be a multiple of 32");
+  p.n = p.m == 0 ? 0 : y_count / p.m;
+  if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
+  const auto is_float = [](const ffi::AnyBuffer& b) {
+    return b.element_type() == ffi::DataType::F32 || b.element_type() == ffi::DataType::F16;
+  };
+  const int64_t weight = p.n * p.k / 2;
+  const int64_t layers = static_cast<int64_t>(qs.element_count()) / weight;
+  const int64_t params = static_cast<int64_t>(scale.element_count());
+  if (y_count != p.m * p.n || layers < 1 ||
+      static_cast<int64_t>(qs.element_count()) != layers * weight || !is_float(scale) ||
+      !is_float(bias) || params % (layers * p.n) != 0 ||
+      static_cast<int64_t>(bias.element_count()) != params) {
+    return ffi::Error::InvalidArgument(
+        "int4 matmul: qs [L, N, K / 2], scale and bias [L, N, K / G] float32 or float16");
+  }
+  const int64_t groups = params / (layers * p.n);
+  if (groups == 0 || p.k % groups != 0 || (p.k / groups) % 32 != 0) {
+    return ffi::Error::InvalidArgument("int4 matmul: the group size must be a multiple of 32");
+  }
+  if (layer < 0 || layer >= layers) {
+    return ffi::Error::InvalidArgument("int4 matmul: layer out of range");
+  }
+  p.group = p.k / groups;
+  p.w += layer * weight;
+  p.scale_f16 = scale.element_type() == ffi::DataType::F16;
+  p.bias_f16 = bias.element_type() == ffi::DataType::F16;
+  const int64_t bytes = p.scale_f16 ? 2 : 4, bias_bytes = p.bias_f16 ? 2 : 4;
+  p.group_scale = static_cast<const char*>(scale.untyped_data()) + layer * p.n * groups * bytes;
+  p.group_bias = static_cast<const char*>(bias.untyped_data()) + layer * p.n * groups * bias_bytes;
+  return ffi::Error::Success();
+}
+
+// Buffers for the rows of x a streaming int4 product reads (Problem::x_sums, x8, x8_scale).
+struct Int4Rows {
+  std::vector<float> sums, x8_scale;
+  std::vector<int8_t> x8;
+
+  void Prepare(Problem<uint8_t>& p, bool int8_activations) {
+    sums.resize(p.m * (p.k / p.group));
+    if (int8_activations) {
+      x8.resize(p.m * p.k);
+      x8_scale.resize(p.m * (p.k / 32));
+    }
+    PrepareInt4Rows(p.x, p.m, p.k, p.group, sums.data(),
+                    int8_activations ? x8.data() : nullptr, x8_scale.data());
+    p.x_sums = sums.data();
+    if (int8_activations) p.x8 = x8.data(), p.x8_scale = x8_scale.data();
+  }
+};
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
+                      ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> layer,
+                      bool fixed_order, bool int8_activations, ffi::ResultBuffer<ffi::F32> y) {
+  Problem<uint8_t> p{x.typed_data(), qs.typed_data(), nullptr, y->typed_data()};
+  p.fixed_order = fixed_order;
+  p.stream_rows = kInt4StreamRows;
+  if (ffi::Error error =
+          Int4Shape(p, x, qs, scale, bias, y->element_count(), layer.typed_data()[0]);
+      error.failure()) {
+    return error;
+  }
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  Int4Rows rows;
+  if (p.Streams()) rows.Prepare(p, int8_activations);
   return Run(pool, p);
 }
 
@@ -675,6 +976,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt8Matmul, Int8Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
 );
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt4Matmul, Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // qs [..., N, K / 2]
+                                  .Arg<ffi::AnyBuffer>()         // scale [..., N, K / G]
+                                  .Arg<ffi::AnyBuffer>()         // bias [..., N, K / G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<bool>("fixed_order")
+                                  .Attr<bool>("int8_activations")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+);
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -688,5 +1002,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32Matmul, F32Matmul,
 // Whether this CPU runs the kernels (they are compiled for AVX2 and FMA).
 extern "C" int jaxinfer_matmul_supported() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }

@@ -7,6 +7,7 @@ scales) on XLA:CPU through the C++ kernel in kernel.cc.
     y = matmul(x, stacked, layer=i)   # layer i of stacked weights [L, *out, K], in place
     y = matmul(x, w, fixed_order=True)  # each row's sum in one order for any row count
     y = grouped_matmul(x, w, group_sizes)  # rows sorted by group, w [G, *out, K]
+    y = int4_matmul(x, qs, scale, bias)    # 4-bit groups (pallas_kernels/int4_matmul)
 
 T: tokens (rows of x), K: the contracted (input) axis, *out: the weight's output axes.
 """
@@ -25,6 +26,7 @@ from cpu_kernels.build import KernelBuildError, build, load, register
 SOURCE = Path(__file__).with_name("kernel.cc")
 F32_TARGET, INT8_TARGET = "jaxinfer_f32_matmul", "jaxinfer_int8_matmul"
 F32_GROUPED, INT8_GROUPED = "jaxinfer_f32_grouped_matmul", "jaxinfer_int8_grouped_matmul"
+INT4_TARGET = "jaxinfer_int4_matmul"
 
 
 def _is_int8(x: jax.Array, w: jax.Array, scale: jax.Array | None, name: str) -> bool:
@@ -130,6 +132,53 @@ def grouped_matmul(
     return y.reshape(rows, *out)
 
 
+def int4_matmul(
+    x: jax.Array,  # [T, K] float32
+    qs: jax.Array,  # u8[*out, K / 2]; [L, *out, K / 2] with `layer`
+    scale: jax.Array,  # [*out, K / G] float32 or float16 ([L, ...] with `layer`)
+    bias: jax.Array,  # the same
+    *,
+    layer: jax.Array | None = None,  # i32[]: which of the L stacked weights
+    fixed_order: bool = False,
+    int8_activations: bool = False,
+) -> jax.Array:  # [T, *out] float32
+    """x @ W^T for 4-bit weights in groups (format: pallas_kernels.int4_matmul.reference).
+    Up to 4 rows of x stream the packed weight: the values are unpacked in registers and the
+    group's scale and bias factored out of its sums, so nothing is dequantized to memory; more
+    rows dequantize tiles of the weight to float32 for the outer-product path (as int8 does).
+    `int8_activations` rounds the streamed rows of x to int8 per run of 32 values and sums in
+    integers (llama.cpp's approach: faster, numerics differ by the rounding of x). With
+    `fixed_order` every row count takes the outer-product path (batch-invariant)."""
+    lead = 1 if layer is not None else 0
+    out = qs.shape[lead:-1]
+    k = x.shape[-1]
+    if (
+        x.dtype != jnp.float32
+        or qs.dtype != jnp.uint8
+        or scale.dtype not in (jnp.float32, jnp.float16)
+        or bias.dtype not in (jnp.float32, jnp.float16)
+        or x.ndim != 2
+        or k % 32
+        or qs.shape[-1] * 2 != k
+        or scale.shape != bias.shape
+        or scale.shape[:-1] != qs.shape[:-1]
+        or k % scale.shape[-1]
+        or (k // scale.shape[-1]) % 32
+    ):
+        raise ValueError(
+            "int4_matmul: x f32[T, K] (K a multiple of 32), qs u8[*out, K / 2], scale and bias "
+            "[*out, K / G] float32 or float16 (G a multiple of 32; a leading [L] with a layer); "
+            f"got x {x.dtype}{list(x.shape)}, qs {qs.dtype}{list(qs.shape)}, scale "
+            f"{scale.dtype}{list(scale.shape)}, bias {bias.dtype}{list(bias.shape)}"
+        )
+    result = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), jnp.float32)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    y = jax.ffi.ffi_call(INT4_TARGET, result)(
+        x, qs, scale, bias, index, fixed_order=fixed_order, int8_activations=int8_activations
+    )
+    return y.reshape(x.shape[0], *out)
+
+
 def load_matmul(build_dir: Path) -> Callable:
     """`matmul`, ready to call: builds kernel.cc into `build_dir` if needed and registers it.
     KernelBuildError if the host has no C++ compiler, or a CPU without AVX2 and FMA."""
@@ -140,4 +189,5 @@ def load_matmul(build_dir: Path) -> Callable:
     register(library, "JaxinferInt8Matmul", INT8_TARGET)
     register(library, "JaxinferF32GroupedMatmul", F32_GROUPED)
     register(library, "JaxinferInt8GroupedMatmul", INT8_GROUPED)
+    register(library, "JaxinferInt4Matmul", INT4_TARGET)
     return matmul

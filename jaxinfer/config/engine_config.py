@@ -7,9 +7,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxinfer.config.options import EngineOptions
+from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolve import ResolvedOptions
 from jaxinfer.layers import kv_cache
+from jaxinfer.layers.quantization import Quantization
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
@@ -20,7 +21,8 @@ class ModelConfig:
     arch: LlamaConfig
     dtype: jnp.dtype
     max_model_len: int
-    quantization: str | None = None  # "int8": weight-only (jaxinfer.layers.quantization)
+    # Weight-only quantization at load (jaxinfer.layers.quantization); None: as the checkpoint.
+    quantization: Quantization | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +185,7 @@ def build_engine_config(
             arch=arch,
             dtype=dtype,
             max_model_len=max_model_len,
-            quantization=options.quantization,
+            quantization=quantization_of(options),
         ),
         cache=CacheConfig(
             block_size=options.block_size,

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.layers.kv_cache import KV_CACHE_DTYPES
-from jaxinfer.layers.quantization import QUANTIZERS
+from jaxinfer.layers.quantization import METHODS, Quantization
+from pallas_kernels.int4_matmul.reference import GROUP_SIZES
 
 DTYPES = ("float32", "bfloat16", "float16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 LAYER_EXECUTIONS = ("auto", "scan", "per_layer")
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
-QUANTIZATIONS = tuple(QUANTIZERS)
+QUANTIZATIONS = METHODS
 MATMUL_IMPLS = ("auto", "xla", "cpu")
 GGUF_MODES = ("auto", "on", "off")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -124,8 +125,26 @@ class EngineOptions:
     )
     quantization: str | None = option(
         None,
-        "Weight-only quantization: int8 (per output channel); unset: weights in dtype.",
+        "Weight-only quantization at load: int8 (per output channel) or int4 (groups along the "
+        "input axis); unset: weights in dtype, or as a quantized checkpoint (AWQ, GPTQ) holds them.",
         QUANTIZATIONS,
+    )
+    quantization_group_size: int = option(
+        32, "int4: inputs per group (one scale and bias each).", GROUP_SIZES
+    )
+    quantization_zero_point: bool = option(
+        True, "int4: a zero point per group (asymmetric); false: symmetric groups."
+    )
+    int8_activations: bool = option(
+        False,
+        "int4 weights on CPU: round the activations of steps of up to 4 tokens to int8 per 32 "
+        "values and multiply in integers (llama.cpp's approach): faster, numerics differ by "
+        "that rounding.",
+    )
+    int4_matmul_impl: str = option(
+        "auto",
+        "int4 weights' products off the CPU matmul kernel: reference (dequantize, then XLA's "
+        "dot), pallas (GPU), pallas_interpret, a registered name, or auto (pallas on one GPU).",
     )
     matmul_impl: str = option(
         "auto",
@@ -219,11 +238,29 @@ class EngineOptions:
             raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         if not isinstance(self.expert_parallel, bool):
             raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
-        for name in ("attention_impl", "ffn_impl", "norm_impl", "grouped_matmul_impl"):
+        for name in ("quantization_zero_point", "int8_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in (
+            "attention_impl",
+            "ffn_impl",
+            "norm_impl",
+            "grouped_matmul_impl",
+            "int4_matmul_impl",
+        ):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+
+def quantization_of(options: EngineOptions) -> Quantization | None:
+    """The quantization at load the options ask for (None: weights as the checkpoint has them)."""
+    if options.quantization is None:
+        return None
+    return Quantization(
+        options.quantization, options.quantization_group_size, options.quantization_zero_point
+    )
 
 
 def _positive(name: str, value) -> None:

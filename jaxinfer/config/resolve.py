@@ -35,7 +35,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError
-from jaxinfer.config.options import EngineOptions
+from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
 from jaxinfer.layers.kernel_probe import probe_kernel
 from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
@@ -60,6 +60,7 @@ class ResolvedOptions:
     grouped_matmul: str  # the MoE experts' product: "cpu" (C++, "out_in") or a registry name
     weight_layout: str  # "in_out" or "out_in"
     weight_format: str  # the projections' format: "dense" (in dtype) or the quantization
+    int4_matmul: str  # int4 weights' product: "cpu" (C++, "out_in") or a registry name
     matmul: str  # "cpu" (the C++ kernel) or "xla"
     gguf_blocks: bool  # keep the source GGUF file's blocks where they are exact
     gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
@@ -132,6 +133,7 @@ INVARIANT_KERNELS = {
     "ffn": ("auto", "reference"),
     "norm": ("auto", "invariant", "pallas", "pallas_interpret"),
     "grouped_matmul": ("auto", "reference"),  # unused: "out_in" takes the C++ kernel's
+    "int4_matmul": ("auto", "reference"),  # unused: "out_in" takes the C++ kernel's
 }
 
 
@@ -225,6 +227,24 @@ def resolve(
             "reference" if options.grouped_matmul_impl == "auto" else options.grouped_matmul_impl
         )
         registry.get("grouped_matmul", grouped)  # (a clear error for an unknown name)
+    if options.quantization == "int8" and arch.quantization is not None:
+        raise ValueError(
+            f"quantization 'int8': the checkpoint is saved as {arch.quantization}; leave "
+            "quantization unset (or int4, which quantizes the float weights left, the LM head)"
+        )
+    int4 = options.quantization == "int4" or arch.quantization is not None
+    if int4:
+        int4_kernel = pick("int4_matmul", options.int4_matmul_impl)
+    else:  # no int4 weights: nothing to choose or probe
+        int4_kernel = (
+            "reference" if options.int4_matmul_impl == "auto" else options.int4_matmul_impl
+        )
+        registry.get("int4_matmul", int4_kernel)  # (a clear error for an unknown name)
+    weight_format = "dense"
+    if arch.quantization is not None:
+        weight_format = str(arch.quantization)
+    elif options.quantization is not None:
+        weight_format = str(quantization_of(options))
     reference_ffn = registry.get("ffn", ffn) is fused_ffn_reference
     layout = options.weight_layout
     if layout == "auto" and invariant:
@@ -263,6 +283,14 @@ def resolve(
             if invariant:
                 reasons["matmul"] += " (batch_invariant: its fixed order for every row count)"
     matmul = "cpu" if matmul_fn is not None else "xla"
+    if matmul_fn is not None and int4:
+        int4_kernel = "cpu"
+        reasons["int4_matmul"] = "the C++ matmul kernel's int4 product"
+    if options.int8_activations and (not int4 or matmul_fn is None):
+        raise ValueError(
+            "int8_activations applies to int4 weights in the C++ matmul kernel: "
+            + ("there are no int4 weights" if not int4 else "the kernel is not in use")
+        )
     if matmul_fn is not None:  # the C++ library's grouped product, "out_in"
         grouped = "cpu"
         if options.grouped_matmul_impl == "auto" and arch.moe is not None:
@@ -348,7 +376,8 @@ def resolve(
         norm=norm,
         grouped_matmul=grouped,
         weight_layout=layout,
-        weight_format=options.quantization or "dense",
+        weight_format=weight_format,
+        int4_matmul=int4_kernel,
         matmul=matmul,
         gguf_blocks=gguf_fn is not None,
         gguf_blocks_required=options.gguf_weights == "on",
@@ -369,9 +398,17 @@ def resolve(
         add_rms_norm=registry.get("norm", norm),
         grouped_matmul=registry.get("grouped_matmul", "reference" if grouped == "cpu" else grouped),
         weight_layout=layout,
+        int4_matmul=registry.get(
+            "int4_matmul", "reference" if int4_kernel == "cpu" else int4_kernel
+        ),
         matmul=None
         if matmul_fn is None
-        else KernelMatmul(matmul_fn, gguf_kernel=gguf_fn, fixed_order=invariant),
+        else KernelMatmul(
+            matmul_fn,
+            gguf_kernel=gguf_fn,
+            fixed_order=invariant,
+            int8_activations=options.int8_activations,
+        ),
         batch_invariant=invariant,
     )
     return Resolution(resolved, kernels)

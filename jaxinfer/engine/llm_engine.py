@@ -289,7 +289,7 @@ class LLMEngine:
             "kv_cache_dtype": config.cache.kv_cache_dtype,
             "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
-            "quantization": config.model.quantization,
+            "quantization": config.resolved.weight_format,
             "gguf_block_weights": list(self.gguf_weights),
             "draft_model": None if self.draft is None else str(self.draft.config.model.path),
             "resolved": config.resolved.describe(),

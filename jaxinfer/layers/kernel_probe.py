@@ -1,9 +1,8 @@
 """A kernel tried once on the model's real shapes before the engine relies on it.
 
-`probe_kernel` compiles a kernel of one kind (attention, ffn, norm, grouped_matmul) on a small
-input shaped like the model's (head_dim, query heads per KV head, hidden, FFN and expert
-sizes, dtype) and compares
-it with the pure-JAX reference, computed at the highest matmul precision. Whatever goes wrong
+`probe_kernel` compiles a kernel of one kind (attention, ffn, norm, grouped_matmul,
+int4_matmul) on a small input shaped like the model's (head_dim, query heads per KV head,
+hidden, FFN and expert sizes, dtype) and compares it with the pure-JAX reference, computed at the highest matmul precision. Whatever goes wrong
 (a Triton compile failure, a missing Pallas backend, a head size the kernel cannot tile, a
 wrong result) comes back as a reason instead of an exception, so "auto" can fall back to the
 reference at start-up rather than fail in warm-up (jaxinfer.config.resolve).
@@ -24,6 +23,8 @@ from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
+from pallas_kernels.int4_matmul.reference import int4_matmul_reference
+from pallas_kernels.int4_matmul.reference import quantize as int4_quantize
 from pallas_kernels.ragged_paged_attention.kv_quant import quantize_cache
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
@@ -76,6 +77,11 @@ def _inputs(
         w = rng.standard_normal((experts, hidden, 2 * inter)) * hidden**-0.5  # [G, E, 2I]
         sizes = jnp.asarray([5, 0, 7, 1][:experts], jnp.int32)
         return (jnp.asarray(x, dtype), jnp.asarray(w, dtype), sizes), {}
+    if kind == "int4_matmul":  # the gate/up product in groups of 32
+        x = rng.standard_normal((5, hidden))  # [T, E]
+        w = rng.standard_normal((2 * inter, hidden)) * hidden**-0.5  # [2I, E]
+        qs, scale, bias = int4_quantize(w, 32, symmetric=False)
+        return (jnp.asarray(x, dtype), *(jnp.asarray(a) for a in (qs, scale, bias))), {}
     if kind == "ffn":
         x = rng.standard_normal((4, hidden))  # [T, E]
         gate_up = rng.standard_normal((hidden, 2, inter)) * hidden**-0.5  # [E, 2, I]
@@ -92,6 +98,7 @@ REFERENCES: dict[str, Callable] = {
     "ffn": fused_ffn_reference,
     "norm": add_rms_norm_reference,
     "grouped_matmul": grouped_matmul_reference,
+    "int4_matmul": int4_matmul_reference,
 }
 
 

@@ -8,6 +8,8 @@ Four kinds, each with the signature of its pure-JAX reference:
 - "norm": add_rms_norm_reference(x, residual, weight, *, eps) -> (normed, x + residual)
 - "grouped_matmul": grouped_matmul_reference(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]
   (a MoE layer's experts, rows sorted by expert; "in_out" weights)
+- "int4_matmul": int4_matmul_reference(x [T, K], qs u8[*out, K / 2], scale, bias [*out, K / G])
+  -> [T, *out] (4-bit weights in groups, pallas_kernels.int4_matmul; off the C++ matmul kernel)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -36,10 +38,12 @@ from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
+from pallas_kernels.int4_matmul.kernel import int4_matmul
+from pallas_kernels.int4_matmul.reference import int4_matmul_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-KINDS = ("attention", "ffn", "norm", "grouped_matmul")
+KINDS = ("attention", "ffn", "norm", "grouped_matmul", "int4_matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,9 @@ class ModelKernels:
     # grouped_matmul_reference(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]. In "out_in"
     # the matmul kernel's grouped product (C++), else the reference, computes them.
     grouped_matmul: Callable = grouped_matmul_reference
+    # Int4 weights' products where the C++ matmul kernel does not take them (jaxinfer.layers
+    # .weights.Int4): int4_matmul_reference(x [T, K], qs, scale, bias) -> [T, *out].
+    int4_matmul: Callable = int4_matmul_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
@@ -107,6 +114,7 @@ def default_registry() -> KernelRegistry:
         "ffn": (fused_ffn_reference, fused_ffn),
         "norm": (add_rms_norm_reference, add_rms_norm),
         "grouped_matmul": (grouped_matmul_reference, grouped_matmul),
+        "int4_matmul": (int4_matmul_reference, int4_matmul),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

@@ -17,7 +17,6 @@ E: hidden size, I: intermediate size, V: vocabulary, T: tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -92,13 +91,17 @@ def xla_dense(x: jax.Array, w: jax.Array, layout: str, scale: jax.Array | None =
     return jnp.moveaxis(y, -1, 0)
 
 
-def gated_ffn_out_in(x: jax.Array, gate_up, down, matmul: Callable | None = None) -> jax.Array:
+def gated_ffn_projected(x: jax.Array, gate_up, down, kernels) -> jax.Array:
+    """down(silu(x @ W_gate) * (x @ W_up)) -> [T, E], each product through its weight's own
+    `project` (jaxinfer.layers.weights) with the model's `kernels`, token-major."""
+    h = gate_up.project(x, kernels)  # [T, 2, I]
+    return down.project(jax.nn.silu(h[:, 0]) * h[:, 1], kernels)
+
+
+def gated_ffn_out_in(x: jax.Array, gate_up, down) -> jax.Array:
     """down(silu(x @ W_gate) * (x @ W_up)) on "out_in" weights (jaxinfer.layers.weights:
-    gate_up [2, I, E], down [E, I]) -> [T, E], feature-major inside: the [I, T] activation is
-    never transposed. With a `matmul` kernel the two products run through it, token-major."""
-    if matmul is not None:
-        h = gate_up.project(x, OUT_IN, matmul)  # [T, 2, I]
-        return down.project(jax.nn.silu(h[:, 0]) * h[:, 1], OUT_IN, matmul)
+    gate_up [2, I, E], down [E, I]) with XLA's ops -> [T, E], feature-major inside: the
+    [I, T] activation is never transposed."""
     (gate_up, gate_up_scale), (down, down_scale) = gate_up.scaled(), down.scaled()
     gate_up, down = unstacked(gate_up), unstacked(down)
     if gate_up_scale is not None and x.shape[0] == 1:
@@ -118,20 +121,31 @@ def gated_ffn_out_in(x: jax.Array, gate_up, down, matmul: Callable | None = None
 def dense_ffn(x: jax.Array, gate_up, down, kernels) -> jax.Array:
     """The gated FFN of a dense layer (and of a MoE layer's shared expert) -> [T, E], in the
     model's weight layout: "in_out" through the FFN kernel (float weights), "out_in" as
-    gated_ffn_out_in (through the matmul kernel where there is one)."""
+    gated_ffn_out_in, or through the matmul kernel where there is one. Weights of a format
+    with its own kernel (packed int4) always go through it."""
+    if (kernels.matmul is not None and kernels.weight_layout == OUT_IN) or own_kernel(gate_up):
+        return gated_ffn_projected(x, gate_up, down, kernels)
     if kernels.weight_layout == IN_OUT:
         return kernels.ffn(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype))
-    return gated_ffn_out_in(x, gate_up, down, kernels.matmul)
+    return gated_ffn_out_in(x, gate_up, down)
 
 
-def lm_logits(x: jax.Array, head, layout: str, tied: bool, matmul: Callable | None = None):
-    """x [N, E] times the LM head (jaxinfer.layers.weights) -> [N, V]. The head is [V, E] when
-    tied (the embedding) or in "out_in", else [E, V]. In "out_in" a `matmul` kernel computes
-    it if given; else a vocabulary-major head runs as W @ x^T, except for a float head and a
+def own_kernel(weight) -> bool:
+    """Whether a weight's format multiplies only through its own kernel (`project`): it has
+    no array XLA's paths could take (jaxinfer.layers.weights.Int4)."""
+    return getattr(weight, "OWN_KERNEL", False)
+
+
+def lm_logits(x: jax.Array, head, tied: bool, kernels):
+    """x [N, E] times the LM head (jaxinfer.layers.weights) -> [N, V] with the model's
+    `kernels`. The head is [V, E] when tied (the embedding) or in "out_in", else [E, V]. In
+    "out_in" a matmul kernel computes it if there is one (and a format with its own kernel
+    always does); else a vocabulary-major head runs as W @ x^T, except for a float head and a
     single row, where the plain matrix-vector product was as fast or faster."""
+    layout = kernels.weight_layout
     vocab_major = tied or layout == OUT_IN
-    if layout == OUT_IN and matmul is not None:
-        return head.project(x, OUT_IN, matmul)
+    if (layout == OUT_IN and kernels.matmul is not None) or own_kernel(head):
+        return head.project(x, kernels)
     w, scale = head.scaled()
     if scale is not None and layout == OUT_IN:
         if x.shape[0] == 1:

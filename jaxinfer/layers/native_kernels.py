@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cpu_kernels.matmul.kernel import grouped_matmul
+from cpu_kernels.matmul.kernel import grouped_matmul, int4_matmul
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, unstacked, xla_dense
 
 # Rows of x up to which float32 products take the kernel (a step bucket; XLA above), where
@@ -46,6 +46,9 @@ class KernelMatmul:
     # The experts' grouped products, every row count (XLA has no grouped product but a dense
     # one over all experts): the same C++ library's, registered with `kernel`.
     grouped_kernel: Callable = grouped_matmul
+    # int4 weights: steps of up to 4 rows with activations rounded to int8 per 32 values
+    # (EngineOptions.int8_activations).
+    int8_activations: bool = False
 
     def float32(self, x, w):  # x [T, in], w [*out, in] -> [T, *out]
         if x.shape[0] > self.max_float_rows and not self.fixed_order:
@@ -60,6 +63,18 @@ class KernelMatmul:
         if isinstance(w, StackedWeight):
             return self.kernel(x, w.stacked, scale, layer=w.layer, **order)
         return self.kernel(x, w, scale, **order)
+
+    def int4(self, x, weight):
+        """x [T, in] times an Int4 weight (jaxinfer.layers.weights) -> [T, N], every row count
+        (XLA has no int4 product), through `kernel`'s library (its int4 entry point)."""
+        kwargs = {"int8_activations": self.int8_activations}
+        if self.fixed_order:
+            kwargs["fixed_order"] = True
+        qs, scale, bias = weight.qs, weight.scale, weight.bias
+        if isinstance(qs, StackedWeight):
+            kwargs["layer"] = qs.layer
+            qs, scale, bias = qs.stacked, scale.stacked, bias.stacked
+        return int4_matmul(x, qs, scale, bias, **kwargs)
 
     def grouped(self, x, w, group_sizes, scale=None, x_rows=None, y_rows=None):
         """x [M, in] sorted by group (or [X, in] gathered by x_rows) times w [G, *out, in] (or

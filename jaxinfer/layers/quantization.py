@@ -1,20 +1,62 @@
-"""Weight-only int8 quantization with one scale per output channel.
+"""Weight-only quantization at load: int8 with one scale per output channel, or int4 in
+groups along the input axis.
 
-Each projection weight W (and the LM head) is stored as int8 Q with a float32 scale s per
-output channel: W ~= Q * s, s = max |W| over the input axis / 127. Activations, norms, the KV
-cache and the embedding lookup stay in the model's dtype; a projection computes
-(x @ Q.astype(dtype)) * s. The weights are jaxinfer.layers.weights.Int8; quantized in the
-loader's "in_out" layout, before they are put in their run-time layout: the scales follow the
-output axes, whose order both layouts share.
+- int8: each projection weight W (and the LM head) is stored as int8 Q with a float32 scale s
+  per output channel: W ~= Q * s, s = max |W| over the input axis / 127
+  (jaxinfer.layers.weights.Int8). Quantized in the loader's "in_out" layout, before the
+  weights are put in their run-time layout: the scales follow the output axes, whose order
+  both layouts share.
+- int4: groups of 32, 64 or 128 inputs, symmetric or with a zero point per group, scale and
+  bias stored as float16 (jaxinfer.layers.weights.Int4; the format and its quantizer:
+  pallas_kernels.int4_matmul.reference).
+
+Activations, norms, the KV cache and the embedding lookup stay in the model's dtype.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.layers.weights import Dense, Int8
+from jaxinfer.layers.weights import Dense, Int4, Int8, _moveaxis
+from pallas_kernels.int4_matmul import reference as int4_reference
+
+METHODS = ("int8", "int4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """How float weights are quantized at load (EngineOptions.quantization and its options)."""
+
+    method: str  # "int8" or "int4"
+    group_size: int = 32  # int4: inputs per group
+    zero_point: bool = True  # int4: a zero point per group (else symmetric)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"quantization must be one of {METHODS}, got {self.method!r}")
+        if self.method == "int4" and self.group_size not in int4_reference.GROUP_SIZES:
+            raise ValueError(
+                f"int4 group size must be one of {int4_reference.GROUP_SIZES}, "
+                f"got {self.group_size}"
+            )
+
+    def __str__(self) -> str:
+        if self.method == "int8":
+            return "int8"
+        return f"int4 (groups of {self.group_size}, {'zero point' if self.zero_point else 'symmetric'})"
+
+    def quantize(self, weight: Dense):
+        """A float weight in this format."""
+        if self.method == "int8":
+            q, scale = quantize_int8(weight.w, axis=weight.input_axis)
+            return Int8(q, scale, weight.input_axis)
+        w = np.asarray(_moveaxis(np.asarray(weight.w, np.float32), weight.input_axis))
+        qs, scale, bias = int4_reference.quantize(w, self.group_size, not self.zero_point)
+        return Int4(qs, scale, bias, weight.input_axis)
 
 
 def quantize_int8(w, axis: int):
@@ -29,9 +71,4 @@ def quantize_int8(w, axis: int):
 
 def quantize(weight: Dense) -> Int8:
     """A float weight as int8 with per-output-channel scales (over its input axis)."""
-    q, scale = quantize_int8(weight.w, axis=weight.input_axis)
-    return Int8(q, scale, weight.input_axis)
-
-
-# EngineOptions.quantization -> what turns a float weight into that format.
-QUANTIZERS = {"int8": quantize}
+    return Quantization("int8").quantize(weight)

@@ -10,7 +10,8 @@ format holds its arrays and says:
   moved last.
 - `in_place(layer)`: layer `layer` of weights stacked over the layers, as a layer scan hands
   it to a matmul kernel that reads the stack in place (linear.StackedWeight).
-- `project(x, layout, matmul)`: x [T, in] -> [T, *out].
+- `project(x, kernels)`: x [T, in] -> [T, *out], through the model's kernels
+  (jaxinfer.layers.kernel_registry.ModelKernels: its weight layout, its matmul kernel).
 - `scaled()`: (an array XLA multiplies, its per-output-channel scale or None), for the paths
   that fuse the scale themselves (the feature-major FFN, the LM head); `dequantized(dtype)`:
   the float weight, for kernels that take float weights; `rows(ids, dtype)`: rows of a
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxinfer.layers import linear
 from jaxinfer.layers.linear import OUT_IN, StackedWeight
+from pallas_kernels.int4_matmul import reference as int4_reference
 
 
 def _moveaxis(a: Any, source: int) -> Any:
@@ -95,10 +97,10 @@ class Dense(_FloatWeight):
     def in_place(self, layer) -> Dense:
         return Dense(_in_place(self.w, layer), self.input_axis)
 
-    def project(self, x, layout: str, matmul=None):
-        if layout == OUT_IN and matmul is not None:
-            return matmul.float32(x, self.w)
-        return linear.xla_dense(x, self.w, layout)
+    def project(self, x, kernels):
+        if kernels.weight_layout == OUT_IN and kernels.matmul is not None:
+            return kernels.matmul.float32(x, self.w)
+        return linear.xla_dense(x, self.w, kernels.weight_layout)
 
 
 @_weight_class
@@ -123,10 +125,10 @@ class Int8:
     def in_place(self, layer) -> Int8:
         return Int8(_in_place(self.q, layer), self.scale[layer], self.input_axis)
 
-    def project(self, x, layout: str, matmul=None):
-        if layout == OUT_IN and matmul is not None:
-            return matmul.int8(x, self.q, self.scale)
-        return linear.xla_dense(x, self.q, layout, self.scale)
+    def project(self, x, kernels):
+        if kernels.weight_layout == OUT_IN and kernels.matmul is not None:
+            return kernels.matmul.int8(x, self.q, self.scale)
+        return linear.xla_dense(x, self.q, kernels.weight_layout, self.scale)
 
     def scaled(self):
         return self.q, self.scale
@@ -175,19 +177,86 @@ class GGUFBlocks(_FloatWeight):
             self.input_axis,
         )
 
-    def project(self, x, layout: str, matmul=None):
-        if matmul is None:
-            return linear.xla_dense(x, self.w, layout)
-        return matmul.blocks(x, self)
+    def project(self, x, kernels):
+        if kernels.matmul is None:
+            return linear.xla_dense(x, self.w, kernels.weight_layout)
+        return kernels.matmul.blocks(x, self)
 
 
-FORMATS = (Dense, Int8, GGUFBlocks)
+@_weight_class
+class Int4:
+    """4-bit weights in groups of G along the input axis: W = q * scale + bias per group
+    (the format: pallas_kernels.int4_matmul.reference). The arrays keep the input axis last
+    in either layout (the values are packed along it); `input_axis` is where it stands in the
+    float weight this one stands for, which `dequantized` returns. Every product goes through
+    the C++ matmul kernel where the model has one ("out_in"), else the model's int4 kernel
+    (ModelKernels.int4_matmul): there is no array XLA's paths could take (OWN_KERNEL)."""
+
+    qs: Any  # u8[*lead, *out, in / 2]
+    scale: Any  # f32 or f16 [*lead, *out, in / G]
+    bias: Any  # the same
+    input_axis: int = -1
+
+    OWN_KERNEL = True
+
+    @property
+    def size(self) -> int:  # values of the weight it stands for
+        return 2 * self.qs.size
+
+    @property
+    def group_size(self) -> int:
+        qs = self.qs.stacked if isinstance(self.qs, StackedWeight) else self.qs
+        scale = self.scale.stacked if isinstance(self.scale, StackedWeight) else self.scale
+        return 2 * qs.shape[-1] // scale.shape[-1]
+
+    def axes(self, weight_axes: tuple) -> Int4:
+        packed = _moveaxis(weight_axes, self.input_axis)
+        return Int4(packed, packed, packed, self.input_axis)
+
+    def to_out_in(self) -> Int4:
+        return Int4(self.qs, self.scale, self.bias, -1)
+
+    def in_place(self, layer) -> Int4:
+        return Int4(
+            _in_place(self.qs, layer),
+            _in_place(self.scale, layer),
+            _in_place(self.bias, layer),
+            self.input_axis,
+        )
+
+    def project(self, x, kernels):
+        if isinstance(self.qs, StackedWeight):
+            out = self.qs.stacked.shape[1:-1]
+        else:
+            out = self.qs.shape[:-1]
+        if kernels.matmul is not None and kernels.weight_layout == OUT_IN:
+            y = kernels.matmul.int4(x, self)  # the C++ kernel, stacked weights read in place
+        else:
+            qs, scale, bias = (linear.unstacked(a) for a in (self.qs, self.scale, self.bias))
+            y = kernels.int4_matmul(x, qs, scale, bias)
+        return y.reshape(x.shape[0], *out).astype(x.dtype)  # [T, *out]
+
+    def dequantized(self, dtype):
+        w = int4_reference.dequantize(
+            linear.unstacked(self.qs), linear.unstacked(self.scale), linear.unstacked(self.bias)
+        )
+        if self.input_axis != -1:
+            w = jnp.moveaxis(w, -1, self.input_axis)
+        return w.astype(dtype)
+
+    def rows(self, ids, dtype):
+        return int4_reference.dequantize(self.qs[ids], self.scale[ids], self.bias[ids]).astype(
+            dtype
+        )
+
+
+FORMATS = (Dense, Int8, GGUFBlocks, Int4)
 
 
 def dense(x, weight, kernels):
     """x [T, in] times a projection weight of any format -> [T, *out], in the model's weight
     layout and through its matmul kernel where it has one (ModelKernels)."""
-    return weight.project(x, kernels.weight_layout, kernels.matmul)
+    return weight.project(x, kernels)
 
 
 def is_weight(x) -> bool:

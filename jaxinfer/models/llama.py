@@ -27,7 +27,7 @@ from jaxinfer.layers.moe.experts import (
     FLOAT_PROJECTIONS,
     moe_ffn,
 )
-from jaxinfer.layers.quantization import QUANTIZERS
+from jaxinfer.layers.quantization import Quantization
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
@@ -113,10 +113,18 @@ def to_layout(tree: dict, layout: str) -> dict:
     return tree if layout == IN_OUT else _map_weights(lambda w: w.to_out_in(), tree)
 
 
-def quantize_weights(config: LlamaConfig, tree: dict, quantization: str = "int8") -> dict:
+def quantize_weights(
+    config: LlamaConfig, tree: dict, quantization: Quantization | str = "int8"
+) -> dict:
     """Every projection and the LM head (the embedding when tied) in the format of
-    `quantization` (jaxinfer.layers.quantization.QUANTIZERS)."""
-    quantize = QUANTIZERS[quantization]
+    `quantization` (jaxinfer.layers.quantization); a MoE router stays float
+    (FLOAT_PROJECTIONS). Weights already quantized (a quantized checkpoint's) stay as they are."""
+    if isinstance(quantization, str):
+        quantization = Quantization(quantization)
+
+    def quantize(w):
+        return quantization.quantize(w) if isinstance(w, Dense) else w
+
     out = dict(tree)
     out["layers"] = {
         name: quantize(w) if name in LAYER_PROJECTIONS else w for name, w in tree["layers"].items()
@@ -335,9 +343,7 @@ def lm_head(
     with jax.named_scope("lm_head"):
         x = kernels.rms_norm(hidden, params["norm"], config.rms_norm_eps)
         head = params[head_name(config)]
-        logits = lm_logits(
-            x, head, kernels.weight_layout, config.tie_word_embeddings, kernels.matmul
-        )
+        logits = lm_logits(x, head, config.tie_word_embeddings, kernels)
         logits = logits.astype(jnp.float32)
         if partitioner is not None:
             logits = partitioner.constrain(logits, (None, None))
@@ -394,12 +400,12 @@ def build_llama(
     dtype,
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
-    quantization: str | None = None,
+    quantization: Quantization | str | None = None,
     gguf_blocks: dict | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (the loader's tree: host
-    arrays, or arrays already placed), its projections as weights of their format (int8 if
-    `quantization`; jaxinfer.layers.weights), put in `weight_layout` and each array placed on
+    arrays, or arrays already placed), its projections as weights of their format (quantized
+    as `quantization` says; jaxinfer.layers.weights), put in `weight_layout` and each array placed on
     the partitioner's mesh by its logical axes (every device receives only its shards), or on
     the default device. gguf_blocks: GGUF blocks to keep beside their "out_in" weights
     (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree)."""

@@ -75,6 +75,57 @@ class MoeConfig:
         return self.router.top_k
 
 
+# quantization_config methods whose checkpoints load as they are (4-bit weights in groups).
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuantization:
+    """A checkpoint saved with 4-bit weights (config.json's quantization_config), loaded as
+    jaxinfer.layers.weights.Int4 (jaxinfer.model_loader.quantized_checkpoint)."""
+
+    method: str  # "awq" or "gptq"
+    group_size: int
+    # GPTQ's checkpoint_format "gptq" (v1) stores each zero point minus one; "gptq_v2" does not.
+    zeros_minus_one: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.method} int4 (groups of {self.group_size})"
+
+
+def _checkpoint_quantization(cfg: dict[str, Any], source: str) -> CheckpointQuantization | None:
+    q = cfg.get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method", "?")).lower()
+    if method not in CHECKPOINT_QUANTIZATIONS:
+        raise ValueError(
+            f"{source}: quantization_config quant_method {method!r} is not supported; "
+            f"supported: {', '.join(CHECKPOINT_QUANTIZATIONS)} (4-bit)"
+        )
+    bits, size = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
+    if bits != 4:
+        raise ValueError(f"{source}: {method} with {bits}-bit weights is not supported (4 only)")
+    if not isinstance(size, int) or size <= 0 or size % 32:
+        raise ValueError(
+            f"{source}: {method} group_size {size!r} is not supported (a multiple of 32; "
+            "per-channel scales, group_size -1, are not)"
+        )
+    if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
+        raise ValueError(f"{source}: AWQ version {q.get('version')!r} is not supported (gemm)")
+    if method == "awq" and not q.get("zero_point", True):
+        raise ValueError(f"{source}: AWQ without zero points is not supported")
+    if method == "gptq" and q.get("desc_act"):
+        raise ValueError(
+            f"{source}: GPTQ with desc_act (act-order: groups out of input order, g_idx) is "
+            "not supported; quantize with desc_act=false"
+        )
+    fmt = str(q.get("checkpoint_format", "gptq")).lower()
+    if method == "gptq" and fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{source}: GPTQ checkpoint_format {fmt!r} is not supported")
+    return CheckpointQuantization(method, size, zeros_minus_one=method == "gptq" and fmt == "gptq")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 style frequency scaling (`rope_scaling.rope_type == "llama3"`) or linear scaling."""
@@ -110,6 +161,7 @@ class LlamaConfig:
     clip_qkv: float | None = None  # q, k and v clipped to [-c, c] (OLMoE)
     sliding_window: int | None = None  # each token sees itself and the W - 1 tokens before
     moe: MoeConfig | None = None  # every layer's FFN is a mixture of experts
+    quantization: CheckpointQuantization | None = None  # saved with 4-bit weights (AWQ, GPTQ)
 
     @property
     def dense_intermediate_size(self) -> int:
@@ -182,6 +234,7 @@ class LlamaConfig:
             clip_qkv=cfg.get("clip_qkv") if arch == "OlmoeForCausalLM" else None,
             sliding_window=sliding_window,
             moe=_moe_config(arch, cfg, source),
+            quantization=_checkpoint_quantization(cfg, source),
         )
 
     @classmethod

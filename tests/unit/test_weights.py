@@ -89,7 +89,9 @@ def test_out_in_projections_match_numpy(rows):
         expected = x @ head
         for layout, tree_in_layout in ((IN_OUT, weights), (OUT_IN, to_layout(weights, OUT_IN))):
             w = tree_in_layout["embed"] if tied else tree_in_layout["lm_head"]
-            got = jax.jit(lm_logits, static_argnums=(2, 3))(x, w, layout, tied)
+            got = jax.jit(lm_logits, static_argnums=(2, 3))(
+                x, w, tied, ModelKernels(weight_layout=layout)
+            )
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
@@ -145,7 +147,9 @@ def test_int8_projections_match_their_dequantized_weights(rows):
     embed = tree["embed"]
     dequantized = embed.q * embed.scale[:, None]
     for layout, tree_in_layout in ((IN_OUT, tree), (OUT_IN, moved)):
-        got = jax.jit(lm_logits, static_argnums=(2, 3))(x, tree_in_layout["embed"], layout, True)
+        got = jax.jit(lm_logits, static_argnums=(2, 3))(
+            x, tree_in_layout["embed"], True, ModelKernels(weight_layout=layout)
+        )
         np.testing.assert_allclose(got, x @ dequantized.T, rtol=1e-5, atol=1e-4)
     ids = np.array([3, 0, V - 1])
     np.testing.assert_allclose(embed.rows(ids, np.float32), dequantized[ids], rtol=1e-6)

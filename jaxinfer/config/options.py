@@ -132,8 +132,10 @@ class EngineOptions:
     quantization_group_size: int = option(
         32, "int4: inputs per group (one scale and bias each).", GROUP_SIZES
     )
-    quantization_zero_point: bool = option(
-        True, "int4: a zero point per group (asymmetric); false: symmetric groups."
+    quantization_symmetric: bool = option(
+        False,
+        "int4: symmetric groups (scale max|w| / 7, offset -8 scale); false: each group's own "
+        "range (offset its minimum, as llama.cpp's Q4_1).",
     )
     int8_activations: bool = option(
         False,
@@ -238,7 +240,7 @@ class EngineOptions:
             raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         if not isinstance(self.expert_parallel, bool):
             raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
-        for name in ("quantization_zero_point", "int8_activations"):
+        for name in ("quantization_symmetric", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in (
@@ -259,7 +261,7 @@ def quantization_of(options: EngineOptions) -> Quantization | None:
     if options.quantization is None:
         return None
     return Quantization(
-        options.quantization, options.quantization_group_size, options.quantization_zero_point
+        options.quantization, options.quantization_group_size, options.quantization_symmetric
     )
 
 

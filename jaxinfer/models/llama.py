@@ -116,8 +116,8 @@ def to_layout(tree: dict, layout: str) -> dict:
 def quantize_weights(
     config: LlamaConfig, tree: dict, quantization: Quantization | str = "int8"
 ) -> dict:
-    """Every projection and the LM head (the embedding when tied) in the format of
-    `quantization` (jaxinfer.layers.quantization); a MoE router stays float
+    """Every projection in the format of `quantization` (jaxinfer.layers.quantization), the LM
+    head (the embedding when tied) in its head format (int8 under int4); a MoE router stays float
     (FLOAT_PROJECTIONS). Weights already quantized (a quantized checkpoint's) stay as they are."""
     if isinstance(quantization, str):
         quantization = Quantization(quantization)
@@ -130,7 +130,8 @@ def quantize_weights(
         name: quantize(w) if name in LAYER_PROJECTIONS else w for name, w in tree["layers"].items()
     }
     head = head_name(config)
-    out[head] = quantize(tree[head])
+    if isinstance(tree[head], Dense):
+        out[head] = quantization.head.quantize(tree[head])
     return out
 
 

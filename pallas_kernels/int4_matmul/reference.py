@@ -13,8 +13,8 @@ A weight [*out, K] (input axis last) is stored as
     W[..., g G + j] = q * scale[..., g] + bias[..., g]     (in float32)
 
 G (the group size) is a multiple of 32 that divides K; it is K / scale.shape[-1]. Symmetric
-int4 has bias = -8 scale; a zero point z gives bias = -z scale (AWQ, GPTQ); llama.cpp's Q4_1
-stores (d, m) = (scale, bias) directly.
+int4 has bias = -8 scale; an integer zero point z gives bias = -z scale (AWQ, GPTQ; Q4_0 has
+z = 8); llama.cpp's Q4_1 stores (d, m) = (scale, bias) directly.
 
 N: output rows (leading axes allowed), K: the contracted axis, T: rows of x.
 """
@@ -72,11 +72,10 @@ def int4_matmul_reference(
 def quantize(w: np.ndarray, size: int, symmetric: bool, dtype=np.float16):
     """(qs, scale, bias) of a float weight [..., K] (input axis last) in groups of `size`.
 
-    Symmetric: scale = max |w| / 7 over the group, q = round(w / scale) + 8 clipped to 0 .. 15,
-    bias = -8 scale. With a zero point: scale = (max - min) / 15, z = round(-min / scale),
-    q = round(w / scale) + z clipped, bias = -z scale. scale and bias are stored in `dtype`
-    (float16: 5 bits a weight at group 32); q is chosen against the stored scale and bias, so
-    the weight is the nearest point of the stored grid."""
+    Asymmetric (the default at load): each group's own range, scale = (max - min) / 15 and
+    bias = min (llama.cpp's Q4_1 grid). Symmetric: scale = max |w| / 7, bias = -8 scale. scale
+    and bias are stored in `dtype` (float16: 5 bits a weight at group 32), and q is the nearest
+    point of the stored grid, clipped to 0 .. 15."""
     w = np.asarray(w, np.float32)
     k = w.shape[-1]
     if size % BLOCK or k % size:
@@ -87,12 +86,10 @@ def quantize(w: np.ndarray, size: int, symmetric: bool, dtype=np.float16):
         scale = np.where(scale > 0, scale, 1.0).astype(dtype)
         bias = (-8.0 * scale.astype(np.float32)).astype(dtype)
     else:
-        lo = np.minimum(np.min(groups, axis=-1), 0.0)
-        hi = np.maximum(np.max(groups, axis=-1), 0.0)
+        lo, hi = np.min(groups, axis=-1), np.max(groups, axis=-1)
         scale = (hi - lo) / 15.0
         scale = np.where(scale > 0, scale, 1.0).astype(dtype)
-        zero = np.clip(np.rint(-lo / scale.astype(np.float32)), 0, 15)
-        bias = (-zero * scale.astype(np.float32)).astype(dtype)
+        bias = lo.astype(dtype)
     s32, b32 = scale.astype(np.float32)[..., None], bias.astype(np.float32)[..., None]
     q = np.clip(np.rint((groups - b32) / s32), 0, 15).astype(np.uint8)
     return pack(q.reshape(w.shape)), scale, bias

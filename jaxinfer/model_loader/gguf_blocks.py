@@ -54,6 +54,29 @@ def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
     return BlockWeight(fmt, values, scales)
 
 
+# Bytes of float16 parameters that open a Q4_0 (d) or Q4_1 (d, m) block, before its 16 bytes
+# of values (value j in the low nibble of byte j, value j + 16 in its high nibble).
+_INT4_BLOCK_PARAMS = {"Q4_0": 2, "Q4_1": 4}
+
+
+def int4_from_gguf(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 or Q4_1 tensor's raw blocks (u8[N, bytes per row]) as int4 groups of 32
+    (pallas_kernels.int4_matmul.reference): qs u8[N, K / 2], scale and bias f16[N, K / 32],
+    the same values bit for bit: Q4_1's W = d q + m is scale d, bias m; Q4_0's W = d (q - 8)
+    is scale d, bias -8 d (exact in float16)."""
+    head = _INT4_BLOCK_PARAMS[fmt]
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, -1, head + BLOCK // 2)
+    params = np.ascontiguousarray(blocks[..., :head]).view(np.float16)  # [N, K / 32, 1 or 2]
+    qs = np.ascontiguousarray(blocks[..., head:]).reshape(rows, -1)
+    scale = np.ascontiguousarray(params[..., 0])
+    if fmt == "Q4_0":
+        bias = (scale.astype(np.float32) * -8.0).astype(np.float16)
+    else:
+        bias = np.ascontiguousarray(params[..., 1])
+    return qs, scale, bias
+
+
 def _one_format(weights: list[BlockWeight | None]) -> bool:
     """Whether every weight has blocks, all in the same format."""
     return all(w is not None for w in weights) and len({w.fmt for w in weights}) == 1

@@ -113,9 +113,12 @@ def agreement(reference: LLM, other: LLM, streams: list[list[int]]) -> Agreement
     return Agreement(float(np.mean(np.concatenate(kls))), same / total, total)
 
 
-define_engine_flags()
-flags.DEFINE_integer("positions", 256, "Tokens per stream (prompt and answer).")
-flags.DEFINE_integer("prompts", 16, "Streams (one per topic).")
+def define_flags() -> None:
+    """The engine's flags and this tool's (defined when run, not on import: the tests import
+    `agreement` and `token_streams`)."""
+    define_engine_flags()
+    flags.DEFINE_integer("positions", 256, "Tokens per stream (prompt and answer).")
+    flags.DEFINE_integer("prompts", 16, "Streams (one per topic).")
 
 
 def main(argv):
@@ -133,4 +136,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

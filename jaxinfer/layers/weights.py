@@ -250,6 +250,44 @@ class Int4:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Int4Parts:
+    """An Int4 weight while the loader assembles it (a quantized checkpoint's projection,
+    jaxinfer.model_loader.quantized_checkpoint): its three arrays in the loader's "in_out"
+    axes, the packed input axis (K / 2 values for qs, K / G for scale and bias) where the float
+    weight has its input axis. `map` applies one array operation to each (transposes, fusing
+    QKV, stacking layers), as the loader does to float weights."""
+
+    qs: Any
+    scale: Any
+    bias: Any
+
+    def map(self, fn, *others: Int4Parts) -> Int4Parts:
+        arrays = zip(
+            (self.qs, self.scale, self.bias),
+            *((o.qs, o.scale, o.bias) for o in others),
+            strict=True,
+        )
+        return Int4Parts(*(fn(*a) for a in arrays))
+
+    @property
+    def T(self) -> Int4Parts:
+        return self.map(lambda a: a.T)
+
+    def weight(self, input_axis: int) -> Int4:
+        """The Int4 weight whose float weight has its input axis at `input_axis`."""
+        return Int4(
+            *(_moveaxis(a, input_axis) for a in (self.qs, self.scale, self.bias)), input_axis
+        )
+
+
+def mapped(fn, *arrays):
+    """fn(*arrays) on float arrays, or on each of Int4Parts' arrays."""
+    if isinstance(arrays[0], Int4Parts):
+        return arrays[0].map(fn, *arrays[1:])
+    return fn(*arrays)
+
+
 FORMATS = (Dense, Int8, GGUFBlocks, Int4)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from jaxinfer.layers.weights import mapped
+from jaxinfer.model_loader.quantized_checkpoint import read_linear
 from jaxinfer.models.llama_config import LlamaConfig
 
 
@@ -101,7 +103,9 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     Projections are stored as [in, out] (x @ W). Q, K and V are fused grouped by KV head,
     [E, K, H/K + 2, D], and gate and up stacked, [E, 2, I]: splitting K (or I) over devices
     gives each device whole heads (whole columns). `config` is the model's: with
-    kv_replicas = r > 1 it has r times the checkpoint's KV heads (see replicate_kv).
+    kv_replicas = r > 1 it has r times the checkpoint's KV heads (see replicate_kv). A
+    quantized checkpoint's (AWQ, GPTQ) projections come as jaxinfer.layers.weights.Int4Parts,
+    assembled the same way (jaxinfer.model_loader.quantized_checkpoint).
     """
     files = checkpoint_files(folder)
     cfg = config
@@ -114,34 +118,52 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
         def get(name, shape):
             return reader.get(name, shape, dtype)
 
-        def stacked(fn):
-            return np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)])
+        def linear(prefix, shape):  # [out, in]: a float weight, or a quantized one's Int4Parts
+            if cfg.quantization is not None and reader.has(prefix + "qweight"):
+                return read_linear(reader, prefix, shape, cfg.quantization)
+            return get(prefix + "weight", shape)
 
-        def qkv(p, part, shapes):
-            names = [p + f"self_attn.{x}_proj.{part}" for x in "qkv"]
-            q_, k_, v_ = (get(n, s) for n, s in zip(names, shapes, strict=True))
-            if part == "weight":
-                q_, k_, v_ = q_.T, k_.T, v_.T
-            return replicate_kv(fuse_qkv(q_, k_, v_, K, D), kv_replicas)
+        def stacked(fn):
+            layers = [fn(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+            return mapped(lambda *a: np.stack(a), *layers)
+
+        def transposed(w):
+            return mapped(lambda a: a.T, w)
+
+        def fused_qkv(q_, k_, v_):
+            return mapped(lambda *a: replicate_kv(fuse_qkv(*a, K, D), kv_replicas), q_, k_, v_)
+
+        def qkv_bias(p):
+            names = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            return fused_qkv(*(get(n, s) for n, s in zip(names, [(q,), (kv,), (kv,)], strict=True)))
+
+        def qkv(p):
+            shapes = {"q": (q, E), "k": (kv, E), "v": (kv, E)}
+            return fused_qkv(
+                *(transposed(linear(p + f"self_attn.{x}_proj.", shapes[x])) for x in "qkv")
+            )
 
         layers = {
             "input_norm": stacked(lambda p: get(p + "input_layernorm.weight", (E,))),
             "post_attention_norm": stacked(
                 lambda p: get(p + "post_attention_layernorm.weight", (E,))
             ),
-            "qkv_proj": stacked(lambda p: qkv(p, "weight", [(q, E), (kv, E), (kv, E)])),
-            "o_proj": stacked(lambda p: get(p + "self_attn.o_proj.weight", (E, q)).T),
+            "qkv_proj": stacked(qkv),
+            "o_proj": stacked(lambda p: transposed(linear(p + "self_attn.o_proj.", (E, q)))),
         }
         if I:
             # the dense FFN, or a MoE layer's shared expert
             mlp = "mlp.shared_expert." if cfg.moe is not None else "mlp."
             layers["gate_up_proj"] = stacked(
-                lambda p: gate_up_in_out(
-                    get(p + mlp + "gate_proj.weight", (I, E)),
-                    get(p + mlp + "up_proj.weight", (I, E)),
+                lambda p: mapped(
+                    gate_up_in_out,
+                    linear(p + mlp + "gate_proj.", (I, E)),
+                    linear(p + mlp + "up_proj.", (I, E)),
                 )
             )
-            layers["down_proj"] = stacked(lambda p: get(p + mlp + "down_proj.weight", (E, I)).T)
+            layers["down_proj"] = stacked(
+                lambda p: transposed(linear(p + mlp + "down_proj.", (E, I)))
+            )
         if cfg.qk_norm is not None:
             k_heads = K if cfg.qk_norm == "all" else 1
             q_width = q if cfg.qk_norm == "all" else D
@@ -155,7 +177,7 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
         if cfg.moe is not None:
             layers.update(load_moe_layers(reader, cfg, dtype))
         if cfg.attention_bias:
-            layers["qkv_bias"] = stacked(lambda p: qkv(p, "bias", [(q,), (kv,), (kv,)]))
+            layers["qkv_bias"] = stacked(qkv_bias)
         params = {
             "embed": get("model.embed_tokens.weight", (V, E)),
             "layers": layers,

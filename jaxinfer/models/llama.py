@@ -29,7 +29,7 @@ from jaxinfer.layers.moe.experts import (
 )
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
-from jaxinfer.layers.weights import Dense, GGUFBlocks, dense, is_weight
+from jaxinfer.layers.weights import Dense, GGUFBlocks, Int4Parts, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
 
@@ -72,11 +72,16 @@ LAYER_PROJECTIONS = {
 
 def as_weights(config: LlamaConfig, params: dict) -> dict:
     """The loader's tree with every projection (a MoE router too; the LM head; the embedding,
-    which is the head when tied) as a jaxinfer.layers.weights.Dense."""
+    which is the head when tied) as a jaxinfer.layers.weights.Dense, or an Int4 where a
+    quantized checkpoint holds it so (Int4Parts)."""
     out = dict(params)
     projections = {**LAYER_PROJECTIONS, **FLOAT_PROJECTIONS}
+
+    def weight(a, input_axis: int):
+        return a.weight(input_axis) if isinstance(a, Int4Parts) else Dense(a, input_axis)
+
     out["layers"] = {
-        name: Dense(a, projections[name]) if name in projections else a
+        name: weight(a, projections[name]) if name in projections else a
         for name, a in params["layers"].items()
     }
     out["embed"] = Dense(params["embed"], -1)  # [V, E]

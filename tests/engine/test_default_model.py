@@ -11,9 +11,10 @@ import transformers
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.step import SchedulerOutput
-from jaxinfer.layers.weights import Int8
+from jaxinfer.layers.weights import Int4, Int8
 from jaxinfer.model_loader.model_cache import resolve_model
 from tests.conftest import layer_weights, scheduled
+from tools.quant_accuracy import agreement, token_streams
 
 pytestmark = pytest.mark.default_model
 
@@ -150,6 +151,24 @@ def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_di
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         a, b = a.outputs[0], b.outputs[0]
         check_logprobs_close((a.token_ids, a.logprobs), (b.token_ids, b.logprobs), f"prompt {i}")
+
+
+def test_int4_top1_agreement_with_float32(llm, model_cache_dir):
+    """int4 in groups of 32 (the LM head in int8) against the float32 engine, teacher-forced
+    over 16 fixed streams of 256 tokens (tools/quant_accuracy.py): the top-1 token agrees at
+    97% of the positions or more; the mean KL divergence is reported."""
+    int4 = LLM(
+        cache_dir=str(model_cache_dir),
+        quantization="int4",
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        max_model_len=320,
+    )
+    assert isinstance(layer_weights(int4.engine.runner)["gate_up_proj"], Int4)
+    result = agreement(llm, int4, token_streams(llm, positions=256, prompts=16))
+    print(f"int4 g32: mean KL {result.mean_kl:.5f} nats, top-1 agreement {result.top1:.4f}")
+    assert result.positions == 16 * 256
+    assert result.top1 >= 0.97
 
 
 def test_greedy_output_same_alone_and_in_batch_of_16(llm):

@@ -769,6 +769,15 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return Run(pool, p);
 }
 
+// int4 experts' group parameters (Problem's fields, for expert 0; the others follow).
+struct Int4Groups {
+  const char* scale = nullptr;
+  const char* bias = nullptr;
+  bool scale_f16 = false, bias_f16 = false;
+  int64_t group = 0;
+  bool int8_activations = false;
+};
+
 // Grouped products (the experts of a mixture-of-experts layer): rows of the product sorted by
 // group, group g's rows [offset_g, offset_g + size_g) times its own weight w[g] [N, K]. Row r
 // of the product reads x's row x_rows[r] (a gather: x holds each token once) and is written to
@@ -781,7 +790,10 @@ template <typename W>
 ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, int64_t x_count, const W* w,
                       const float* scale, const int32_t* sizes, int64_t groups,
                       const int32_t* x_rows, const int32_t* y_rows, int64_t m, int64_t n,
-                      int64_t k, bool fixed_order, float* y) {
+                      int64_t k, bool fixed_order, float* y, const Int4Groups& int4 = {}) {
+  constexpr bool kInt4 = std::is_same_v<W, uint8_t>;
+  const int64_t weight_size = kInt4 ? n * k / 2 : n * k;  // one expert's, in W's
+  const int64_t params = kInt4 ? n * (k / int4.group) : 0;  // one expert's scales
   std::vector<Problem<W>> problems;
   std::vector<int64_t> starts;  // each problem's first row of the product
   std::vector<int64_t> first_task{0};  // each problem's first tile in the task list
@@ -793,10 +805,16 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, int64_t x_count, co
       return ffi::Error::InvalidArgument("grouped matmul: group sizes must sum to at most M");
     }
     if (size == 0) continue;
-    Problem<W> p{x + row * k, w + g * n * k, scale == nullptr ? nullptr : scale + g * n,
+    Problem<W> p{x + row * k, w + g * weight_size, scale == nullptr ? nullptr : scale + g * n,
                  y_rows == nullptr ? y + row * n : y};
     p.m = size, p.n = n, p.k = k, p.fixed_order = fixed_order;
     p.stream_rows = kMaxStreamRows;
+    if constexpr (kInt4) {
+      p.group = int4.group;
+      p.scale_f16 = int4.scale_f16, p.bias_f16 = int4.bias_f16;
+      p.group_scale = int4.scale + g * params * (int4.scale_f16 ? 2 : 4);
+      p.group_bias = int4.bias + g * params * (int4.bias_f16 ? 2 : 4);
+    }
     if (y_rows != nullptr) p.y_rows = y_rows + row;
     const int64_t c = p.Streams() ? std::max(kTile, (n + kStreamClaims - 1) / kStreamClaims)
                                   : kOuterTile;
@@ -829,6 +847,7 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, int64_t x_count, co
   std::vector<std::vector<float>> buffers(count);
   std::vector<std::vector<int16_t>> rounded(count);
   std::vector<std::array<float, kMaxStreamRows>> row_scales(count);
+  std::vector<Int4Rows> int4_rows(kInt4 ? count : 0);
   std::vector<float*> xt(count, nullptr);
   std::vector<int64_t> mp(count, 0);
   jaxinfer::ParallelFor(pool, static_cast<int64_t>(count), [&](int64_t i) {
@@ -855,6 +874,7 @@ ffi::Error RunGrouped(ffi::ThreadPool& pool, const float* x, int64_t x_count, co
       p.xq = rounded[i].data();
       p.x_scale = row_scales[i].data();
     }
+    if constexpr (kInt4) int4_rows[i].Prepare(p, int4.int8_activations);
   });
   jaxinfer::ParallelFor(pool, first_task.back(), [&](int64_t t) {
     const size_t i =
@@ -936,7 +956,85 @@ ffi::Error Int8GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             RowsOrNull(y_rows), m, n, k, fixed_order, y->typed_data());
 }
 
+// int4 experts: x [X, K], qs [L, G, N, K / 2], scale and bias [L, G, N, K / S] (S the group
+// size, a multiple of 32), float32 or float16 each; otherwise as F32GroupedMatmul.
+ffi::Error Int4GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::U8> qs, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> x_rows,
+                             ffi::Buffer<ffi::S32> y_rows, ffi::Buffer<ffi::S32> layer,
+                             bool fixed_order, bool int8_activations,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions();
+  const auto q_dims = qs.dimensions();
+  const auto y_dims = y->dimensions();
+  const int64_t groups = sizes.element_count();
+  if (x_dims.size() != 2 || q_dims.size() < 3 || y_dims.size() != 2 ||
+      x_dims[1] != 2 * q_dims.back() || q_dims[q_dims.size() - 3] != groups ||
+      y_dims[1] != q_dims[q_dims.size() - 2]) {
+    return ffi::Error::InvalidArgument(
+        "grouped int4 matmul: x [X, K], qs [.., G, N, K / 2], y [M, N]");
+  }
+  const int64_t m = y_dims[0], k = x_dims[1], n = y_dims[1];
+  const int64_t x_count = static_cast<int64_t>(x_rows.element_count());
+  const int64_t y_count = static_cast<int64_t>(y_rows.element_count());
+  if ((x_count != 0 && x_count != m) || (x_count == 0 && x_dims[0] != m) ||
+      (y_count != 0 && y_count != m)) {
+    return ffi::Error::InvalidArgument("grouped int4 matmul: mismatched rows");
+  }
+  const int64_t weight = groups * n * k / 2;
+  const int64_t layers = weight == 0 ? 0 : static_cast<int64_t>(qs.element_count()) / weight;
+  const int64_t params = static_cast<int64_t>(scale.element_count());
+  const auto is_float = [](const ffi::AnyBuffer& b) {
+    return b.element_type() == ffi::DataType::F32 || b.element_type() == ffi::DataType::F16;
+  };
+  if (weight == 0 || m == 0) {
+    std::fill(y->typed_data(), y->typed_data() + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+  if (k % 32 != 0 || !is_float(scale) || !is_float(bias) ||
+      static_cast<int64_t>(bias.element_count()) != params || params % (layers * groups * n) ||
+      params == 0) {
+    return ffi::Error::InvalidArgument(
+        "grouped int4 matmul: scale and bias [L, G, N, K / S], float32 or float16");
+  }
+  const int64_t per_row = params / (layers * groups * n);
+  const int64_t index = layer.typed_data()[0];
+  if (k % per_row != 0 || (k / per_row) % 32 != 0 || index < 0 || index >= layers) {
+    return ffi::Error::InvalidArgument(
+        "grouped int4 matmul: the group size must be a multiple of 32; layer in range");
+  }
+  Int4Groups int4;
+  int4.group = k / per_row;
+  int4.scale_f16 = scale.element_type() == ffi::DataType::F16;
+  int4.bias_f16 = bias.element_type() == ffi::DataType::F16;
+  const int64_t layer_params = groups * n * per_row;
+  int4.scale = static_cast<const char*>(scale.untyped_data()) +
+               index * layer_params * (int4.scale_f16 ? 2 : 4);
+  int4.bias = static_cast<const char*>(bias.untyped_data()) +
+              index * layer_params * (int4.bias_f16 ? 2 : 4);
+  int4.int8_activations = int8_activations;
+  return RunGrouped<uint8_t>(pool, x.typed_data(), x_dims[0], qs.typed_data() + index * weight,
+                             nullptr, sizes.typed_data(), groups, RowsOrNull(x_rows),
+                             RowsOrNull(y_rows), m, n, k, fixed_order, y->typed_data(), int4);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferInt4GroupedMatmul, Int4GroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [X, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // qs [L, G, N, K / 2]
+                                  .Arg<ffi::AnyBuffer>()         // scale [L, G, N, K / S]
+                                  .Arg<ffi::AnyBuffer>()         // bias
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // x_rows [M] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // y_rows [M] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Attr<bool>("fixed_order")
+                                  .Attr<bool>("int8_activations")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferF32GroupedMatmul, F32GroupedMatmul,
                               ffi::Ffi::Bind()

@@ -26,7 +26,7 @@ from cpu_kernels.build import KernelBuildError, build, load, register
 SOURCE = Path(__file__).with_name("kernel.cc")
 F32_TARGET, INT8_TARGET = "jaxinfer_f32_matmul", "jaxinfer_int8_matmul"
 F32_GROUPED, INT8_GROUPED = "jaxinfer_f32_grouped_matmul", "jaxinfer_int8_grouped_matmul"
-INT4_TARGET = "jaxinfer_int4_matmul"
+INT4_TARGET, INT4_GROUPED = "jaxinfer_int4_matmul", "jaxinfer_int4_grouped_matmul"
 
 
 def _is_int8(x: jax.Array, w: jax.Array, scale: jax.Array | None, name: str) -> bool:
@@ -179,6 +179,59 @@ def int4_matmul(
     return y.reshape(x.shape[0], *out)
 
 
+def grouped_int4_matmul(
+    x: jax.Array,  # [M, K] float32 rows sorted by group; [X, K] with x_rows
+    qs: jax.Array,  # u8[G, *out, K / 2]; [L, G, *out, K / 2] with `layer`
+    scale: jax.Array,  # [G, *out, K / S] float32 or float16 ([L, ...] with `layer`)
+    bias: jax.Array,
+    group_sizes: jax.Array,  # i32[G]
+    *,
+    x_rows: jax.Array | None = None,
+    y_rows: jax.Array | None = None,
+    layer: jax.Array | None = None,
+    fixed_order: bool = False,
+    int8_activations: bool = False,
+) -> jax.Array:  # [M, *out] float32
+    """grouped_matmul for int4 experts (each group's rows as int4_matmul over its weight)."""
+    lead = 2 if layer is not None else 1
+    groups, out = qs.shape[lead - 1], qs.shape[lead:-1]
+    rows = x.shape[0] if x_rows is None else x_rows.shape[0]
+    if (
+        x.dtype != jnp.float32
+        or qs.dtype != jnp.uint8
+        or x.ndim != 2
+        or x.shape[1] != 2 * qs.shape[-1]
+        or scale.shape != bias.shape
+        or scale.shape[:-1] != qs.shape[:-1]
+        or group_sizes.shape != (groups,)
+        or (y_rows is not None and y_rows.shape != (rows,))
+    ):
+        raise ValueError(
+            "grouped_int4_matmul: x f32[M, K], qs u8[G, *out, K / 2], scale and bias "
+            f"[G, *out, K / S], group_sizes [G]; got {x.dtype}{list(x.shape)}, "
+            f"{qs.dtype}{list(qs.shape)}, {list(scale.shape)}, {list(bias.shape)}, "
+            f"{list(group_sizes.shape)}"
+        )
+    n = math.prod(out)
+    qs = qs.reshape(*qs.shape[:lead], n, qs.shape[-1])
+    scale = scale.reshape(*scale.shape[:lead], n, scale.shape[-1])
+    bias = bias.reshape(*bias.shape[:lead], n, bias.shape[-1])
+    none = jnp.zeros((0,), jnp.int32)
+    y = jax.ffi.ffi_call(INT4_GROUPED, jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+        x,
+        qs,
+        scale,
+        bias,
+        group_sizes.astype(jnp.int32),
+        none if x_rows is None else x_rows.astype(jnp.int32),
+        none if y_rows is None else y_rows.astype(jnp.int32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32),
+        fixed_order=fixed_order,
+        int8_activations=int8_activations,
+    )
+    return y.reshape(rows, *out)
+
+
 def load_matmul(build_dir: Path) -> Callable:
     """`matmul`, ready to call: builds kernel.cc into `build_dir` if needed and registers it.
     KernelBuildError if the host has no C++ compiler, or a CPU without AVX2 and FMA."""
@@ -190,4 +243,5 @@ def load_matmul(build_dir: Path) -> Callable:
     register(library, "JaxinferF32GroupedMatmul", F32_GROUPED)
     register(library, "JaxinferInt8GroupedMatmul", INT8_GROUPED)
     register(library, "JaxinferInt4Matmul", INT4_TARGET)
+    register(library, "JaxinferInt4GroupedMatmul", INT4_GROUPED)
     return matmul

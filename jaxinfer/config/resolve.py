@@ -233,11 +233,6 @@ def resolve(
             "quantization unset (or int4, which quantizes the float weights left, the LM head)"
         )
     int4 = options.quantization == "int4" or arch.quantization is not None
-    if int4 and arch.moe is not None:
-        raise ValueError(
-            "int4 weights are not supported for mixture-of-experts models yet (the grouped "
-            "expert kernels take float and int8 experts): use quantization 'int8' or none"
-        )
     if int4:
         int4_kernel = pick("int4_matmul", options.int4_matmul_impl)
     else:  # no int4 weights: nothing to choose or probe

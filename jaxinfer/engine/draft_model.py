@@ -257,8 +257,7 @@ def load_draft(
             f"tokenizer (vocab_size {config.model.arch.vocab_size}, the model's "
             f"{target.model.arch.vocab_size})"
         )
-    gguf = gguf_source if config.resolved.gguf_blocks else None
-    graphdef, state, _ = load_model(folder, config, partitioner, gguf)
+    graphdef, state, _ = load_model(folder, config, partitioner, gguf_source)
     constants = kv_calibration.calibrate(config, graphdef, state, kernels, partitioner, tokenizer)
     runner = ModelRunner(
         config, graphdef, state, kernels, partitioner, sampling=False, kv_constants=constants

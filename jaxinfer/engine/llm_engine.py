@@ -58,8 +58,8 @@ class LLMEngine:
             make_mesh(parallel.tensor_parallel_size), expert_parallel=parallel.expert_parallel
         )
         graphdef, state, self.gguf_weights = load_model(
-            folder, self.config, self.partitioner, gguf_source if resolved.gguf_blocks else None
-        )  # gguf_weights: the weights kept with GGUF blocks too
+            folder, self.config, self.partitioner, gguf_source
+        )  # gguf_weights: the weights kept with GGUF blocks too (or taken from them: int4)
 
         self.draft = None  # speculative decoding's draft model
         if self.config.speculative.method == "draft":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from cpu_kernels.matmul.kernel import grouped_matmul, int4_matmul
+from cpu_kernels.matmul.kernel import grouped_int4_matmul, grouped_matmul, int4_matmul
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, unstacked, xla_dense
 
 # Rows of x up to which float32 products take the kernel (a step bucket; XLA above), where
@@ -86,6 +86,17 @@ class KernelMatmul:
         if isinstance(w, StackedWeight):
             return self.grouped_kernel(x, w.stacked, group_sizes, scale, layer=w.layer, **kwargs)
         return self.grouped_kernel(x, w, group_sizes, scale, **kwargs)
+
+    def grouped_int4(self, x, weight, group_sizes, x_rows=None, y_rows=None):
+        """`grouped` for Int4 experts (weight: jaxinfer.layers.weights.Int4 over [G, ...])."""
+        kwargs = {"x_rows": x_rows, "y_rows": y_rows, "int8_activations": self.int8_activations}
+        if self.fixed_order:
+            kwargs["fixed_order"] = True
+        qs, scale, bias = weight.qs, weight.scale, weight.bias
+        if isinstance(qs, StackedWeight):
+            kwargs["layer"] = qs.layer
+            qs, scale, bias = qs.stacked, scale.stacked, bias.stacked
+        return grouped_int4_matmul(x, qs, scale, bias, group_sizes, **kwargs)
 
     def blocks(self, x, weight):
         """A weight with GGUF blocks (jaxinfer.layers.weights.GGUFBlocks)."""

@@ -50,6 +50,12 @@ class Quantization:
         return f"int4 (groups of {self.group_size}{', symmetric' if self.symmetric else ''})"
 
     @property
+    def from_q4_blocks(self) -> bool:
+        """Whether a GGUF source's Q4_1 blocks are this format's weights as they are (int4 in
+        asymmetric groups of 32: scale d, bias m, jaxinfer.model_loader.gguf_blocks)."""
+        return self.method == "int4" and self.group_size == 32 and not self.symmetric
+
+    @property
     def head(self) -> Quantization:
         """The LM head's (and tied embedding's) quantization: int8 per output channel under
         int4 too. The logits are the most sensitive product of all (llama.cpp keeps its output

@@ -30,7 +30,8 @@ def load_model(
     loader's "in_out" layout, quantized if the config says so, then put in the resolved
     weight layout. gguf_file: the GGUF the folder was converted from, whose blocks are kept
     beside the weights they reproduce exactly, when the resolved options keep GGUF blocks
-    (finding none is an error where they were required)."""
+    (finding none is an error where they were required); under int4 in groups of 32, the
+    file's Q4_1 projections become the int4 weights as they are (gguf_blocks lists either)."""
     weight_layout = config.resolved.weight_layout
     arch, dtype = config.model.arch, config.model.dtype
     replicas = config.parallel.kv_replicas
@@ -38,21 +39,36 @@ def load_model(
         params = restore_params(folder, dtype, partitioner, PARAM_AXES, replicas)
     else:
         params = load_llama_params(folder, arch, np.dtype(dtype), replicas)
-    blocks = None
-    if gguf_file is not None:
+    blocks = int4_blocks = None
+    quantization = config.model.quantization
+    if gguf_file is not None and config.resolved.gguf_blocks:
         required = config.resolved.gguf_blocks_required
         blocks = kept_gguf_blocks(gguf_file, config, params, required)
+    elif gguf_file is not None and quantization is not None and quantization.from_q4_blocks:
+        int4_blocks = q4_blocks(gguf_file, config, params)
     graphdef, state = build_llama(
         arch,
         params,
         dtype,
         partitioner,
         weight_layout,
-        config.model.quantization,
+        quantization,
         blocks,
+        int4_blocks,
     )
-    names = [] if blocks is None else [*blocks["layers"], *(n for n in blocks if n != "layers")]
+    kept = blocks or int4_blocks
+    names = [] if kept is None else [*kept["layers"], *(n for n in kept if n != "layers")]
     return graphdef, state, names
+
+
+def q4_blocks(path: Path, config: EngineConfig, params: dict) -> dict | None:
+    """The GGUF file's Q4_1 projections that dequantize bit for bit to the loaded weights, for
+    int4 in groups of 32 to take as they are ({"layers": {name: BlockWeight}}), or None."""
+    kept = kept_gguf_blocks(path, config, params, required=False)
+    if kept is None:
+        return None
+    layers = {name: w for name, w in kept["layers"].items() if w.fmt == "Q4_1"}
+    return {"layers": layers} if layers else None
 
 
 def kept_gguf_blocks(path: Path, config: EngineConfig, params: dict, required: bool):

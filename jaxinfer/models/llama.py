@@ -29,7 +29,7 @@ from jaxinfer.layers.moe.experts import (
 )
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
-from jaxinfer.layers.weights import Dense, GGUFBlocks, Int4Parts, dense, is_weight
+from jaxinfer.layers.weights import Dense, GGUFBlocks, Int4, Int4Parts, dense, is_weight
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
 
@@ -156,6 +156,26 @@ def with_gguf_blocks(tree: dict, blocks: dict, axes: bool = False) -> dict:
     for name, block in blocks.items():
         if name != "layers":
             out[name] = attach(tree[name], block)
+    return out
+
+
+def with_q4_blocks(tree: dict, blocks: dict) -> dict:
+    """The tree with the int4 weights (groups of 32) named in `blocks` replaced by the GGUF
+    file's own Q4_1 blocks ({"layers": {name: BlockWeight}}, "out_in" rows): the same format
+    (scale d, bias m), the file's values bit for bit rather than quantized again."""
+    out = dict(tree)
+    out["layers"] = dict(tree["layers"])
+    for name, block in blocks["layers"].items():
+        w = tree["layers"][name]
+        if not isinstance(w, Int4) or w.group_size != 32:
+            continue
+        d, m = block.scales[..., 0], block.scales[..., 1]  # [L, N, K / 32] (float16 values)
+        out["layers"][name] = Int4(
+            block.qs.reshape(w.qs.shape),
+            d.reshape(w.scale.shape).astype(np.float16),
+            m.reshape(w.bias.shape).astype(np.float16),
+            w.input_axis,
+        )
     return out
 
 
@@ -408,16 +428,20 @@ def build_llama(
     weight_layout: str = IN_OUT,
     quantization: Quantization | str | None = None,
     gguf_blocks: dict | None = None,
+    int4_blocks: dict | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (the loader's tree: host
     arrays, or arrays already placed), its projections as weights of their format (quantized
     as `quantization` says; jaxinfer.layers.weights), put in `weight_layout` and each array placed on
     the partitioner's mesh by its logical axes (every device receives only its shards), or on
     the default device. gguf_blocks: GGUF blocks to keep beside their "out_in" weights
-    (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree)."""
+    (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree); int4_blocks: Q4_1 blocks to
+    take as the int4 weights themselves (the same tree, with_q4_blocks)."""
     values = as_weights(config, {k: v for k, v in params.items() if k != "rope_cache"})
     if quantization is not None:
         values = quantize_weights(config, values, quantization)
+    if int4_blocks:
+        values = with_q4_blocks(values, int4_blocks)
     axes = weight_axes(values)
     values, axes = to_layout(values, weight_layout), to_layout(axes, weight_layout)
     if gguf_blocks:

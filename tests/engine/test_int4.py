@@ -186,9 +186,24 @@ def test_int4_engine_stays_logprob_close_to_float32(checkpoints, float_outputs, 
 def test_int4_options_refused_where_they_cannot_apply(checkpoints, tiny_model_dir):
     with pytest.raises(ValueError, match="int8_activations"):
         LLM(model=str(checkpoints["float"]), int8_activations=True, **TINY_OPTIONS)
-    with pytest.raises(ValueError, match="group size"):
+    with pytest.raises(ValueError, match="quantization_group_size"):
         LLM(model=str(checkpoints["float"]), quantization="int4", quantization_group_size=48)
     # the tiny model's FFN width (112) is no multiple of 32: its down projection cannot be grouped
     with pytest.raises(ValueError, match="K=112"):
         LLM(model=str(tiny_model_dir), quantization="int4", **TINY_OPTIONS)
     assert jax.device_count() >= 2
+
+
+def test_int4_mixture_of_experts_engine(tmp_path):
+    """A Qwen3-MoE model with int4 experts (the router stays float) through the whole engine,
+    the experts' products in the C++ grouped int4 kernel, against the float model."""
+    from tests.engine.test_model_families import make_family_model
+
+    folder = str(make_family_model(tmp_path / "qwen3_moe", "qwen3_moe"))
+    llm = LLM(model=folder, quantization="int4", **TINY_OPTIONS)
+    weights = layer_weights(llm.engine.runner)
+    assert isinstance(weights["experts_gate_up"], Int4)
+    assert not isinstance(weights["router"], Int4)
+    want = generate(LLM(model=folder, **TINY_OPTIONS))
+    for i, (ours, theirs) in enumerate(zip(generate(llm), want, strict=True)):
+        check_logprobs_close(ours, theirs, f"prompt {i}")

@@ -68,4 +68,4 @@ def test_int8_engine_stays_logprob_close_to_float32(tiny_model_dir, tiny_llm, op
 
 def test_unknown_quantization_is_a_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
-        LLM(model=str(tiny_model_dir), quantization="int4", **TINY_OPTIONS)
+        LLM(model=str(tiny_model_dir), quantization="int3", **TINY_OPTIONS)

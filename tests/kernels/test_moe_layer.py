@@ -14,6 +14,7 @@ import pytest
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.moe.experts import moe_ffn
+from jaxinfer.layers.weights import Int4
 from jaxinfer.models.llama import as_weights, quantize_weights, random_params, to_layout
 from jaxinfer.models.llama_config import LlamaConfig, MoeConfig, RouterConfig
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul as pallas_grouped
@@ -35,7 +36,7 @@ CONFIG = LlamaConfig(
     moe=MoeConfig(
         router=RouterConfig(num_experts=8, top_k=3, renormalize=True),
         intermediate_size=32,
-        shared_intermediate_size=48,
+        shared_intermediate_size=64,  # a multiple of 32: int4 groups
         shared_expert_gate=True,
     ),
 )
@@ -68,7 +69,7 @@ def _kernels(name: str, request) -> ModelKernels:
     return ModelKernels(weight_layout=OUT_IN, matmul=matmul)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"], ids=["float32", "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"], ids=["float32", "int8", "int4"])
 @pytest.mark.parametrize("name", ["reference", "pallas_interpret", "cpu"])
 def test_permuted_tokens_give_bit_identical_rows(name, quantization, request):
     kernels = _kernels(name, request)
@@ -106,6 +107,22 @@ def test_layer_matches_a_dense_evaluation():
         gate = 1 / (1 + np.exp(-(x[t] @ p["shared_expert_gate"])))
         expected[t] += gate * (silu(h[0]) * h[1]) @ p["down_proj"]
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_int4_experts_through_the_cpu_kernel_match_the_reference(request):
+    """int4 experts (and shared expert): the C++ grouped int4 product, streamed (few rows per
+    expert) and through dequantized tiles (many), against the dequantize-then-matmul reference
+    on the same routing."""
+    cpu = _kernels("cpu", request)
+    reference_layer, cpu_layer = _layer(IN_OUT, "int4"), _layer(OUT_IN, "int4")
+    assert isinstance(cpu_layer["experts_down"], Int4)
+    assert cpu_layer["experts_gate_up"].qs.shape == (8, 2, 32, CONFIG.hidden_size // 2)
+    rng = np.random.default_rng(2)
+    for tokens in (2, 40):  # about 1 and 15 rows per expert
+        x = rng.standard_normal((tokens, CONFIG.hidden_size)).astype(np.float32)
+        want = jax.jit(lambda x: moe_ffn(CONFIG, reference_layer, x, ModelKernels()))(x)
+        got = jax.jit(lambda x: moe_ffn(CONFIG, cpu_layer, x, cpu))(x)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_int8_experts_are_quantized():

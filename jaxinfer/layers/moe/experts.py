@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec
 from jaxinfer.layers.invariant import tree_sum
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense_ffn, unstacked
 from jaxinfer.layers.moe.routing import route
-from jaxinfer.layers.weights import Int8, dense
+from jaxinfer.layers.weights import Dense, Int4, Int8, dense
 from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_out_in_reference
@@ -144,7 +144,7 @@ def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_a
 
 def grouped_project(
     x: jax.Array,  # [M, in] sorted by expert, or [X, in] gathered by x_rows
-    weight,  # Dense / Int8 over [X, ...]
+    weight,  # Dense / Int8 / Int4 over [X, ...]
     group_sizes: jax.Array,  # i32[X]
     row_experts: jax.Array,  # i32[M], each sorted row's expert (for int8 scales)
     kernels,
@@ -155,6 +155,11 @@ def grouped_project(
     kernel, which gathers and scatters the rows itself), the selected grouped kernel
     ("in_out"), or the reference."""
     layout, matmul = kernels.weight_layout, kernels.matmul
+    if isinstance(weight, Int4):
+        if layout == OUT_IN and matmul is not None:
+            return matmul.grouped_int4(x, weight, group_sizes, x_rows=x_rows, y_rows=y_rows)
+        # the reference: the experts dequantized, then the float path
+        weight = Dense(weight.dequantized(x.dtype), -1 if layout == OUT_IN else -2)
     scale = weight.scale if isinstance(weight, Int8) else None
     w = weight.q if isinstance(weight, Int8) else weight.w
     if layout == OUT_IN and matmul is not None:
@@ -182,7 +187,13 @@ def grouped_project(
 
 
 def _num_experts(weight) -> int:
-    w = weight.q if isinstance(weight, Int8) else weight.w
+    w = (
+        weight.q
+        if isinstance(weight, Int8)
+        else weight.qs
+        if isinstance(weight, Int4)
+        else weight.w
+    )
     return w.stacked.shape[1] if isinstance(w, StackedWeight) else w.shape[0]
 
 

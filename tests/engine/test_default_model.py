@@ -165,6 +165,8 @@ def test_int4_top1_agreement_with_float32(llm, model_cache_dir):
         max_model_len=320,
     )
     assert isinstance(layer_weights(int4.engine.runner)["gate_up_proj"], Int4)
+    # the GGUF file's Q4_1 blocks are the int4 weights as they are (the head is Q8_0: int8)
+    assert int4.engine.gguf_weights == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     result = agreement(llm, int4, token_streams(llm, positions=256, prompts=16))
     print(f"int4 g32: mean KL {result.mean_kl:.5f} nats, top-1 agreement {result.top1:.4f}")
     assert result.positions == 16 * 256

@@ -59,7 +59,11 @@ def main(argv):
     for name, config, params, layer_count in models:
         float32 = None
         for fmt, quantization in FORMATS.items():
-            layers, rest = resident_bytes(config, params, quantization)
+            try:
+                layers, rest = resident_bytes(config, params, quantization)
+            except ValueError as error:  # groups that do not tile an input axis
+                print(f"| {name} | {fmt} | ({error}) | |", flush=True)
+                continue
             total = layers * layer_count + rest
             float32 = float32 or total
             print(f"| {name} | {fmt} | {total / 1e9:.3f} GB | {total / float32:.3f} |", flush=True)

@@ -22,7 +22,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
-from jaxinfer.engine.step import RowInit, ScheduledRequest, SchedulerOutput
+from jaxinfer.engine.step import SchedulerOutput, prefill_chunk
 from jaxinfer.models.llama import lm_head
 from tools.chat_topics import TOPICS
 
@@ -69,21 +69,7 @@ def teacher_forced_logits(llm: LLM, tokens: list[int]) -> np.ndarray:
         while request.num_computed_tokens < len(tokens):
             first = request.num_computed_tokens
             count = min(budget, len(tokens) - first)
-            scheduled = ScheduledRequest(
-                request_id=request.request_id,
-                num_computed_tokens=first,
-                num_new_tokens=count,
-                token_ids=tuple(tokens[first : first + count]),
-                block_ids=tuple(request.block_ids),
-                samples=True,
-                output_position=0,
-                epoch=0,
-                params=request.sampling_params,
-                seed=request.seed,
-                has_bias=False,
-                prompt_token_ids=request.prompt_token_ids,
-                row_init=RowInit(None, request.num_prompt_tokens, None) if first == 0 else None,
-            )
+            scheduled = prefill_chunk(request, count, new_row=first == 0)
             batch, _, _ = runner.prepare(
                 engine.batch_builder.build(SchedulerOutput((scheduled,), count))
             )

@@ -152,3 +152,25 @@ class StepTiming:
     num_tokens: int  # scheduled tokens of the processed step (before padding)
     num_reqs: int
     overlapped: bool  # the processed step was still running when the new one was enqueued
+
+
+def prefill_chunk(request, num_new: int, new_row: bool = False) -> ScheduledRequest:
+    """What the scheduler sends for `request`'s next `num_new` tokens, sampling at their end:
+    for harnesses that drive the batch builder and runner without a scheduler (tests, and
+    tools.quant_accuracy); `new_row`: the request takes its device row with this step."""
+    first = request.num_computed_tokens
+    return ScheduledRequest(
+        request_id=request.request_id,
+        num_computed_tokens=first,
+        num_new_tokens=num_new,
+        token_ids=tuple(request.all_token_ids[first : first + num_new]),
+        block_ids=tuple(request.block_ids),
+        samples=True,
+        output_position=0,
+        epoch=0,
+        params=request.sampling_params,
+        seed=request.seed,
+        has_bias=False,
+        prompt_token_ids=request.prompt_token_ids,
+        row_init=RowInit(None, request.num_prompt_tokens, None) if new_row else None,
+    )

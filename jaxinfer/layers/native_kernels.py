@@ -67,14 +67,20 @@ class KernelMatmul:
     def int4(self, x, weight):
         """x [T, in] times an Int4 weight (jaxinfer.layers.weights) -> [T, N], every row count
         (XLA has no int4 product), through `kernel`'s library (its int4 entry point)."""
+        arrays, kwargs = self._int4_arrays(weight)
+        return int4_matmul(x, *arrays, **kwargs)
+
+    def _int4_arrays(self, weight) -> tuple[tuple, dict]:
+        """An Int4 weight's (qs, scale, bias), the whole stack with `layer` for a StackedWeight,
+        and the kernel's mode arguments."""
         kwargs = {"int8_activations": self.int8_activations}
         if self.fixed_order:
             kwargs["fixed_order"] = True
-        qs, scale, bias = weight.qs, weight.scale, weight.bias
-        if isinstance(qs, StackedWeight):
-            kwargs["layer"] = qs.layer
-            qs, scale, bias = qs.stacked, scale.stacked, bias.stacked
-        return int4_matmul(x, qs, scale, bias, **kwargs)
+        arrays = (weight.qs, weight.scale, weight.bias)
+        if isinstance(weight.qs, StackedWeight):
+            kwargs["layer"] = weight.qs.layer
+            arrays = tuple(a.stacked for a in arrays)
+        return arrays, kwargs
 
     def grouped(self, x, w, group_sizes, scale=None, x_rows=None, y_rows=None):
         """x [M, in] sorted by group (or [X, in] gathered by x_rows) times w [G, *out, in] (or
@@ -89,14 +95,8 @@ class KernelMatmul:
 
     def grouped_int4(self, x, weight, group_sizes, x_rows=None, y_rows=None):
         """`grouped` for Int4 experts (weight: jaxinfer.layers.weights.Int4 over [G, ...])."""
-        kwargs = {"x_rows": x_rows, "y_rows": y_rows, "int8_activations": self.int8_activations}
-        if self.fixed_order:
-            kwargs["fixed_order"] = True
-        qs, scale, bias = weight.qs, weight.scale, weight.bias
-        if isinstance(qs, StackedWeight):
-            kwargs["layer"] = qs.layer
-            qs, scale, bias = qs.stacked, scale.stacked, bias.stacked
-        return grouped_int4_matmul(x, qs, scale, bias, group_sizes, **kwargs)
+        arrays, kwargs = self._int4_arrays(weight)
+        return grouped_int4_matmul(x, *arrays, group_sizes, x_rows=x_rows, y_rows=y_rows, **kwargs)
 
     def blocks(self, x, weight):
         """A weight with GGUF blocks (jaxinfer.layers.weights.GGUFBlocks)."""

@@ -305,7 +305,11 @@ def main(argv):
     )
     print(f"jaxinfer warm-up: {llm.engine.warmup_seconds:.1f} s")
     blocks = ", ".join(llm.engine.gguf_weights) or "none"
-    print(f"jaxinfer weights with GGUF blocks (steps of 1-3 tokens): {blocks}")
+    fmt = llm.engine.config.resolved.weight_format
+    if fmt.startswith("int4"):
+        print(f"jaxinfer {fmt}; taken from the GGUF file's Q4_1 blocks: {blocks}")
+    else:
+        print(f"jaxinfer weights with GGUF blocks (steps of 1-3 tokens): {blocks}")
     if FLAGS.single_stream:
         single_stream(llm, prompts)
         return

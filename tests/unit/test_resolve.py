@@ -164,3 +164,30 @@ def test_a_gpu_kernel_that_fails_its_probe_falls_back_to_the_reference():
     probed.clear()
     resolve(EngineOptions(), NO_NATIVE, ARCH, default_registry(), probe=probe)
     assert probed == []
+
+
+def test_int4_kernel_choices_and_refusals():
+    """int4: the reference off the C++ kernel on CPU, Pallas on one GPU; int8_activations
+    only with int4 weights in the C++ kernel; int8 never over an AWQ/GPTQ checkpoint."""
+    from jaxinfer.models.llama_config import CheckpointQuantization
+    from pallas_kernels.int4_matmul.kernel import int4_matmul
+    from pallas_kernels.int4_matmul.reference import int4_matmul_reference
+
+    cpu = settle(NO_NATIVE, quantization="int4", quantization_group_size=64)
+    assert cpu.options.weight_format == "int4 (groups of 64)"
+    assert (cpu.options.int4_matmul, cpu.kernels.int4_matmul) == (
+        "reference",
+        int4_matmul_reference,
+    )
+    gpu = settle(GPU, quantization="int4")
+    assert (gpu.options.int4_matmul, gpu.kernels.int4_matmul) == ("pallas", int4_matmul)
+    assert settle(GPU).options.int4_matmul == "reference"  # nothing to choose without int4
+    with pytest.raises(ValueError, match="int8_activations"):
+        settle(NO_NATIVE, int8_activations=True)
+    with pytest.raises(ValueError, match="int8_activations"):
+        settle(NO_NATIVE, quantization="int4", int8_activations=True)  # no C++ kernel here
+    awq = dataclasses.replace(ARCH, quantization=CheckpointQuantization("awq", 128))
+    resolved = resolve(EngineOptions(), NO_NATIVE, awq, default_registry(), probe=passes)
+    assert resolved.options.weight_format == "awq int4 (groups of 128)"
+    with pytest.raises(ValueError, match="quantization 'int8'"):
+        resolve(EngineOptions(quantization="int8"), NO_NATIVE, awq, default_registry())

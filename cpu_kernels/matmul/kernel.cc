@@ -18,6 +18,11 @@
 //   place (int8 rows are first converted to a float buffer that stays in L2), so neither
 //   layout needs packing. Against 16-row blocks only, blocks of 24 and 32 rows were 5-9%
 //   faster over the default model's shapes at 8-32 rows (interleaved in one process).
+// - int4 weights in groups (two 4-bit values a byte, a scale and a bias per group of inputs;
+//   pallas_kernels/int4_matmul/reference.py): up to 4 rows stream the packed weight, each run
+//   of 32 values dequantized exactly in registers (or, with int8_activations, multiplied in
+//   integers against x rounded to int8 per run, llama.cpp's approach); more rows dequantize
+//   the tile's weight rows to float32 in L2 for the outer-product path.
 // Tiles of output columns are shared out over XLA's intra-op threads (common.h).
 //
 // Each output of the outer-product path is one FMA chain over k = 0 .. K-1 in order, whatever

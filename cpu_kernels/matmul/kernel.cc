@@ -95,8 +95,8 @@ struct Problem {
   const void* group_bias = nullptr;
   bool scale_f16 = false, bias_f16 = false;
   int64_t group = 0;
-  // Streaming rows against int4 weights: each row's sum over each group [M, K / group]; with
-  // int8 activations, x rounded to int8 per run of 32 [M, K] with its scales [M, K / 32].
+  // Streaming rows against int4 weights with int8 activations: each row's sum over each group
+  // [M, K / group], and x rounded to int8 per run of 32 [M, K] with its scales [M, K / 32].
   const float* x_sums = nullptr;
   const int8_t* x8 = nullptr;
   const float* x8_scale = nullptr;
@@ -358,8 +358,8 @@ inline void DequantizeInt4Rows(const Problem<uint8_t>& p, int64_t col0, int64_t 
   }
 }
 
-// Per row of x [M, K]: its sums over each group of `group` [M, K / group]; with x8, x rounded
-// to int8 per run of 32 (max |x| / 127 per run) and the runs' scales [M, K / 32].
+// Per row of x [M, K]: its sums over each group of `group` [M, K / group], and x rounded to
+// int8 per run of 32 (max |x| / 127 per run) with the runs' scales [M, K / 32].
 void PrepareInt4Rows(const float* x, int64_t m, int64_t k, int64_t group, float* sums,
                      int8_t* x8, float* x8_scale) {
   const int64_t groups = k / group;
@@ -370,7 +370,6 @@ void PrepareInt4Rows(const float* x, int64_t m, int64_t k, int64_t group, float*
       for (int64_t j = 0; j < group; ++j) s += row[g * group + j];
       sums[i * groups + g] = s;
     }
-    if (x8 == nullptr) continue;
     for (int64_t r = 0; r < k / 32; ++r) {
       float largest = 0.0f;
       for (int64_t j = 0; j < 32; ++j) largest = std::max(largest, std::abs(row[r * 32 + j]));
@@ -744,16 +743,14 @@ struct Int4Rows {
   std::vector<float> sums, x8_scale;
   std::vector<int8_t> x8;
 
+  // Only the int8-activation path reads them (the float path dequantizes the weights).
   void Prepare(Problem<uint8_t>& p, bool int8_activations) {
+    if (!int8_activations) return;
     sums.resize(p.m * (p.k / p.group));
-    if (int8_activations) {
-      x8.resize(p.m * p.k);
-      x8_scale.resize(p.m * (p.k / 32));
-    }
-    PrepareInt4Rows(p.x, p.m, p.k, p.group, sums.data(),
-                    int8_activations ? x8.data() : nullptr, x8_scale.data());
-    p.x_sums = sums.data();
-    if (int8_activations) p.x8 = x8.data(), p.x8_scale = x8_scale.data();
+    x8.resize(p.m * p.k);
+    x8_scale.resize(p.m * (p.k / 32));
+    PrepareInt4Rows(p.x, p.m, p.k, p.group, sums.data(), x8.data(), x8_scale.data());
+    p.x_sums = sums.data(), p.x8 = x8.data(), p.x8_scale = x8_scale.data();
   }
 };
 

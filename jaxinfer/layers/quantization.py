@@ -68,7 +68,7 @@ class Quantization:
         if self.method == "int8":
             q, scale = quantize_int8(weight.w, axis=weight.input_axis)
             return Int8(q, scale, weight.input_axis)
-        w = np.asarray(_moveaxis(np.asarray(weight.w, np.float32), weight.input_axis))
+        w = _moveaxis(np.asarray(weight.w, np.float32), weight.input_axis)
         qs, scale, bias = int4_reference.quantize(w, self.group_size, self.symmetric)
         return Int4(qs, scale, bias, weight.input_axis)
 

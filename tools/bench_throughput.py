@@ -307,7 +307,7 @@ def main(argv):
     blocks = ", ".join(llm.engine.gguf_weights) or "none"
     fmt = llm.engine.config.resolved.weight_format
     if fmt.startswith("int4"):
-        print(f"jaxinfer {fmt}; taken from the GGUF file's Q4_1 blocks: {blocks}")
+        print(f"jaxinfer {fmt}; taken from the GGUF file's 4-bit blocks: {blocks}")
     else:
         print(f"jaxinfer weights with GGUF blocks (steps of 1-3 tokens): {blocks}")
     if FLAGS.single_stream:

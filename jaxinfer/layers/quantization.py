@@ -51,8 +51,8 @@ class Quantization:
 
     @property
     def from_q4_blocks(self) -> bool:
-        """Whether a GGUF source's Q4_1 blocks are this format's weights as they are (int4 in
-        asymmetric groups of 32: scale d, bias m, jaxinfer.model_loader.gguf_blocks)."""
+        """Whether a GGUF source's Q4_0 / Q4_1 / Q4_K blocks are this format's weights as they
+        are (int4 in asymmetric groups of 32, jaxinfer.model_loader.gguf_blocks)."""
         return self.method == "int4" and self.group_size == 32 and not self.symmetric
 
     @property

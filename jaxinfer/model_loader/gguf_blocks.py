@@ -24,6 +24,8 @@ from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
 from jaxinfer.models.llama import LAYER_PROJECTIONS
 from jaxinfer.models.llama_config import LlamaConfig
+from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
+from pallas_kernels.int4_matmul.reference import pack as int4_pack
 
 # Bytes of one block of 32 values in the file: float16 d (and m), then the values.
 _FILE_BLOCK_BYTES = {"Q4_1": 4 + BLOCK // 2, "Q8_0": 2 + BLOCK}
@@ -31,17 +33,26 @@ _FILE_BLOCK_BYTES = {"Q4_1": 4 + BLOCK // 2, "Q8_0": 2 + BLOCK}
 
 @dataclasses.dataclass(frozen=True)
 class BlockWeight:
-    fmt: str  # "Q4_1" or "Q8_0"
+    fmt: str  # "Q4_1", "Q8_0", or "int4" (a Q4_0 / Q4_1 / Q4_K tensor as int4 groups of 32)
     qs: np.ndarray  # [*lead, N, K / 2] u8 or [*lead, N, K] i8
-    scales: np.ndarray  # [*lead, N, K / 32, 2] or [*lead, N, K / 32] float32
+    scales: np.ndarray  # [*lead, N, K / 32, 2] ((d, m); int4: (scale, bias)) or [..., K / 32]
 
     def dequantized(self) -> np.ndarray:  # f32[*lead, N, K]
+        if self.fmt == "int4":
+            return int4_dequantize(self.qs, self.scales[..., 0], self.scales[..., 1])
         return dequantize(self.fmt, self.qs, self.scales)
 
 
-def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
-    """One GGUF tensor's blocks, rows in the file's order; None for other formats."""
+def _blocks(tensor: GGUFTensor, int4: bool) -> BlockWeight | None:
+    """One GGUF tensor's blocks, rows in the file's order: in the gguf_matmul kernel's formats,
+    or (int4) as int4 groups of 32; None for other formats."""
     fmt = tensor.type_name
+    if int4:
+        if fmt not in INT4_TYPES:
+            return None
+        qs, scale, bias = int4_from_gguf(fmt, tensor.data)
+        scales = np.stack([scale.astype(np.float32), bias.astype(np.float32)], axis=-1)
+        return BlockWeight("int4", qs, scales)
     if fmt not in FORMATS:
         return None
     rows = tensor.data.shape[0]
@@ -57,13 +68,20 @@ def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
 # Bytes of float16 parameters that open a Q4_0 (d) or Q4_1 (d, m) block, before its 16 bytes
 # of values (value j in the low nibble of byte j, value j + 16 in its high nibble).
 _INT4_BLOCK_PARAMS = {"Q4_0": 2, "Q4_1": 4}
+# Q4_K: super-blocks of 256 values: float16 d and dmin, 12 bytes of 6-bit (scale, min) for its
+# 8 groups of 32, then 128 bytes of values (below).
+_Q4_K_BYTES = 144
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that are int4 groups of 32 as they are
 
 
 def int4_from_gguf(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_0 or Q4_1 tensor's raw blocks (u8[N, bytes per row]) as int4 groups of 32
-    (pallas_kernels.int4_matmul.reference): qs u8[N, K / 2], scale and bias f16[N, K / 32],
-    the same values bit for bit: Q4_1's W = d q + m is scale d, bias m; Q4_0's W = d (q - 8)
-    is scale d, bias -8 d (exact in float16)."""
+    """A Q4_0, Q4_1 or Q4_K tensor's raw blocks (u8[N, bytes per row]) as int4 groups of 32
+    (pallas_kernels.int4_matmul.reference): qs u8[N, K / 2], scale and bias [N, K / 32], the
+    same values bit for bit: Q4_1's W = d q + m is scale d, bias m; Q4_0's W = d (q - 8) is
+    scale d, bias -8 d (both exact in float16); Q4_K's W = (d sc) q - (dmin m) is scale d sc,
+    bias -(dmin m), products formed in float32 as llama.cpp's dequantization forms them."""
+    if fmt == "Q4_K":
+        return _int4_from_q4_k(np.asarray(raw))
     head = _INT4_BLOCK_PARAMS[fmt]
     rows = raw.shape[0]
     blocks = np.asarray(raw).reshape(rows, -1, head + BLOCK // 2)
@@ -75,6 +93,34 @@ def int4_from_gguf(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     else:
         bias = np.ascontiguousarray(params[..., 1])
     return qs, scale, bias
+
+
+def _int4_from_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, _Q4_K_BYTES)  # [N, S, 144], S = K / 256
+    d, dmin = (
+        np.ascontiguousarray(blocks[..., i : i + 2]).view(np.float16).astype(np.float32)
+        for i in (0, 2)
+    )  # [N, S, 1] each
+    sc, m = _q4_k_scales(blocks[..., 4:16])  # [N, S, 8] each, 0 .. 63
+    # Values: 4 chunks of 64, each 32 bytes; byte l of chunk c holds value 64 c + l in its low
+    # nibble and value 64 c + 32 + l in its high nibble.
+    chunks = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    values = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F  # [N, S, 4, 2, 32]
+    qs = int4_pack(values.reshape(rows, -1))
+    scale = (d * sc.astype(np.float32)).reshape(rows, -1)  # [N, K / 32]
+    bias = -(dmin * m.astype(np.float32)).reshape(rows, -1)
+    return qs, scale, bias
+
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sc, m) u8[..., 8] of Q4_K's 12 packed bytes [..., 12] (llama.cpp's get_scale_min_k4):
+    groups 0-3 take the low 6 bits of bytes j (sc) and j + 4 (m); groups 4-7 take the nibbles
+    of byte j + 8 (low: sc, high: m) under the top 2 bits of bytes j (sc) and j + 4 (m)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
+    m = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return sc, m
 
 
 def _one_format(weights: list[BlockWeight | None]) -> bool:
@@ -116,13 +162,15 @@ def _qkv_order(config: LlamaConfig) -> np.ndarray:
     return fused.reshape(-1)
 
 
-def load_gguf_blocks(path: Path, config: LlamaConfig) -> dict:
+def load_gguf_blocks(path: Path, config: LlamaConfig, int4: bool = False) -> dict:
     """{"layers": {name: BlockWeight [L, N, ...]}, "embed" / "lm_head": BlockWeight} for the
-    weights whose blocks are in a supported format (Q4_1, Q8_0) in every layer."""
+    weights whose blocks are in a supported format in every layer: the gguf_matmul kernel's
+    (Q4_1, Q8_0), or with `int4` the types that are int4 groups of 32 (INT4_TYPES; a weight
+    may mix them across layers)."""
     tensors = read_tensors(path)
 
     def get(name: str) -> BlockWeight | None:
-        return _blocks(tensors[name]) if name in tensors else None
+        return _blocks(tensors[name], int4) if name in tensors else None
 
     def q_rows(layer: int, part: str, heads: int) -> BlockWeight | None:
         w = get(f"blk.{layer}.attn_{part}.weight")
@@ -157,7 +205,7 @@ def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
     for name, w in blocks["layers"].items():
         weight = params["layers"][name].w  # [L, *out, K]
         exact = weight.shape[0] == w.qs.shape[0] and all(
-            _same_bits(w_layer.dequantized(), np.asarray(weight[i]).reshape(-1, weight.shape[-1]))
+            _same_values(w_layer.dequantized(), np.asarray(weight[i]).reshape(-1, weight.shape[-1]))
             for i, w_layer in enumerate(_layers(w))
         )
         if exact:
@@ -167,7 +215,7 @@ def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
     for name in ("embed", "lm_head"):
         if name in blocks:
             weight = np.asarray(params[name].w)
-            if _same_bits(blocks[name].dequantized(), weight):
+            if _same_values(blocks[name].dequantized(), weight):
                 kept[name] = blocks[name]
             else:
                 rejected.append(name)
@@ -179,9 +227,7 @@ def _layers(w: BlockWeight):
         yield BlockWeight(w.fmt, w.qs[i], w.scales[i])
 
 
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return (
-        a.shape == b.shape
-        and b.dtype == np.float32
-        and np.array_equal(a.view(np.uint32), np.ascontiguousarray(b).view(np.uint32))
-    )
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal values in float32, bit for bit but for the sign of zero: Q4_0's d (q - 8) is -0.0
+    where d < 0 and q = 8, its int4 form q d + (-8 d) is +0.0 (equal in every product)."""
+    return a.shape == b.shape and b.dtype == np.float32 and np.array_equal(a, b)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.layers.linear import OUT_IN
-from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
+from jaxinfer.model_loader.gguf_blocks import INT4_TYPES, load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import PARAM_AXES, as_weights, build_llama, to_layout
@@ -30,8 +30,9 @@ def load_model(
     loader's "in_out" layout, quantized if the config says so, then put in the resolved
     weight layout. gguf_file: the GGUF the folder was converted from, whose blocks are kept
     beside the weights they reproduce exactly, when the resolved options keep GGUF blocks
-    (finding none is an error where they were required); under int4 in groups of 32, the
-    file's Q4_1 projections become the int4 weights as they are (gguf_blocks lists either)."""
+    (finding none is an error where they were required); under int4 in asymmetric groups of
+    32, the file's Q4_0 / Q4_1 / Q4_K projections become the int4 weights as they are (the
+    names returned list either)."""
     weight_layout = config.resolved.weight_layout
     arch, dtype = config.model.arch, config.model.dtype
     replicas = config.parallel.kv_replicas
@@ -62,29 +63,33 @@ def load_model(
 
 
 def q4_blocks(path: Path, config: EngineConfig, params: dict) -> dict | None:
-    """The GGUF file's Q4_1 projections that dequantize bit for bit to the loaded weights, for
-    int4 in groups of 32 to take as they are ({"layers": {name: BlockWeight}}), or None."""
-    kept = kept_gguf_blocks(path, config, params, required=False)
-    if kept is None:
+    """The GGUF file's Q4_0 / Q4_1 / Q4_K projections that dequantize bit for bit to the loaded
+    weights, as int4 groups of 32 to take as they are ({"layers": {name: BlockWeight}}), or
+    None."""
+    kept = kept_gguf_blocks(path, config, params, required=False, int4=True)
+    if kept is None or not kept["layers"]:
         return None
-    layers = {name: w for name, w in kept["layers"].items() if w.fmt == "Q4_1"}
-    return {"layers": layers} if layers else None
+    return {"layers": kept["layers"]}
 
 
-def kept_gguf_blocks(path: Path, config: EngineConfig, params: dict, required: bool):
+def kept_gguf_blocks(
+    path: Path, config: EngineConfig, params: dict, required: bool, int4: bool = False
+):
     """The GGUF file's blocks that dequantize bit for bit to the loaded weights ("out_in"
-    arrays by weight), or None where none can be kept (a ValueError if `required`). Whether
-    blocks are wanted at all was settled by jaxinfer.config.resolve."""
+    arrays by weight): in the gguf_matmul kernel's formats, or (int4) as int4 groups of 32;
+    None where none can be kept (a ValueError if `required`). Whether blocks are wanted at all
+    was settled by jaxinfer.config.resolve."""
     reason = None
     try:
-        loaded = load_gguf_blocks(path, config.model.arch)
+        loaded = load_gguf_blocks(path, config.model.arch, int4)
     except (ValueError, IndexError) as error:  # not this model's file, or not a GGUF
         reason = f"{path.name} does not fit the model ({error})"
     if reason is None:
         out_in = to_layout(as_weights(config.model.arch, params), OUT_IN)
         blocks, rejected = verified_blocks(loaded, out_in)
         if not blocks["layers"] and len(blocks) == 1:
-            reason = f"no weight of {path.name} has Q4_1 or Q8_0 blocks equal to the loaded weights"
+            kinds = "/".join(INT4_TYPES) if int4 else "Q4_1 or Q8_0"
+            reason = f"no weight of {path.name} has {kinds} blocks equal to the loaded weights"
     if reason is not None:
         if required:
             raise ValueError(f"gguf_weights 'on': no GGUF blocks can be kept: {reason}")

@@ -161,22 +161,29 @@ def with_gguf_blocks(tree: dict, blocks: dict, axes: bool = False) -> dict:
 
 def with_q4_blocks(tree: dict, blocks: dict) -> dict:
     """The tree with the int4 weights (groups of 32) named in `blocks` replaced by the GGUF
-    file's own Q4_1 blocks ({"layers": {name: BlockWeight}}, "out_in" rows): the same format
-    (scale d, bias m), the file's values bit for bit rather than quantized again."""
+    file's own 4-bit blocks ({"layers": {name: BlockWeight "int4"}}, "out_in" rows, from
+    Q4_0 / Q4_1 / Q4_K tensors): the same format, the file's values bit for bit rather than
+    quantized again. scale and bias are stored as float16 where every value is one (Q4_0,
+    Q4_1), else float32 (Q4_K's products d sc and dmin m)."""
     out = dict(tree)
     out["layers"] = dict(tree["layers"])
     for name, block in blocks["layers"].items():
         w = tree["layers"][name]
         if not isinstance(w, Int4) or w.group_size != 32:
             continue
-        d, m = block.scales[..., 0], block.scales[..., 1]  # [L, N, K / 32] (float16 values)
+        scale, bias = block.scales[..., 0], block.scales[..., 1]  # f32[L, N, K / 32]
+        dtype = np.float16 if _in_float16(scale) and _in_float16(bias) else np.float32
         out["layers"][name] = Int4(
             block.qs.reshape(w.qs.shape),
-            d.reshape(w.scale.shape).astype(np.float16),
-            m.reshape(w.bias.shape).astype(np.float16),
+            scale.reshape(w.scale.shape).astype(dtype),
+            bias.reshape(w.bias.shape).astype(dtype),
             w.input_axis,
         )
     return out
+
+
+def _in_float16(values: np.ndarray) -> bool:
+    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -435,7 +442,7 @@ def build_llama(
     as `quantization` says; jaxinfer.layers.weights), put in `weight_layout` and each array placed on
     the partitioner's mesh by its logical axes (every device receives only its shards), or on
     the default device. gguf_blocks: GGUF blocks to keep beside their "out_in" weights
-    (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree); int4_blocks: Q4_1 blocks to
+    (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree); int4_blocks: 4-bit blocks to
     take as the int4 weights themselves (the same tree, with_q4_blocks)."""
     values = as_weights(config, {k: v for k, v in params.items() if k != "rope_cache"})
     if quantization is not None:

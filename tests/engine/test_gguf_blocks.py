@@ -15,7 +15,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.layers.linear import OUT_IN
-from jaxinfer.layers.weights import Dense
+from jaxinfer.layers.weights import Dense, Int4
 from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.gguf_tensors import read_tensors
 from jaxinfer.model_loader.load import kept_gguf_blocks
@@ -23,16 +23,26 @@ from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import as_weights, to_layout
 from jaxinfer.models.llama_config import LlamaConfig
-from tests.conftest import make_tiny_model
+from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
+from tests.conftest import layer_weights, make_tiny_model
 from tests.engine.test_gguf_convert import NUM_KV_HEADS, write_gguf
 
-Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+Q4_0, Q4_1, Q4_K, Q8_0 = (gguf.GGMLQuantizationType[t] for t in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"))
 QUANTIZED = {
     **dict.fromkeys(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"), Q4_1),
     **dict.fromkeys(("gate_proj.weight", "up_proj.weight", "down_proj.weight"), Q4_1),
     "embed_tokens.weight": Q8_0,
 }
 ALL_BLOCKS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed"]
+PROJECTIONS = ALL_BLOCKS[:-1]
+# A k-quant file as llama.cpp users have them: Q4_K projections (a Q4_0 one among them), a Q8_0
+# embedding.
+K_QUANTIZED = {
+    **dict.fromkeys(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"), Q4_K),
+    **dict.fromkeys(("gate_proj.weight", "up_proj.weight"), Q4_K),
+    "down_proj.weight": Q4_0,
+    "embed_tokens.weight": Q8_0,
+}
 needs_compiler = pytest.mark.skipif(not can_build(), reason="no C++ compiler for the kernels")
 
 
@@ -47,6 +57,23 @@ def q4_gguf(tmp_path_factory):
     )
     path = tmp_path_factory.mktemp("gguf") / "tiny-q4.gguf"
     write_gguf(hf_folder, path, QUANTIZED)
+    return path, gguf_folder(path, tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def k_gguf(tmp_path_factory):
+    """(GGUF path, its converted folder) of a tiny tied model of Q4_K / Q4_0 projections (every
+    K a multiple of 256)."""
+    hf_folder = make_tiny_model(
+        tmp_path_factory.mktemp("hf"),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_key_value_heads=NUM_KV_HEADS,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4_k.gguf"
+    write_gguf(hf_folder, path, K_QUANTIZED)
     return path, gguf_folder(path, tmp_path_factory.mktemp("cache"))
 
 
@@ -140,3 +167,46 @@ def test_another_models_gguf_keeps_no_blocks(q4_gguf, tiny_model_dir):
     assert kept_gguf_blocks(path, config, params, required=False) is None
     with pytest.raises(ValueError, match=r"gguf_weights 'on': no GGUF blocks can be kept"):
         kept_gguf_blocks(path, config, params, required=True)
+
+
+@needs_compiler
+def test_int4_takes_q4_k_and_q4_0_blocks_as_they_are(k_gguf, cpu_kernel_dir):
+    """Under quantization="int4" a k-quant file's Q4_K (and Q4_0) projections are the engine's
+    int4 weights: they dequantize bit for bit to the converted float32 weights (so to
+    gguf.quants' dequantization), and the engine runs on them close to the float32 one (its
+    LM head is int8)."""
+    path, folder = k_gguf
+    config, out_in = converted(folder)
+    kept, rejected = verified_blocks(load_gguf_blocks(path, config, int4=True), out_in)
+    assert sorted(kept["layers"]) == sorted(PROJECTIONS) and rejected == []
+    options = dict(
+        max_num_batched_tokens=8,
+        max_num_seqs=2,
+        block_size=8,
+        num_kv_blocks=32,
+        cache_dir=str(cpu_kernel_dir.parent),
+        compilation_cache=False,
+        matmul_impl="cpu",
+    )
+    int4 = LLM(model=str(path), quantization="int4", **options)
+    assert int4.engine.gguf_weights == PROJECTIONS
+    weights = layer_weights(int4.engine.runner)
+    for name in PROJECTIONS:
+        w = weights[name]
+        assert isinstance(w, Int4) and w.scale.dtype == (
+            np.float16 if name == "down_proj" else np.float32
+        )
+        got = int4_dequantize(np.asarray(w.qs), np.asarray(w.scale), np.asarray(w.bias))
+        want = np.asarray(out_in["layers"][name].w).reshape(got.shape)
+        np.testing.assert_array_equal(got, want, err_msg=name)  # +0.0 == -0.0 (Q4_0)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    float32 = LLM(model=str(path), **options)
+    outputs = (x.generate(prompts, params, use_tqdm=False) for x in (int4, float32))
+    for a, b in zip(*outputs, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        # the first token from the same prompt: the same choice, its logprob within the int8
+        # head's error (a wrong scale, bias or nibble order moves it by whole nats)
+        assert a.token_ids[0] == b.token_ids[0]
+        first = a.token_ids[0]
+        assert abs(a.logprobs[0][first] - b.logprobs[0][first]) < 0.1

@@ -22,6 +22,7 @@ from jaxinfer.model_loader.model_cache import (
     resolve_model,
 )
 from tests.conftest import make_tiny_model
+from tests.gguf_q4_k import quantize_q4_k
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
 Q8_TENSORS = ("mlp.gate_proj.weight", "self_attn.q_proj.weight")  # quantized; the rest stay F32
@@ -101,7 +102,10 @@ def write_gguf(hf_folder, path, quantized=None) -> dict[str, np.ndarray]:
             stored = llama_cpp_permute(weight, NUM_KV_HEADS)
         qtype = next((t for suffix, t in quantized.items() if name.endswith(suffix)), None)
         if qtype is not None:
-            packed = gguf.quants.quantize(stored, qtype)
+            if qtype == gguf.GGMLQuantizationType.Q4_K:  # gguf cannot quantize it
+                packed = quantize_q4_k(stored)
+            else:
+                packed = gguf.quants.quantize(stored, qtype)
             writer.add_tensor(gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=qtype)
             roundtrip = gguf.quants.dequantize(packed, qtype).reshape(weight.shape)
             if "q_proj" in name or "k_proj" in name:

@@ -22,6 +22,7 @@ from pallas_kernels.int4_matmul.reference import (
     quantize,
     unpack,
 )
+from tests.gguf_q4_k import quantize_q4_k
 
 
 def packed_by_definition(q: np.ndarray) -> np.ndarray:
@@ -71,15 +72,18 @@ def test_quantize_refuses_groups_that_do_not_tile_the_input():
         quantize(np.zeros((2, 96), np.float32), 64, symmetric=False)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])
 def test_gguf_q4_blocks_load_as_int4_groups_of_32(fmt):
-    """The file's blocks as Int4 arrays dequantize bit for bit as gguf.quants does."""
+    """The file's blocks as Int4 arrays dequantize bit for bit as gguf.quants does (Q4_K's
+    scale d sc and bias -dmin m in float32, Q4_0 / Q4_1's in float16)."""
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((5, 128)).astype(np.float32)
+    w = rng.standard_normal((5, 512)).astype(np.float32)
     kind = gguf.GGMLQuantizationType[fmt]
-    raw = gguf.quants.quantize(w, kind)  # u8[5, bytes per row]
-    qs, scale, bias = int4_from_gguf(fmt, raw)
-    assert scale.dtype == bias.dtype == np.float16 and qs.shape == (5, 64)
+    raw = quantize_q4_k(w) if fmt == "Q4_K" else gguf.quants.quantize(w, kind)
+    qs, scale, bias = int4_from_gguf(fmt, raw)  # raw: u8[5, bytes per row]
+    dtype = np.float32 if fmt == "Q4_K" else np.float16
+    assert scale.dtype == bias.dtype == dtype and qs.shape == (5, 256)
+    assert scale.shape == bias.shape == (5, 16)
     expected = gguf.quants.dequantize(raw, kind)
     np.testing.assert_array_equal(dequantize(qs, scale, bias), expected)
 

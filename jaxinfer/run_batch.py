@@ -10,12 +10,10 @@ prompts with sampling flags.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-import jax
 from absl import app, flags
 
 from jaxinfer.batch.job import BatchIncompleteError, BatchJobConfig, check_paths, run_job
@@ -26,6 +24,7 @@ from jaxinfer.config.flags import (
 )
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.distributed import initialize
+from jaxinfer.parallel.lockstep import Leader, lead_or_follow
 from jaxinfer.server.async_engine import AsyncEngine
 
 FLAGS = flags.FLAGS
@@ -94,26 +93,30 @@ def main(argv):
     try:
         distributed = distributed_config_from_flags()
         config = job_config_from_flags()
-        check_paths(config)
+        if not distributed.process_id:  # the files are process 0's alone
+            check_paths(config)
     except (ValueError, OSError) as error:
         raise app.UsageError(str(error)) from None
     initialize(distributed)
-    if jax.process_index() > 0:  # every process runs the same schedule; process 0 reports
-        config = dataclasses.replace(
-            config,
-            output=config.output.with_name(f"{config.output.name}.process{jax.process_index()}"),
-            summary=None,
-            show_progress=False,
-        )
-    engine = LLMEngine(engine_options_from_flags())
+    # Under several processes, process 0 reads the input and writes the results; the others
+    # follow its schedule (jaxinfer.parallel.lockstep).
+    engine = lead_or_follow(LLMEngine(engine_options_from_flags()), distributed)
+    if engine is None:
+        return
     name = FLAGS.served_model_name or engine.config.model.path.name
+    async_engine = AsyncEngine(engine)
+    if isinstance(engine, Leader):
+        engine.set_on_failure(async_engine.declare_dead)
     try:
-        summary = run_job(config, AsyncEngine(engine), name)
+        summary = run_job(config, async_engine, name)
     except ValueError as error:  # a results file that is not one
         raise app.UsageError(str(error)) from None
     except BatchIncompleteError as error:
         logging.error("%s", error)
         sys.exit(1)
+    finally:
+        if isinstance(engine, Leader):
+            engine.close()
     print(summary.describe())
     print(f"results: {config.output}  summary: {config.summary_path}")
 

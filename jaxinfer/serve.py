@@ -21,6 +21,7 @@ from jaxinfer.config.flags import (
 )
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.distributed import initialize
+from jaxinfer.parallel.lockstep import Leader, lead_or_follow
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.guard import HostPolicy
@@ -70,15 +71,11 @@ def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     distributed = distributed_config_from_flags()
-    if distributed.enabled and distributed.num_processes > 1:
-        raise app.UsageError(
-            "the server runs on one host: every process of a multi-host engine must see every "
-            "request, which the server does not broadcast yet; use jaxinfer.run_batch, whose "
-            "processes all read the same input"
-        )
     api_key = _api_key()
     initialize(distributed)
-    engine = LLMEngine(engine_options_from_flags())
+    engine = lead_or_follow(LLMEngine(engine_options_from_flags()), distributed)
+    if engine is None:  # a process > 0: it followed process 0 until the job stopped
+        return
     name = FLAGS.served_model_name or engine.config.model.path.name
     config = ServerConfig(
         served_model_name=name,
@@ -95,6 +92,8 @@ def main(argv):
         engine, metrics.observe_finished, grammar_timeout=FLAGS.grammar_timeout
     )
     engine_failed = False
+    if isinstance(engine, Leader):  # a process of the job that fails ends the engine
+        engine.set_on_failure(async_engine.declare_dead)
 
     def on_engine_dead() -> None:
         nonlocal engine_failed
@@ -122,6 +121,8 @@ def main(argv):
         engine.warmup_seconds,
     )
     server.run()
+    if isinstance(engine, Leader):
+        engine.close()  # the other processes stop too
     if engine_failed:
         # The engine thread may still be inside a stalled step: do not wait for it.
         logging.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batch.output_file import usage_of
 from jaxinfer.batch.records import BatchItem, LineError, error_record, response_record
+from jaxinfer.server.serving import MAX_CLIENT_ID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,10 @@ async def run_items(
 
         async def answer(item: BatchItem) -> None:
             nonlocal unanswered
-            response = await c.post(item.url, json=item.body)
+            # The line's custom_id names its request: its unseeded samples draw the same seeds
+            # on a rerun (under the same engine random_seed).
+            headers = {"X-Request-Id": line_request_id(item.custom_id)}
+            response = await c.post(item.url, json=item.body, headers=headers)
             try:
                 body = response.json()
             except json.JSONDecodeError:
@@ -83,3 +88,11 @@ async def run_items(
                 task.cancel()
             bar.close()
     return RunResult(records, unanswered, time.perf_counter() - start)
+
+
+def line_request_id(custom_id: str) -> str:
+    """The X-Request-Id of a line: its custom_id, or a digest of one the server would refuse
+    as an id (too long, unprintable)."""
+    if 0 < len(custom_id) <= MAX_CLIENT_ID and custom_id.isprintable():
+        return custom_id
+    return hashlib.sha256(custom_id.encode()).hexdigest()

@@ -84,6 +84,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     kv_replicas: int = 1  # copies of each checkpoint KV head (tp > KV heads)
     expert_parallel: bool = False  # a MoE model's experts whole per device
+    check_schedule: bool = False  # compare each step's schedule across processes (debug)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +208,7 @@ def build_engine_config(
             tensor_parallel_size=tp,
             kv_replicas=replicas,
             expert_parallel=options.expert_parallel,
+            check_schedule=options.check_schedule,
         ),
         speculative=SpeculativeConfig(
             method=options.speculative_method,

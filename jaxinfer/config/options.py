@@ -193,6 +193,18 @@ class EngineOptions:
         "cost about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
     )
 
+    random_seed: int | None = option(
+        None,
+        "Root of the seeds of requests that set none (each request's seed derives from it and "
+        "its id, so a run with the same ids repeats). Unset: drawn at start-up (on process 0, "
+        "shared with the others under jax.distributed).",
+    )
+    check_schedule: bool = option(
+        False,
+        "Debug, several processes: before each step, compare a digest of its schedule across "
+        "processes and stop with an error at the first difference (a collective per step).",
+    )
+
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import secrets
 import time
 from pathlib import Path
 
@@ -30,8 +30,10 @@ from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
 from jaxinfer.outputs import RequestMetrics, RequestOutput
+from jaxinfer.parallel.distributed import seed_root
 from jaxinfer.parallel.host import fetch
 from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.parallel.schedule_check import check_same_schedule
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import TokenizerWrapper
@@ -118,6 +120,10 @@ class LLMEngine:
             self.eos_token_ids,
             self.scheduler.check_admissible,
         )
+        # Unseeded requests draw their seed from this root and their id (the same on every
+        # process of a job; fixed by options.random_seed).
+        self._seed_root = seed_root(options.random_seed)
+        self._schedules = 0  # steps scheduled (check_schedule names them)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by id
@@ -226,7 +232,7 @@ class LLMEngine:
             prompt_token_ids=prepared.prompt_token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
-            seed=params.seed if params.seed is not None else secrets.randbits(64),
+            seed=params.seed if params.seed is not None else self._unseeded_seed(request_id),
             metrics=RequestMetrics(arrival_time=time.time()),
             prompt=prepared.prompt,
             priority=priority,
@@ -244,6 +250,11 @@ class LLMEngine:
             self.tokenizer.tokenizer, params.skip_special_tokens
         )
         return request
+
+    def _unseeded_seed(self, request_id: str) -> int:
+        """A request's seed from the engine's seed root and its id (64 bits)."""
+        text = f"{self._seed_root}/{request_id}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
     def _new_request_id(self) -> str:
         while str(self._next_id) in self.requests or str(self._next_id) in self._parents:
@@ -403,6 +414,9 @@ class LLMEngine:
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
         scheduler_output = self.scheduler.schedule()
+        self._schedules += 1
+        if self.config.parallel.check_schedule:
+            check_same_schedule(scheduler_output, self._schedules)
         if not scheduler_output.scheduled:
             return None
         now = time.time()

@@ -1,10 +1,17 @@
-"""Several hosts: jax.distributed joins the processes so one mesh spans every host's devices."""
+"""Several hosts: jax.distributed joins the processes so one mesh spans every host's devices.
+
+Process 0 decides everything the processes must agree on (jaxinfer.parallel.lockstep sends it
+the rest of the way); what is drawn once at start-up is broadcast here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +41,42 @@ class DistributedConfig:
     def enabled(self) -> bool:
         return self.coordinator_address is not None
 
+    @property
+    def coordinator_host(self) -> str:
+        return self.coordinator_address.rsplit(":", 1)[0]
+
 
 def initialize(config: DistributedConfig) -> None:
-    """Joins the job (before anything touches a device); a no-op for a single process."""
-    if config.enabled:
-        jax.distributed.initialize(
-            coordinator_address=config.coordinator_address,
-            num_processes=config.num_processes,
-            process_id=config.process_id,
-        )
+    """Joins the job (before anything touches a device); a no-op for a single process.
+
+    CPU devices of different processes exchange collectives through gloo (over TCP). Tasks
+    are recoverable: when one process dies, the others' collectives fail at once (the engine
+    reports the error, the server turns unhealthy) instead of JAX's coordinator aborting every
+    process after its heartbeat timeout."""
+    if not config.enabled:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+    )
+
+
+def broadcast_from_leader(values: np.ndarray) -> np.ndarray:
+    """Process 0's `values` (a small integer array of the same shape everywhere), on every
+    process; the array itself with one process."""
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
+def seed_root(seed: int | None) -> int:
+    """The root of the seeds of requests that set none: `seed`, or a number drawn once on
+    process 0 and shared with every process (so their samples agree)."""
+    if seed is not None:
+        return seed
+    drawn = np.frombuffer(secrets.token_bytes(8), np.uint32)  # 64 bits as 2 x uint32
+    shared = broadcast_from_leader(drawn).astype(np.uint64)
+    return int(shared[0]) | int(shared[1]) << 32

@@ -154,11 +154,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: fastapi.Request):
-        return await until_disconnect(request, serving.completions(body))
+        client_id = request.headers.get("x-request-id")
+        return await until_disconnect(request, serving.completions(body, client_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
-        return await until_disconnect(request, serving.chat(body))
+        client_id = request.headers.get("x-request-id")
+        return await until_disconnect(request, serving.chat(body, client_id))
 
     return app
 

@@ -106,7 +106,8 @@ class OpenAIServing:
 
     # -- endpoints -------------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, client_id: str | None = None):
+        """client_id: the X-Request-Id header, if any (named_id)."""
         self.check_model(body.model)
         try:
             params = body.sampling_params()
@@ -115,7 +116,7 @@ class OpenAIServing:
             raise APIError(400, str(error)) from None
         held = _Held(self.limiter.take(len(prompts) * params.n))
         try:
-            request_id = f"cmpl-{uuid.uuid4().hex}"
+            request_id = named_id("cmpl", client_id)
             await self._start(held, request_id, prompts, params, add_special_tokens=True)
             created = int(time.time())
             if body.stream:
@@ -150,7 +151,8 @@ class OpenAIServing:
             if held is not None:
                 held.release()
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, client_id: str | None = None):
+        """client_id: the X-Request-Id header, if any (named_id)."""
         self.check_model(body.model)
         if body.chat_template is not None and not self.allow_request_chat_template:
             raise APIError(400, "chat_template in a request is not allowed on this server")
@@ -162,7 +164,7 @@ class OpenAIServing:
         held = _Held(self.limiter.take(params.n))
         try:
             text = await self.render(conversation, body.add_generation_prompt, body.chat_template)
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            request_id = named_id("chatcmpl", client_id)
             await self._start(held, request_id, [text], params, add_special_tokens=False)
             created = int(time.time())
             if body.stream:
@@ -367,3 +369,18 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
+
+
+MAX_CLIENT_ID = 128
+
+
+def named_id(prefix: str, client_id: str | None) -> str:
+    """The id of a request (its response's "id", the engine's request ids): the client's
+    X-Request-Id when given, so a client can follow it (and a batch run's unseeded samples
+    repeat: their seeds derive from the id and the engine's random_seed), else a fresh one.
+    A client id already in flight is refused by the engine."""
+    if client_id is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not 0 < len(client_id) <= MAX_CLIENT_ID or not client_id.isprintable():
+        raise APIError(400, f"X-Request-Id must be 1 to {MAX_CLIENT_ID} printable characters")
+    return f"{prefix}-{client_id}"

@@ -97,7 +97,7 @@ def main(argv):
             check_paths(config)
     except (ValueError, OSError) as error:
         raise app.UsageError(str(error)) from None
-    initialize(distributed)
+    initialize(distributed, recoverable=True)
     # Under several processes, process 0 reads the input and writes the results; the others
     # follow its schedule (jaxinfer.parallel.lockstep).
     engine = lead_or_follow(LLMEngine(engine_options_from_flags()), distributed)

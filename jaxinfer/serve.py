@@ -72,7 +72,7 @@ def main(argv):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     distributed = distributed_config_from_flags()
     api_key = _api_key()
-    initialize(distributed)
+    initialize(distributed, recoverable=True)
     engine = lead_or_follow(LLMEngine(engine_options_from_flags()), distributed)
     if engine is None:  # a process > 0: it followed process 0 until the job stopped
         return
@@ -102,7 +102,10 @@ def main(argv):
             engine_failed = True
             server.should_exit = True
 
-    application = build_app(async_engine, config, metrics, on_engine_dead)
+    # Under several processes, shutting down stops the others too (before uvicorn re-raises
+    # the signal that stopped it).
+    on_shutdown = engine.close if isinstance(engine, Leader) else None
+    application = build_app(async_engine, config, metrics, on_engine_dead, on_shutdown)
     # uvicorn stops accepting on SIGTERM and waits for in-flight requests up to the timeout.
     server = uvicorn.Server(
         uvicorn.Config(
@@ -121,8 +124,6 @@ def main(argv):
         engine.warmup_seconds,
     )
     server.run()
-    if isinstance(engine, Leader):
-        engine.close()  # the other processes stop too
     if engine_failed:
         # The engine thread may still be inside a stalled step: do not wait for it.
         logging.shutdown()

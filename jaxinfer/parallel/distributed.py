@@ -46,17 +46,21 @@ class DistributedConfig:
         return self.coordinator_address.rsplit(":", 1)[0]
 
 
-def initialize(config: DistributedConfig) -> None:
+def initialize(config: DistributedConfig, recoverable: bool = False) -> None:
     """Joins the job (before anything touches a device); a no-op for a single process.
 
-    CPU devices of different processes exchange collectives through gloo (over TCP). Tasks
-    are recoverable: when one process dies, the others' collectives fail at once (the engine
-    reports the error, the server turns unhealthy) instead of JAX's coordinator aborting every
-    process after its heartbeat timeout."""
+    CPU devices of different processes exchange collectives through gloo (over TCP).
+
+    recoverable: JAX's coordinator, in process 0, then lets a process die without aborting
+    the others (after its heartbeat timeout): their collectives fail at once instead, so the
+    server reports the failure (in-flight requests fail, /health is 503). There is then no
+    shutdown barrier: the processes must leave in order (jaxinfer.parallel.lockstep does).
+    Without it (a script every process runs through the LLM API), JAX's shutdown barrier
+    makes the processes leave together."""
     if not config.enabled:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_enable_recoverability", True)
+    jax.config.update("jax_enable_recoverability", recoverable)
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,

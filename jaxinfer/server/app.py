@@ -74,9 +74,12 @@ def build_app(
     config: ServerConfig,
     metrics: ServerMetrics | None = None,
     on_engine_dead: Callable[[], None] | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> fastapi.FastAPI:
     """`on_engine_dead`: called once, on the event loop, when the watchdog finds the engine
-    dead or stalled (the server's --exit_on_engine_failure)."""
+    dead or stalled (the server's --exit_on_engine_failure). `on_shutdown`: called (on a
+    worker thread) when the server shuts down, after the requests in flight have finished
+    (the server stops the other processes of its job)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -85,6 +88,8 @@ def build_app(
             yield
         finally:
             watchdog.cancel()
+            if on_shutdown is not None:
+                await asyncio.to_thread(on_shutdown)
 
     app = fastapi.FastAPI(title="jaxinfer", version=VERSION, lifespan=lifespan)
     app.add_middleware(

@@ -7,11 +7,13 @@ the rest of the way); what is drawn once at start-up is broadcast here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import secrets
+from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +70,43 @@ def initialize(config: DistributedConfig, recoverable: bool = False) -> None:
     )
 
 
-def broadcast_from_leader(values: np.ndarray) -> np.ndarray:
-    """Process 0's `values` (a small integer array of the same shape everywhere), on every
-    process; the array itself with one process."""
+def gather_rows(row: np.ndarray) -> np.ndarray:
+    """Every process's `row` (int32[n], the same n everywhere), as int32[processes, n] on every
+    process. Works whatever the processes' device counts (multihost_utils needs them equal):
+    each process places its row on its first device and zeros on the others, and one program
+    replicates the [devices, n] array."""
+    row = np.asarray(row, np.int32)
     if jax.process_count() == 1:
-        return values
-    return np.asarray(multihost_utils.broadcast_one_to_all(values))
+        return row[None]
+    devices = jax.devices()
+    mesh, replicate = _replicator(tuple(devices))
+    first = {}
+    for index, device in enumerate(devices):
+        first.setdefault(device.process_index, index)
+    mine = first[jax.process_index()]
+    shards = [
+        jax.device_put(row[None] if devices.index(d) == mine else np.zeros_like(row[None]), d)
+        for d in jax.local_devices()
+    ]
+    spread = jax.make_array_from_single_device_arrays(
+        (len(devices), row.size), NamedSharding(mesh, PartitionSpec("all")), shards
+    )
+    whole = replicate(spread)
+    rows = np.asarray(whole.addressable_data(0))  # [devices, n]
+    return rows[[first[p] for p in range(jax.process_count())]]
+
+
+@functools.cache
+def _replicator(devices: tuple) -> tuple[Mesh, Callable]:
+    """The mesh of all devices and a program that replicates an array over it (compiled once
+    per shape)."""
+    mesh = Mesh(np.array(devices), ("all",))
+    return mesh, jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def broadcast_from_leader(values: np.ndarray) -> np.ndarray:
+    """Process 0's `values` (int32[n], the same n everywhere), on every process."""
+    return gather_rows(values)[0]
 
 
 def seed_root(seed: int | None) -> int:
@@ -81,6 +114,6 @@ def seed_root(seed: int | None) -> int:
     process 0 and shared with every process (so their samples agree)."""
     if seed is not None:
         return seed
-    drawn = np.frombuffer(secrets.token_bytes(8), np.uint32)  # 64 bits as 2 x uint32
-    shared = broadcast_from_leader(drawn).astype(np.uint64)
-    return int(shared[0]) | int(shared[1]) << 32
+    drawn = np.frombuffer(secrets.token_bytes(8), np.uint16).astype(np.int32)  # 4 x 16 bits
+    shared = broadcast_from_leader(drawn)
+    return sum(int(part) << (16 * i) for i, part in enumerate(shared))

@@ -11,9 +11,9 @@ import hashlib
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxinfer.engine.step import SchedulerOutput
+from jaxinfer.parallel.distributed import gather_rows
 
 
 class DistributedError(RuntimeError):
@@ -46,7 +46,7 @@ def check_same_schedule(output: SchedulerOutput, step: int) -> None:
     if jax.process_count() == 1:
         return
     mine = np.frombuffer(schedule_digest(output), np.uint8).astype(np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine))  # [P, 32]
+    every = gather_rows(mine)  # [P, 32]
     differ = [p for p in range(1, every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
         raise DistributedError(

@@ -508,3 +508,32 @@ def test_the_server_exits_non_zero_when_its_engine_fails(tiny_model_dir):
         assert set(statuses) <= {200, 503} and 503 in statuses
         assert process.wait(timeout=60) == 1
         assert b"shutting down (--exit_on_engine_failure)" in process.stdout.read()
+
+
+def test_x_request_id_names_the_request_and_so_its_unseeded_seed(server, client):
+    """The header becomes the response's id; an unseeded sample under the same id repeats
+    (its seed derives from the id and the engine's seed root); other ids draw other seeds; a
+    header that cannot be an id is refused."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0}
+
+    def sample(name):
+        response = httpx.post(
+            f"{server}/v1/completions", json=body, headers={"X-Request-Id": name}, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == f"cmpl-{name}"
+        return response.json()["choices"][0]["text"]
+
+    assert sample("line-7") == sample("line-7")
+    assert len({sample(f"other-{i}") for i in range(4)}) > 1
+    chat = client.chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_headers={"X-Request-Id": "my-chat"},
+    )
+    assert chat.parse().id == "chatcmpl-my-chat"
+    refused = httpx.post(
+        f"{server}/v1/completions", json=body, headers={"X-Request-Id": "x" * 129}, timeout=60
+    )
+    assert refused.status_code == 400 and "X-Request-Id" in refused.text

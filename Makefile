@@ -6,25 +6,31 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve demo test lint bench
 
+# Serving installs only what serving needs; the tests add their extra (PyTorch, transformers,
+# the openai client, ...) on top.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
+$(STAMP).test: $(STAMP)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP).test
+
 serve: $(STAMP)
-	$(PY) -m jaxinfer.serve
+	$(VENV)/bin/jaxinfer serve
 
 demo: $(STAMP)
 	$(PY) -m jaxinfer.demo
 
-test: $(STAMP)
+test: $(STAMP).test
 	$(PY) -m ruff check jaxinfer pallas_kernels cpu_kernels tests tools
 	$(PY) -m ruff format --check jaxinfer pallas_kernels cpu_kernels tests tools
 	# Four pytest processes, two at a time (tools/test_lanes.py says why).
 	$(PY) -m tools.test_lanes
 
-bench: $(STAMP)
+bench: $(STAMP).test
 	$(PY) -m pip install -q -e '.[llamacpp]'
 	$(PY) -m tools.bench_throughput --baseline hf,llamacpp
 	$(PY) -m tools.bench_throughput --baseline hf,llamacpp --single_stream

@@ -27,12 +27,18 @@ class LLM:
             attention_impl, ffn_impl and norm_impl to select (default: the built-in ones).
         **engine_options: see EngineOptions (max_model_len, max_num_seqs,
             max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory_gb, dtype, ...).
+        use_tqdm: a progress bar of the warm-up (compiling the engine's programs).
     """
 
     def __init__(
-        self, model: str | None = None, kernels: KernelRegistry | None = None, **engine_options
+        self,
+        model: str | None = None,
+        kernels: KernelRegistry | None = None,
+        use_tqdm: bool = True,
+        **engine_options,
     ):
-        self.engine = LLMEngine(EngineOptions(model=model, **engine_options), kernels)
+        options = EngineOptions(model=model, **engine_options)
+        self.engine = LLMEngine(options, kernels, show_progress=use_tqdm)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

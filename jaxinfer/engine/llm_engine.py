@@ -26,6 +26,7 @@ from jaxinfer.engine.sampler import SamplerOutput
 from jaxinfer.engine.scheduler import Scheduler, SchedulerStats
 from jaxinfer.engine.speculative import make_proposer
 from jaxinfer.engine.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
+from jaxinfer.engine.warmup_progress import WarmupProgress
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
@@ -42,9 +43,15 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, options: EngineOptions, kernels: KernelRegistry | None = None):
+    def __init__(
+        self,
+        options: EngineOptions,
+        kernels: KernelRegistry | None = None,
+        show_progress: bool = False,
+    ):
         """`kernels`: where options.attention_impl, ffn_impl and norm_impl are looked up
-        (default: the built-in implementations)."""
+        (default: the built-in implementations). `show_progress`: a progress bar of the
+        warm-up's compilation (the log has its progress either way)."""
         folder = resolve_model(options.model, Path(options.cache_dir))
         gguf_source = source_gguf(options.model, folder)
         self.config, model_kernels = configure(options, folder, kernels, gguf_source)
@@ -94,7 +101,8 @@ class LLMEngine:
             ),
         )
         with compilation_cache.CompileCounter() as counter:
-            self.warmup_seconds = self.runner.warmup(self.batch_builder)
+            progress = WarmupProgress(self.runner.warmup_units(), counter, show_progress)
+            self.warmup_seconds = self.runner.warmup(self.batch_builder, progress)
         self.warmup_programs, self.warmup_cache_hits = counter.programs, counter.cache_hits
         logger.info(
             "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "

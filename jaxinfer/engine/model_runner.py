@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -404,14 +405,21 @@ class ModelRunner:
                 self.sampler_state, jax.device_put(updates.bitmask, self.partitioner.replicated)
             )
 
-    def warmup(self, builder: BatchBuilder) -> float:
+    def warmup_units(self) -> int:
+        """How many units warmup() reports progress in."""
+        return len(self.config.scheduler.token_buckets) + 1
+
+    def warmup(
+        self, builder: BatchBuilder, progress: Callable[[int, str], None] | None = None
+    ) -> float:
         """Compiles every token bucket, the sampler of each sample-row bucket (with and without
         logprobs) and every size of per-request row updates, by running all-padding steps from
-        the batch builder; returns the seconds it took."""
+        the batch builder; returns the seconds it took. progress(done, what) is called after
+        each of its warmup_units(): the token buckets, then the row updates (and the draft)."""
         start = time.perf_counter()
         sched = self.config.scheduler
         sampled_buckets = set()
-        for num_tokens in sched.token_buckets:
+        for index, num_tokens in enumerate(sched.token_buckets):
             inputs, sampling = builder.padding_batch(num_tokens)
             num_samples = sampling.temperature.shape[0]
             variants = [0] if num_samples in sampled_buckets else [0, MAX_LOGPROBS]
@@ -421,11 +429,15 @@ class ModelRunner:
                 step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
                 jax.block_until_ready(self.execute(step))
                 prompt = None  # compiled for this token bucket
+            if progress is not None:
+                progress(index + 1, f"{num_tokens} tokens")
         for num_rows in builder.update_buckets:
             self.apply_updates(builder.padding_updates(num_rows))
         if self.draft is not None:
             self.draft.warmup(self.block_table, self.sampler_state.bias)
         jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))
+        if progress is not None:
+            progress(len(sched.token_buckets) + 1, "row updates" + (", draft" * bool(self.draft)))
         self.warmup_seconds = time.perf_counter() - start
         logger.info(
             "warm-up compiled token buckets %s in %.1f s", sched.token_buckets, self.warmup_seconds

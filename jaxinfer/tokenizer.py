@@ -63,25 +63,31 @@ class TokenizerWrapper:
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         max_chars: int | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """Renders the model's chat template in the sandbox; a template that fails raises
         jinja2's TemplateError (SecurityError when it breaks the sandbox) or whatever else
         its code raised, and one producing more than max_chars a ValueError."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        variables = self.template_variables(messages, add_generation_prompt)
+        variables = self.template_variables(messages, add_generation_prompt, tools)
         if max_chars is None:
             return self._template.render(**variables)
         return chat_template.render_bounded(self._template, variables, max_chars)
 
-    def template_variables(self, messages: list[dict], add_generation_prompt: bool) -> dict:
-        """What a chat template renders from."""
-        return {
+    def template_variables(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> dict:
+        """What a chat template renders from (`tools` as transformers passes them)."""
+        variables = {
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
         }
+        if tools is not None:
+            variables["tools"] = tools
+        return variables
 
 
 def _token_text(value) -> str | None:

@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 import fastapi
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.server import tool_calls
 from jaxinfer.server.async_engine import EngineDeadError
 from jaxinfer.server.errors import error_body
+from jaxinfer.server.tool_calls import ToolPlan
 from jaxinfer.tokenizer import TokenizerWrapper
 
 
@@ -82,14 +84,25 @@ class Formatter:
             choice["prompt_logprobs"] = prompt_logprobs
         return choice
 
-    def chat_choice(self, c: CompletionOutput, with_logprobs: bool) -> dict:
+    def chat_choice(
+        self, c: CompletionOutput, with_logprobs: bool, tool_plan: ToolPlan | None = None
+    ) -> dict:
+        """A whole answer; with tools, its calls parsed out of the text."""
+        message: dict = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if tool_plan is not None and tool_plan.parses:
+            content, calls = tool_calls.parse(c.text, tool_plan)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = tool_finish_reason(finish_reason, tool_plan)
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": {"content": self.chat_logprobs(c.token_ids, c.logprobs)}
             if with_logprobs
             else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
 
@@ -102,6 +115,14 @@ class Formatter:
             "choices": choices,
             **extra,
         }
+
+
+def tool_finish_reason(finish_reason: str | None, tool_plan: ToolPlan) -> str | None:
+    """OpenAI's: an answer that ends in calls it chose (auto, required) is "tool_calls"; a
+    named function's call ends as "stop"."""
+    if finish_reason == "stop" and tool_plan.mode != "named":
+        return "tool_calls"
+    return finish_reason
 
 
 def json_response(body: dict) -> fastapi.Response:

@@ -6,7 +6,8 @@ invalid: non-finite numbers, strings that are not valid Unicode (lone surrogates
 client may send in `extra_body` are accepted: top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, skip_special_tokens, include_stop_str_in_output, stop_token_ids,
 allowed_token_ids, bad_words, prompt_logprobs (returned in non-streamed responses, as vLLM
-does), structured_outputs.
+does), structured_outputs. Chat requests take tools and tool_choice
+(jaxinfer.server.tool_calls).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from jaxinfer.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from jaxinfer.server import tool_calls
+from jaxinfer.server.tool_calls import ToolPlan
 
 MAX_PROMPTS = MAX_N  # prompts in one completions request
 
@@ -175,6 +178,27 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class FunctionDefinition(_Strict):
+    name: str = pydantic.Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None  # arguments always follow the schema under required / named
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(pydantic.BaseModel):
     # name, tool_call_id, ...: the template's
     model_config = pydantic.ConfigDict(extra="allow", allow_inf_nan=False)
@@ -198,6 +222,20 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What the tools mean for this request (jaxinfer.server.tool_calls); ValueError for
+        a choice that cannot be."""
+        tools = None
+        if self.tools:
+            tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+        return tool_calls.plan(tools, choice, self.parallel_tool_calls)
 
     def conversation(self) -> list[dict[str, Any]]:
         messages = []
@@ -210,13 +248,23 @@ class ChatCompletionRequest(_SamplingFields):
             messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
         return messages
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_plan: ToolPlan | None = None) -> SamplingParams:
         """max_tokens None (neither max_tokens nor max_completion_tokens given) generates up
-        to max_model_len."""
+        to max_model_len. A required or named tool choice constrains the output."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         self.check_streaming()
         kwargs = self.sampling_kwargs()
+        constraint = tool_plan.constraint() if tool_plan is not None else None
+        if constraint is not None:
+            if "structured_outputs" in kwargs or (
+                self.response_format is not None and self.response_format.type != "text"
+            ):
+                raise ValueError(
+                    "tool_choice required or a named function constrains the output: give no "
+                    "response_format or structured_outputs with it"
+                )
+            kwargs["structured_outputs"] = constraint
         if self.response_format is not None and self.response_format.type != "text":
             if "structured_outputs" in kwargs:
                 raise ValueError("give response_format or structured_outputs, not both")

@@ -22,10 +22,11 @@ from fastapi.responses import StreamingResponse
 from jaxinfer.chat_template import render_isolated
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import tool_calls
 from jaxinfer.server.admission import SequenceLimiter, Ticket
 from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from jaxinfer.server.errors import APIError
-from jaxinfer.server.formatting import Formatter, Usage, json_response, sse
+from jaxinfer.server.formatting import Formatter, Usage, json_response, sse, tool_finish_reason
 from jaxinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -98,6 +99,7 @@ class OpenAIServing:
         self.vocab_size = engine.engine.config.model.arch.vocab_size
         self.limiter = SequenceLimiter(max_queued_requests)
         self.formatter = Formatter(self.tokenizer, served_model_name)
+        self.template_reads_tools = tool_calls.template_reads_tools(self.tokenizer.chat_template)
         self._isolated_renders = asyncio.Semaphore(2)  # child processes at once
 
     def check_model(self, model: str | None) -> None:
@@ -157,20 +159,24 @@ class OpenAIServing:
         if body.chat_template is not None and not self.allow_request_chat_template:
             raise APIError(400, "chat_template in a request is not allowed on this server")
         try:
-            params = body.sampling_params()
+            tool_plan = body.tool_plan()
+            params = body.sampling_params(tool_plan)
             conversation = body.conversation()
         except BAD_REQUEST as error:
             raise APIError(400, str(error)) from None
         held = _Held(self.limiter.take(params.n))
         try:
-            text = await self.render(conversation, body.add_generation_prompt, body.chat_template)
+            tools = None if tool_plan is None else tool_plan.rendered_tools
+            text = await self.render(
+                conversation, body.add_generation_prompt, body.chat_template, tools
+            )
             request_id = named_id("chatcmpl", client_id)
             await self._start(held, request_id, [text], params, add_special_tokens=False)
             created = int(time.time())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 chunks = self._chat_chunks(
-                    request_id, created, held.streams[0], params, include_usage
+                    request_id, created, held.streams[0], params, include_usage, tool_plan
                 )
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
@@ -180,7 +186,7 @@ class OpenAIServing:
                 usage = Usage()
                 usage.add(final)
                 choices = [
-                    self.formatter.chat_choice(c, params.logprobs is not None)
+                    self.formatter.chat_choice(c, params.logprobs is not None, tool_plan)
                     for c in final.outputs
                 ]
                 extra = {"usage": usage.body()}
@@ -226,10 +232,25 @@ class OpenAIServing:
     # -- engine ----------------------------------------------------------------------------
 
     async def render(
-        self, conversation: list[dict], add_generation_prompt: bool, chat_template: str | None
+        self,
+        conversation: list[dict],
+        add_generation_prompt: bool,
+        chat_template: str | None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The prompt text of a conversation: the model's template on a worker thread, or the
-        request's own in a bounded child process; any failure of the template is a 400."""
+        request's own in a bounded child process; any failure of the template is a 400.
+        `tools`: given to a template that reads them, else put in the conversation
+        (jaxinfer.server.tool_calls.conversation_for)."""
+        if chat_template is None:
+            reads_tools = self.template_reads_tools
+        else:
+            try:
+                reads_tools = tool_calls.template_reads_tools(chat_template)
+            except Exception as error:  # not a template at all
+                raise APIError(400, f"the chat template failed: {error}") from None
+        conversation = tool_calls.conversation_for(conversation, tools, reads_tools)
+        tools = tools if reads_tools else None
         try:
             if chat_template is None:
                 return await self.engine.run_in_worker(
@@ -237,8 +258,11 @@ class OpenAIServing:
                     conversation,
                     add_generation_prompt,
                     self.max_rendered_chars,
+                    tools,
                 )
-            variables = self.tokenizer.template_variables(conversation, add_generation_prompt)
+            variables = self.tokenizer.template_variables(
+                conversation, add_generation_prompt, tools
+            )
             async with self._isolated_renders:
                 return await render_isolated(
                     chat_template,
@@ -297,7 +321,13 @@ class OpenAIServing:
                 request_id, created, "text_completion", [], usage=usage.body()
             )
 
-    async def _chat_chunks(self, request_id, created, stream, params, include_usage):
+    async def _chat_chunks(
+        self, request_id, created, stream, params, include_usage, tool_plan=None
+    ):
+        parsing = tool_plan is not None and tool_plan.parses
+        calls = [tool_calls.CallStream(tool_plan) for _ in range(params.n)] if parsing else None
+        called = [False] * params.n
+
         def chunk(choices, **extra):
             return self.formatter.body(
                 request_id, created, "chat.completion.chunk", choices, **extra
@@ -318,17 +348,35 @@ class OpenAIServing:
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = {"content": self.formatter.chat_logprobs(c.token_ids, c.logprobs)}
-                yield chunk(
-                    [
-                        {
-                            "index": c.index,
-                            "delta": {"content": c.text} if c.text else {},
-                            "logprobs": logprobs,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ]
-                )
+                deltas = [{"content": c.text}] if c.text else []
+                finish_reason = c.finish_reason
+                if parsing:
+                    deltas = calls[c.index].feed(c.text)
+                    if c.finish_reason is not None:
+                        deltas += calls[c.index].finish()
+                    called[c.index] |= any("tool_calls" in d for d in deltas)
+                    if called[c.index]:
+                        finish_reason = tool_finish_reason(finish_reason, tool_plan)
+                if not deltas and finish_reason is None:
+                    continue  # text held back: it may open a call
+                # Each delta its own chunk (a call is one); the step's logprobs ride on the
+                # first, the finish on the last.
+                deltas = deltas or [{}]
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    if not delta and not last:
+                        continue
+                    yield chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": delta,
+                                "logprobs": logprobs if i == 0 else None,
+                                "finish_reason": finish_reason if last else None,
+                                "stop_reason": c.stop_reason if last else None,
+                            }
+                        ]
+                    )
         if include_usage:
             yield chunk([], usage=usage.body())
 

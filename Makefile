@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 
 $(STAMP).test: $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'
+	# The chat page's test drives Debian's headless Chromium (Playwright downloads no browser).
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	touch $(STAMP).test
 
 serve: $(STAMP)

@@ -3,7 +3,8 @@
 Every request runs as engine requests on the shared step loop; a malformed or unservable
 request gets an OpenAI-style error (400, 404, 413, 503) and touches nothing else. A
 watchdog (while the app runs under a server) declares the engine dead when a step runs
-longer than `engine_step_timeout`, so no request waits on a stalled loop.
+longer than `engine_step_timeout`, so no request waits on a stalled loop. GET / is a chat page
+(static/chat.html) that uses the API from a browser.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import dataclasses
 import importlib.metadata
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import fastapi
+from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxinfer.server.async_engine import AsyncEngine
@@ -32,6 +35,7 @@ from jaxinfer.server.serving import OpenAIServing
 
 VERSION = importlib.metadata.version("jaxinfer")
 logger = logging.getLogger(__name__)
+CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
 
 
 class EngineStalledError(RuntimeError):
@@ -108,6 +112,11 @@ def build_app(
         max_rendered_chars=2 * config.max_body_bytes,
     )
     app.state.serving = serving
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        """The chat page (jaxinfer/server/static/chat.html)."""
+        return HTMLResponse(CHAT_PAGE)
 
     @app.get("/health")
     async def health():

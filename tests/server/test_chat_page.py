@@ -1,0 +1,63 @@
+"""The chat page at / in a real browser: Debian's headless Chromium, driven by Playwright, on a
+server with an API key. The page asks for the key, sends a message, shows the streamed answer
+with its tokens per second and time to first token, and the engine's live numbers."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import httpx
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from jaxinfer.config import EngineOptions
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.server.app import ServerConfig, build_app
+from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.background import serve
+from jaxinfer.server.metrics import ServerMetrics
+from tests.conftest import PRESETS
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model_dir):
+    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **PRESETS["served"]))
+    metrics = ServerMetrics(engine)
+    config = ServerConfig(served_model_name="tiny", api_key="page-key")
+    url, server = serve(build_app(AsyncEngine(engine, metrics.observe_finished), config, metrics))
+    yield url
+    server.should_exit = True
+
+
+def test_the_page_is_served_without_the_key(url):
+    page = httpx.get(url)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "<title>jaxinfer chat</title>" in page.text
+
+
+def test_a_message_gets_a_streamed_answer_in_chromium(url, tmp_path):
+    assert CHROMIUM, "the browser test needs Debian's chromium (make test installs it)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(url)
+        expect(page.locator("#keybox")).to_be_visible()  # /v1 answered 401: asks for the key
+        page.fill("#key", "page-key")
+        page.click("#savekey")
+        expect(page.locator("#model")).to_have_text("tiny")
+        page.fill("#max_tokens", "24")
+        page.fill("#seed", "5")
+        page.fill("#prompt", "Tell me about foxes.")
+        page.keyboard.press("Enter")
+        answer = page.locator(".msg.assistant").first
+        expect(answer.locator(".stats")).to_contain_text("tokens/s", timeout=60_000)
+        assert len(answer.locator(".text").inner_text()) > 0
+        stats = answer.locator(".stats").inner_text()
+        assert re.search(r"\d+ tokens · [\d.]+ tokens/s · first token \d+ ms", stats), stats
+        expect(page.locator("#kv")).to_contain_text("%", timeout=10_000)  # polled /metrics
+        assert page.locator("#running").inner_text() in ("0", "1")
+        page.screenshot(path=str(tmp_path / "chat_page.png"))
+        browser.close()

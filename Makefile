@@ -14,10 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
+# The chat page's test drives Debian's headless Chromium (Playwright downloads no browser).
 $(STAMP).test: $(STAMP)
 	$(PY) -m pip install -q -e '.[test]'
-	# The chat page's test drives Debian's headless Chromium (Playwright downloads no browser).
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $(STAMP).test
 
 serve: $(STAMP)

@@ -244,11 +244,8 @@ class OpenAIServing:
         (jaxinfer.server.tool_calls.conversation_for)."""
         if chat_template is None:
             reads_tools = self.template_reads_tools
-        else:
-            try:
-                reads_tools = tool_calls.template_reads_tools(chat_template)
-            except Exception as error:  # not a template at all
-                raise APIError(400, f"the chat template failed: {error}") from None
+        else:  # untrusted: not even parsed here (it renders in a child process)
+            reads_tools = "tools" in chat_template
         conversation = tool_calls.conversation_for(conversation, tools, reads_tools)
         tools = tools if reads_tools else None
         try:

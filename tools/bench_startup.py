@@ -54,7 +54,9 @@ def start_seconds(cache_dir: str) -> tuple[float, str]:
     finally:
         server.terminate()
         output, _ = server.communicate(timeout=60)
-    warmup = next((line for line in output.splitlines() if "warm-up:" in line), "")
+    # the summary line (the progress lines before it say "done")
+    summary = (line for line in output.splitlines() if "warm-up:" in line and "buckets," in line)
+    warmup = next(summary, "")
     return seconds, warmup.split("warm-up:")[-1].strip()
 
 

@@ -32,17 +32,14 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.distributed import DistributedConfig, broadcast_from_leader
 from jaxinfer.parallel.schedule_check import DistributedError
 from jaxinfer.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from jaxinfer.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -130,23 +127,16 @@ class Leader:
     Args:
         engine: this process's engine.
         followers: the connections open_channel returned.
-        on_failure: called (on a watcher thread) with a DistributedError when a follower
-            fails or leaves; a step in flight meanwhile fails on its own.
     """
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        followers: list[Connection],
-        on_failure: Callable[[DistributedError], None] | None = None,
-    ):
+    def __init__(self, engine: LLMEngine, followers: list[Connection]):
         self.engine = engine
         self._followers = followers
         self._calls: list = []
         self._send_lock = threading.Lock()
         self._closed = False
         self.failure: DistributedError | None = None
-        self._on_failure = on_failure
+        self._on_failure: Callable[[DistributedError], None] | None = None
         self._watchers = [
             threading.Thread(
                 target=self._watch,
@@ -163,23 +153,16 @@ class Leader:
         return getattr(self.engine, name)
 
     def set_on_failure(self, on_failure: Callable[[DistributedError], None]) -> None:
+        """on_failure(error) is called (on a watcher thread) when a follower fails or leaves
+        (at once if one already has); a step in flight meanwhile fails on its own."""
         self._on_failure = on_failure
         if self.failure is not None:
             on_failure(self.failure)
 
-    # The calls that change the engine.
+    # The calls that change the engine. (add_request is the engine's own, over the
+    # add_prepared below.)
 
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        add_special_tokens: bool = True,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ):
-        prepared = self.engine.prepare_request(prompt, params, add_special_tokens)
-        return self.add_prepared(prepared, request_id, priority, cache_salt)
+    add_request = LLMEngine.add_request
 
     def add_prepared(self, prepared, request_id=None, priority=0, cache_salt=None):
         added = self.engine.add_prepared(prepared, request_id, priority, cache_salt)

@@ -21,12 +21,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels.build import KernelBuildError, build, load, register
+from cpu_kernels.build import KernelBuildError, build, cpu_features, load, register
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 F32_TARGET, INT8_TARGET = "jaxinfer_f32_matmul", "jaxinfer_int8_matmul"
 F32_GROUPED, INT8_GROUPED = "jaxinfer_f32_grouped_matmul", "jaxinfer_int8_grouped_matmul"
 INT4_TARGET, INT4_GROUPED = "jaxinfer_int4_matmul", "jaxinfer_int4_grouped_matmul"
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (the int4 kernel's faster streaming path)."""
+    return "avx512f" in cpu_features()
 
 
 def _is_int8(x: jax.Array, w: jax.Array, scale: jax.Array | None, name: str) -> bool:
@@ -141,6 +146,7 @@ def int4_matmul(
     layer: jax.Array | None = None,  # i32[]: which of the L stacked weights
     fixed_order: bool = False,
     int8_activations: bool = False,
+    avx512: bool | None = None,
 ) -> jax.Array:  # [T, *out] float32
     """x @ W^T for 4-bit weights in groups (format: pallas_kernels.int4_matmul.reference).
     Up to 4 rows of x stream the packed weight: the values are unpacked in registers and the
@@ -148,7 +154,9 @@ def int4_matmul(
     rows dequantize tiles of the weight to float32 for the outer-product path (as int8 does).
     `int8_activations` rounds the streamed rows of x to int8 per run of 32 values and sums in
     integers (llama.cpp's approach: faster, numerics differ by the rounding of x). With
-    `fixed_order` every row count takes the outer-product path (batch-invariant)."""
+    `fixed_order` every row count takes the outer-product path (batch-invariant). `avx512`:
+    the streamed exact rows through the AVX-512 path (table lookups; the same values, summed
+    in another order), by default where the CPU has AVX-512F; the AVX2 path otherwise."""
     lead = 1 if layer is not None else 0
     out = qs.shape[lead:-1]
     k = x.shape[-1]
@@ -174,7 +182,14 @@ def int4_matmul(
     result = jax.ShapeDtypeStruct((x.shape[0], math.prod(out)), jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     y = jax.ffi.ffi_call(INT4_TARGET, result)(
-        x, qs, scale, bias, index, fixed_order=fixed_order, int8_activations=int8_activations
+        x,
+        qs,
+        scale,
+        bias,
+        index,
+        fixed_order=fixed_order,
+        int8_activations=int8_activations,
+        avx512=has_avx512() if avx512 is None else avx512,
     )
     return y.reshape(x.shape[0], *out)
 
@@ -191,6 +206,7 @@ def grouped_int4_matmul(
     layer: jax.Array | None = None,
     fixed_order: bool = False,
     int8_activations: bool = False,
+    avx512: bool | None = None,
 ) -> jax.Array:  # [M, *out] float32
     """grouped_matmul for int4 experts (each group's rows as int4_matmul over its weight)."""
     lead = 2 if layer is not None else 1
@@ -228,6 +244,7 @@ def grouped_int4_matmul(
         jnp.asarray(0 if layer is None else layer, jnp.int32),
         fixed_order=fixed_order,
         int8_activations=int8_activations,
+        avx512=has_avx512() if avx512 is None else avx512,
     )
     return y.reshape(rows, *out)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels.matmul.kernel import grouped_int4_matmul, has_avx512
 from cpu_kernels.matmul.kernel import int4_matmul as cpu_int4_matmul
 from jaxinfer.model_loader.gguf_blocks import int4_from_gguf
 from pallas_kernels import gpu_lowering
@@ -130,6 +131,49 @@ def test_cpu_kernel_every_row_count(cpu_matmul, case):
             # error is that rounding's (about 1/254 of each run's largest value)
             int8 = cpu_int4_matmul(jnp.asarray(x[:rows]), *args, int8_activations=True)
             close(int8, want, 2e-2 if rows <= 4 else 2e-6)
+
+
+# The streamed rows' two paths: AVX2 everywhere, AVX-512 (table lookups) where the CPU has it.
+STREAM_PATHS = [
+    pytest.param(False, id="avx2"),
+    pytest.param(
+        True, id="avx512", marks=pytest.mark.skipif(not has_avx512(), reason="no AVX-512F")
+    ),
+]
+STREAM_CASES = [  # N, K, group size: the runs of 32 in pairs, an odd one left, groups of 3 runs
+    (40, 576, 32),
+    (21, 608, 32),
+    (19, 288, 96),
+    (33, 1536, 64),
+    (17, 256, 128),
+]
+
+
+@pytest.mark.parametrize("avx512", STREAM_PATHS)
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"N{c[0]}-K{c[1]}-G{c[2]}")
+def test_cpu_kernel_streamed_rows_on_each_path(cpu_matmul, case, avx512):
+    n, k, size = case
+    rng = np.random.default_rng(k)
+    qs, scale, bias = random_int4(rng, n, k, size, np.float16, np.float32)
+    args = [jnp.asarray(a) for a in (qs, scale, bias)]
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    for rows in range(1, 5):
+        got = cpu_int4_matmul(jnp.asarray(x[:rows]), *args, avx512=avx512)
+        close(got, expected(x[:rows], qs, scale, bias), 2e-6)
+    # grouped (the experts' product): two groups of 3 and 1 rows, each streamed
+    stacked = [jnp.asarray(np.stack([a, a[::-1]])) for a in (qs, scale, bias)]
+    sizes = jnp.asarray([3, 1], jnp.int32)
+    got = np.asarray(grouped_int4_matmul(jnp.asarray(x), *stacked, sizes, avx512=avx512))
+    close(got[:3], expected(x[:3], qs, scale, bias), 2e-6)
+    close(got[3:], expected(x[3:], qs[::-1], scale[::-1], bias[::-1]), 2e-6)
+
+
+@pytest.mark.skipif(has_avx512(), reason="this CPU has AVX-512F")
+def test_cpu_kernel_refuses_avx512_without_it(cpu_matmul):
+    qs, scale, bias = random_int4(np.random.default_rng(0), 16, 64, 32, np.float16, np.float16)
+    x = jnp.zeros((1, 64), jnp.float32)
+    with pytest.raises(Exception, match="AVX-512F"):
+        jax.block_until_ready(cpu_int4_matmul(x, *map(jnp.asarray, (qs, scale, bias)), avx512=True))
 
 
 def test_cpu_kernel_fixed_order_is_independent_of_the_row_count(cpu_matmul):

@@ -32,7 +32,15 @@ test: $(STAMP).test
 	# Four pytest processes, two at a time (tools/test_lanes.py says why).
 	$(PY) -m tools.test_lanes
 
+# llama.cpp (the benchmarks' baseline) built for the vector extensions this CPU reports, not
+# -march=native: that build takes ggml's AMX path on CPUs reporting AMX, and it faults in VMs
+# that report AMX without running it (these development machines).
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	$(shell for f in avx512f:AVX512 avx512_vnni:AVX512_VNNI avx512vbmi:AVX512_VBMI \
+	avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do grep -qw $${f%%:*} /proc/cpuinfo && \
+	echo -DGGML_$${f##*:}=ON; done)
+
 bench: $(STAMP).test
-	$(PY) -m pip install -q -e '.[llamacpp]'
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install -q --no-cache-dir -e '.[llamacpp]'
 	$(PY) -m tools.bench_throughput --baseline hf,llamacpp
 	$(PY) -m tools.bench_throughput --baseline hf,llamacpp --single_stream

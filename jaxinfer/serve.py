@@ -73,7 +73,9 @@ def main(argv):
     distributed = distributed_config_from_flags()
     api_key = _api_key()
     initialize(distributed, recoverable=True)
-    engine = lead_or_follow(LLMEngine(engine_options_from_flags()), distributed)
+    # The server compiles its rarer token buckets while it serves, where it can.
+    options = engine_options_from_flags(defaults={"warmup": "auto"})
+    engine = lead_or_follow(LLMEngine(options), distributed)
     if engine is None:  # a process > 0: it followed process 0 until the job stopped
         return
     name = FLAGS.served_model_name or engine.config.model.path.name

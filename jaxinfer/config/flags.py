@@ -70,12 +70,15 @@ def define_engine_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 
 def engine_options_from_flags(
-    flag_values: flags.FlagValues = flags.FLAGS, **overrides: Any
+    flag_values: flags.FlagValues = flags.FLAGS,
+    defaults: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> EngineOptions:
-    """The options the flags (over the --config file) say; `overrides` win over both."""
+    """The options the flags (over the --config file) say; `overrides` win over both, and
+    `defaults` (an entry point's own) stand where neither sets an option."""
     values = {f.name: flag_values[f.name].value for f in dataclasses.fields(EngineOptions)}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return load_engine_options(flag_values.config, **values)
+    return load_engine_options(flag_values.config, defaults, **values)
 
 
 def distributed_config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> DistributedConfig:
@@ -86,9 +89,12 @@ def distributed_config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -
     )
 
 
-def load_engine_options(path: str | Path | None, **overrides: Any) -> EngineOptions:
-    """EngineOptions from a TOML file's [engine] table, with non-None overrides on top."""
-    values: dict[str, Any] = {}
+def load_engine_options(
+    path: str | Path | None, defaults: dict[str, Any] | None = None, **overrides: Any
+) -> EngineOptions:
+    """EngineOptions from a TOML file's [engine] table over `defaults`, with non-None
+    overrides on top."""
+    values: dict[str, Any] = dict(defaults or {})
     if path is not None:
         path = Path(path)
         try:
@@ -100,13 +106,14 @@ def load_engine_options(path: str | Path | None, **overrides: Any) -> EngineOpti
         unknown_tables = set(document) - {"engine"}
         if unknown_tables:
             raise ValueError(f"{path}: unknown tables {sorted(unknown_tables)} (expected [engine])")
-        values = dict(document.get("engine", {}))
+        table = dict(document.get("engine", {}))
         known = {f.name for f in dataclasses.fields(EngineOptions)}
-        unknown = set(values) - known
+        unknown = set(table) - known
         if unknown:
             raise ValueError(
                 f"{path}: unknown engine options {sorted(unknown)}; known: {sorted(known)}"
             )
+        values.update(table)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return EngineOptions(**values)
 

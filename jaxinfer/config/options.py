@@ -24,6 +24,7 @@ MATMUL_IMPLS = ("auto", "xla", "cpu")
 GGUF_MODES = ("auto", "on", "off")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 15
+WARMUPS = ("auto", "all", "background")
 
 
 def option(default: Any, help: str, choices: tuple | None = None, **kwargs) -> Any:
@@ -87,6 +88,15 @@ class EngineOptions:
         None,
         "Schedule and enqueue step N+1 while the device runs step N; unset: on for "
         "accelerators, off on CPU, where the device is the host's own cores.",
+    )
+    warmup: str = option(
+        "all",
+        "What is compiled before the engine serves: all (every token bucket) or background "
+        "(the smallest and largest bucket; the others on a background thread while it serves, "
+        "a step padded to the smallest bucket compiled so far, so nothing compiles on a "
+        "request's path); auto: background where it can run (one process, layers under a "
+        "scan, no draft model), otherwise all. The server's default is auto.",
+        WARMUPS,
     )
     compilation_cache: bool = option(
         True, "Keep compiled programs in JAX's persistent cache for the next start."

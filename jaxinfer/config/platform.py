@@ -30,6 +30,7 @@ class Platform:
     cpu_features: frozenset[str]  # as /proc/cpuinfo reports them
     compiler: str | None  # the C++ compiler on PATH, for the C++ kernels
     native_dir: Path  # where the C++ kernels are built
+    num_processes: int = 1  # jax.distributed processes in the job
 
     @classmethod
     def detect(cls, cache_dir: str | Path) -> Platform:
@@ -39,6 +40,7 @@ class Platform:
             cpu_features=build.cpu_features(),
             compiler=build.compiler(),
             native_dir=Path(cache_dir) / "cpu_kernels",
+            num_processes=jax.process_count(),
         )
 
     def native_unavailable(self) -> str | None:

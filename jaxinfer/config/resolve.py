@@ -68,6 +68,7 @@ class ResolvedOptions:
     async_scheduling: bool
     batch_invariant: bool  # every kernel reduces in an order fixed per token
     speculative_free_tokens: int  # proposals may grow a step up to this many tokens
+    warmup: str  # "all" or "background" (token buckets compiled while serving)
     compilation_cache_dir: str | None  # None: no persistent compilation cache
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
 
@@ -108,6 +109,27 @@ def _common_reasons(platform: Platform, tp: int, dtype: str) -> list[str]:
     if unavailable is not None:
         reasons.append(unavailable)
     return reasons
+
+
+def _warmup(
+    options: EngineOptions, platform: Platform, layer_execution: str, reasons: dict[str, str]
+) -> str:
+    """options.warmup settled: "background" where the runner can compile a bucket's programs
+    without running them and every process picks the same buckets; a ValueError where it was
+    asked for and cannot."""
+    why = []
+    if platform.num_processes > 1:
+        why.append("several processes step in lockstep (each would pick buckets by its own pace)")
+    if layer_execution != "scan":
+        why.append("per-layer execution compiles a bucket's programs by running them")
+    if options.speculative_method == "draft":
+        why.append("a draft model's programs are compiled with the target's")
+    if options.warmup == "background" and why:
+        raise ValueError("warmup 'background' cannot be used here: " + "; ".join(why))
+    if options.warmup != "auto":
+        return options.warmup
+    reasons["warmup"] = "; ".join(why) if why else "one process, layers under a scan"
+    return "all" if why else "background"
 
 
 def _native(platform: Platform, name: str, option: str, value: str, reasons: list[str]):
@@ -365,6 +387,7 @@ def resolve(
             else "an accelerator reads the weights longer than it computes in small steps "
             "(an estimate, not measured)"
         )
+    warmup = _warmup(options, platform, layer_execution, reasons)
     cache_dir = None
     if options.compilation_cache:
         cache_dir = options.compilation_cache_dir or str(Path(options.cache_dir) / "xla")
@@ -385,6 +408,7 @@ def resolve(
         async_scheduling=async_scheduling,
         batch_invariant=invariant,
         speculative_free_tokens=free_tokens,
+        warmup=warmup,
         compilation_cache_dir=cache_dir,
         reasons=tuple(sorted(reasons.items())),
     )

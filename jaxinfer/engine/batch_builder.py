@@ -36,6 +36,9 @@ class BatchBuilder:
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.arch.vocab_size
         self.scheduler_config = config.scheduler
+        # The token buckets steps may take: all of them, or (EngineOptions.warmup
+        # "background") those compiled so far, the largest always among them.
+        self.ready_buckets: tuple[int, ...] = config.scheduler.token_buckets
         self.rows = RowTable(config.scheduler.max_num_seqs)
         self.padding_row = self.rows.padding_row  # the last row of per-request arrays
         # Bitmask rows per request row: one per position a step may sample for it.
@@ -48,8 +51,13 @@ class BatchBuilder:
             1 << i for i in range((largest - 1).bit_length() + 1)
         )  # 1, 2, 4, ... up to the first power of two >= max_num_seqs (and the sample rows)
 
+    def add_ready_bucket(self, num_tokens: int) -> None:
+        """Token bucket `num_tokens` is compiled: steps may take it (from any thread)."""
+        self.ready_buckets = tuple(sorted({*self.ready_buckets, num_tokens}))
+
     def bucket(self, num_tokens: int) -> int:
-        buckets = self.scheduler_config.token_buckets
+        """The smallest ready token bucket that holds a step of `num_tokens` tokens."""
+        buckets = self.ready_buckets
         index = bisect.bisect_left(buckets, num_tokens)
         if index == len(buckets):
             raise ValueError(f"{num_tokens} tokens exceed the largest bucket {buckets[-1]}")

@@ -13,6 +13,7 @@ import numpy as np
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.engine import compilation_cache, kv_calibration, output_builder
+from jaxinfer.engine.background_compile import BackgroundCompiler, first_buckets
 from jaxinfer.engine.batch_builder import BatchBuilder
 from jaxinfer.engine.constraints import RequestConstraints
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -100,19 +101,27 @@ class LLMEngine:
                 self.config, graphdef, state, model_kernels, self.partitioner, self.tokenizer
             ),
         )
+        buckets = self.config.scheduler.token_buckets
+        first = buckets if resolved.warmup == "all" else first_buckets(buckets)
         with compilation_cache.CompileCounter() as counter:
-            progress = WarmupProgress(self.runner.warmup_units(), counter, show_progress)
-            self.warmup_seconds = self.runner.warmup(self.batch_builder, progress)
+            progress = WarmupProgress(self.runner.warmup_units(first), counter, show_progress)
+            self.warmup_seconds = self.runner.warmup(self.batch_builder, progress, first)
         self.warmup_programs, self.warmup_cache_hits = counter.programs, counter.cache_hits
         logger.info(
             "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "
             "cache) in %.1f s",
-            len(self.config.scheduler.token_buckets),
+            len(first),
             counter.programs,
             counter.compiled,
             counter.cache_hits,
             self.warmup_seconds,
         )
+        # The other buckets, compiled while the engine serves (warmup "background").
+        self.background_compile: BackgroundCompiler | None = None
+        rest = tuple(b for b in buckets if b not in first)
+        if rest:
+            self.batch_builder.ready_buckets = first
+            self.background_compile = BackgroundCompiler(self.runner, self.batch_builder, rest)
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,
             self.config.cache.num_blocks,

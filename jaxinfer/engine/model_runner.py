@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,17 @@ logger = logging.getLogger(__name__)
 
 
 PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
+
+
+class RunnerSpecs(NamedTuple):
+    """ModelRunner's device state as jax.ShapeDtypeStructs (ModelRunner.state_specs)."""
+
+    state: Any  # the layers' parameters (nnx.State)
+    top_params: Any  # embed, norm, LM head, rope cache
+    kv_cache: Any
+    block_table: Any
+    last_tokens: Any
+    sampler_state: Any
 
 
 def allocate_kv_cache(
@@ -238,6 +249,7 @@ class ModelRunner:
             )
             self._add = jax.jit(jnp.add)
         self.warmup_seconds: float | None = None
+        self._sampled_buckets: set[int] = set()  # sample-row buckets whose sampler is compiled
         if not sampling:
             return
         # Kept on the device between steps, by request row (the last row is the padding
@@ -405,25 +417,29 @@ class ModelRunner:
                 self.sampler_state, jax.device_put(updates.bitmask, self.partitioner.replicated)
             )
 
-    def warmup_units(self) -> int:
-        """How many units warmup() reports progress in."""
-        return len(self.config.scheduler.token_buckets) + 1
+    def warmup_units(self, buckets: tuple[int, ...] | None = None) -> int:
+        """How many units warmup(buckets) reports progress in."""
+        return len(self.config.scheduler.token_buckets if buckets is None else buckets) + 1
 
     def warmup(
-        self, builder: BatchBuilder, progress: Callable[[int, str], None] | None = None
+        self,
+        builder: BatchBuilder,
+        progress: Callable[[int, str], None] | None = None,
+        buckets: tuple[int, ...] | None = None,
     ) -> float:
-        """Compiles every token bucket, the sampler of each sample-row bucket (with and without
-        logprobs) and every size of per-request row updates, by running all-padding steps from
-        the batch builder; returns the seconds it took. progress(done, what) is called after
-        each of its warmup_units(): the token buckets, then the row updates (and the draft)."""
+        """Compiles token buckets `buckets` (default: all), the sampler of each sample-row
+        bucket (with and without logprobs) and every size of per-request row updates, by
+        running all-padding steps from the batch builder; returns the seconds it took.
+        progress(done, what) is called after each of its warmup_units(buckets): the token
+        buckets, then the row updates (and the draft). The other buckets compile later
+        with compile_bucket."""
         start = time.perf_counter()
-        sched = self.config.scheduler
-        sampled_buckets = set()
-        for index, num_tokens in enumerate(sched.token_buckets):
+        buckets = self.config.scheduler.token_buckets if buckets is None else buckets
+        for index, num_tokens in enumerate(buckets):
             inputs, sampling = builder.padding_batch(num_tokens)
             num_samples = sampling.temperature.shape[0]
-            variants = [0] if num_samples in sampled_buckets else [0, MAX_LOGPROBS]
-            sampled_buckets.add(num_samples)
+            variants = [0] if num_samples in self._sampled_buckets else [0, MAX_LOGPROBS]
+            self._sampled_buckets.add(num_samples)
             prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
             for num_logprobs in variants:
                 step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
@@ -437,9 +453,63 @@ class ModelRunner:
             self.draft.warmup(self.block_table, self.sampler_state.bias)
         jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))
         if progress is not None:
-            progress(len(sched.token_buckets) + 1, "row updates" + (", draft" * bool(self.draft)))
+            progress(len(buckets) + 1, "row updates" + (", draft" * bool(self.draft)))
         self.warmup_seconds = time.perf_counter() - start
-        logger.info(
-            "warm-up compiled token buckets %s in %.1f s", sched.token_buckets, self.warmup_seconds
-        )
+        logger.info("warm-up compiled token buckets %s in %.1f s", buckets, self.warmup_seconds)
         return self.warmup_seconds
+
+    def state_specs(self) -> RunnerSpecs:
+        """The device state a step's programs take, as shapes, dtypes and shardings: what
+        compile_bucket lowers against (on the engine's thread, once: the arrays themselves
+        are donated and replaced step by step)."""
+        if self.layer_execution != "scan" or self.draft is not None:
+            raise ValueError("buckets compile ahead only for scan execution without a draft")
+
+        def spec(tree):
+            return jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree
+            )
+
+        return RunnerSpecs(
+            spec(self.state),
+            spec(self.top_params),
+            spec(self.kv_cache),
+            spec(self.block_table),
+            spec(self.last_tokens),
+            spec(self.sampler_state),
+        )
+
+    def compile_bucket(self, builder: BatchBuilder, num_tokens: int, specs: RunnerSpecs) -> None:
+        """Compiles the programs of token bucket `num_tokens` without running them (safe on
+        another thread while the engine steps): the model step, the sampler of its sample-row
+        bucket (with and without logprobs, unless compiled already) and the row selection of
+        prompt logprobs. A step of this bucket then finds them all in JAX's caches."""
+        inputs, sampling = builder.padding_batch(num_tokens)
+        step = self._scan_step.lower(
+            specs.state,
+            specs.top_params,
+            specs.kv_cache,
+            specs.block_table,
+            specs.last_tokens,
+            inputs,
+        )
+        compiled = step.compile()
+        outputs = jax.tree.map(
+            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+            step.out_info,
+            compiled.output_shardings,
+        )
+        _, hidden, logits = outputs
+        num_samples = sampling.temperature.shape[0]
+        if num_samples not in self._sampled_buckets:
+            for num_logprobs in (0, MAX_LOGPROBS):
+                self._sample.lower(
+                    logits,
+                    sampling,
+                    specs.sampler_state,
+                    specs.last_tokens,
+                    num_logprobs=num_logprobs,
+                    draft_probs=None,
+                ).compile()
+            self._sampled_buckets.add(num_samples)
+        self._select_rows.lower(hidden, np.zeros(PROMPT_LOGPROB_ROWS, np.int32)).compile()

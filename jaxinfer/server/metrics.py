@@ -12,6 +12,7 @@ import threading
 import jax
 import prometheus_client as prom
 
+from jaxinfer.engine.background_compile import on_background_thread
 from jaxinfer.engine.compilation_cache import COMPILE_EVENT as _COMPILE_EVENT
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import RequestOutput
@@ -56,7 +57,16 @@ class ServerMetrics:
         self.cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
         self.cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.compilations = counter(
-            "compilations_after_warmup", "XLA compilations after warm-up (should stay 0)."
+            "compilations_after_warmup",
+            "XLA compilations on the step path after warm-up (should stay 0).",
+        )
+        background = engine.background_compile
+        gauge(
+            "token_buckets_compiling",
+            "Token buckets still compiling in the background (warmup background); until then "
+            "a step is padded to a larger compiled bucket.",
+        ).set_function(
+            lambda: 0 if background is None else len(background.buckets) - len(background.compiled)
         )
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "generated": 0}
         self.spec = None
@@ -76,6 +86,8 @@ class ServerMetrics:
         jax.monitoring.register_event_duration_secs_listener(self._on_compile)
 
     def _on_compile(self, event: str, duration: float, **kwargs) -> None:
+        if on_background_thread():  # token buckets compiled while serving, off the step path
+            return
         if event == _COMPILE_EVENT:
             self.compilations.inc()
 

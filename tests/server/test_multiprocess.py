@@ -35,6 +35,7 @@ ENGINE_FLAGS = (
     "--max_model_len=128",
     "--tensor_parallel_size=2",
     "--random_seed=7",
+    "--warmup=all",  # every bucket before serving: one process's steps pad as two processes'
 )
 TIMEOUT = 300  # seconds any job may take to start
 

@@ -28,6 +28,7 @@ def exported_samples() -> set[str]:
             cache=CacheConfig(block_size=16, num_blocks=9),
         ),
         stats=lambda: stats,
+        background_compile=None,
     )
     text = ServerMetrics(engine).render().decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}

@@ -33,6 +33,15 @@ def test_flags_override_file(tmp_path):
     assert (options.max_num_seqs, options.block_size, options.model) == (7, 32, None)
 
 
+def test_an_entry_points_defaults_lie_under_the_file_and_the_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[engine]\nblock_size = 32\n")
+    defaults = {"warmup": "auto", "block_size": 8, "max_num_seqs": 5}
+    options = load_engine_options(path, defaults, max_num_seqs=7)
+    assert (options.warmup, options.block_size, options.max_num_seqs) == ("auto", 32, 7)
+    assert load_engine_options(None).warmup == "all"
+
+
 @pytest.mark.parametrize(
     ("text", "error", "message"),
     [

@@ -191,3 +191,17 @@ def test_int4_kernel_choices_and_refusals():
     assert resolved.options.weight_format == "awq int4 (groups of 128)"
     with pytest.raises(ValueError, match="quantization 'int8'"):
         resolve(EngineOptions(quantization="int8"), NO_NATIVE, awq, default_registry())
+
+
+def test_warmup_in_the_background_only_where_it_can_run():
+    gpu = settle(GPU, warmup="auto").options
+    assert gpu.warmup == "background"
+    assert gpu.describe()["warmup"]["reason"] == "one process, layers under a scan"
+    assert settle(GPU).options.warmup == "all"  # the default: everything before serving
+    lockstep = dataclasses.replace(GPU, num_processes=2)
+    assert settle(lockstep, warmup="auto").options.warmup == "all"
+    per_layer = settle(NO_NATIVE, warmup="auto").options  # XLA:CPU without the kernels
+    assert per_layer.warmup == "all"
+    assert "per-layer" in per_layer.describe()["warmup"]["reason"]
+    with pytest.raises(ValueError, match="warmup 'background' cannot be used here: several"):
+        settle(lockstep, warmup="background")

@@ -160,6 +160,7 @@ def test_prometheus_counters():
             cache=CacheConfig(block_size=16, num_blocks=9),
         ),
         stats=lambda: stats,
+        background_compile=None,
     )
     metrics = ServerMetrics(engine)
     spec.record(3, 2)

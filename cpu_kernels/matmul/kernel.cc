@@ -378,6 +378,31 @@ __attribute__((target("avx512f"))) void StreamRowInt4Avx512(const Problem<uint8_
   }
 }
 
+// Weight rows [col0, col1) times every row of x (at most kInt4StreamRows), with AVX-512: one
+// call for a claim's columns, each column's scales and biases converted to float32 in turn.
+template <int MR>
+__attribute__((target("avx512f"))) void Int4Columns512(const Problem<uint8_t>& p, int64_t col0,
+                                                       int64_t col1, int64_t m0, float* params) {
+  const int64_t groups = p.k / p.group;
+  for (int64_t col = col0; col < col1; ++col) {
+    GroupFloats(p.group_scale, p.scale_f16, col * groups, groups, params);
+    GroupFloats(p.group_bias, p.bias_f16, col * groups, groups, params + groups);
+    StreamRowInt4Avx512<MR>(p, col, m0, params, params + groups);
+  }
+}
+
+void StreamColumnsInt4Avx512(const Problem<uint8_t>& p, int64_t col0, int64_t col1) {
+  const int64_t groups = p.k / p.group;
+  std::vector<float> params(2 * groups);
+  for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, p.m - m0);
+    if (rows == 4) Int4Columns512<4>(p, col0, col1, m0, params.data());
+    if (rows == 3) Int4Columns512<3>(p, col0, col1, m0, params.data());
+    if (rows == 2) Int4Columns512<2>(p, col0, col1, m0, params.data());
+    if (rows == 1) Int4Columns512<1>(p, col0, col1, m0, params.data());
+  }
+}
+
 // Rows [0, m) of x (m <= kMaxStreamRows) times int4 weight row `col`, 4 rows at a time.
 inline void StreamRowsInt4(const Problem<uint8_t>& p, int64_t col) {
   const int64_t groups = p.k / p.group;
@@ -395,11 +420,6 @@ inline void StreamRowsInt4(const Problem<uint8_t>& p, int64_t col) {
       if (rows == 3) StreamRowInt4Int8<3>(p, col, m0, scale, bias);
       if (rows == 2) StreamRowInt4Int8<2>(p, col, m0, scale, bias);
       if (rows == 1) StreamRowInt4Int8<1>(p, col, m0, scale, bias);
-    } else if (p.avx512) {
-      if (rows == 4) StreamRowInt4Avx512<4>(p, col, m0, scale, bias);
-      if (rows == 3) StreamRowInt4Avx512<3>(p, col, m0, scale, bias);
-      if (rows == 2) StreamRowInt4Avx512<2>(p, col, m0, scale, bias);
-      if (rows == 1) StreamRowInt4Avx512<1>(p, col, m0, scale, bias);
     } else {
       if (rows == 4) StreamRowInt4<4>(p, col, m0, scale, bias);
       if (rows == 3) StreamRowInt4<3>(p, col, m0, scale, bias);
@@ -675,6 +695,9 @@ void StreamRows(const Problem<W>& p, int64_t col) {
 template <typename W>
 void Columns(const Problem<W>& p, const float* xt, int64_t mp, int64_t col0, int64_t col1) {
   if (p.Streams()) {
+    if constexpr (std::is_same_v<W, uint8_t>) {
+      if (p.avx512 && p.x8 == nullptr) return StreamColumnsInt4Avx512(p, col0, col1);
+    }
     for (int64_t col = col0; col < col1; ++col) {
       StreamRows(p, col);
     }

@@ -837,10 +837,13 @@ ffi::Error Int4Shape(Problem<uint8_t>& p, const ffi::Buffer<ffi::F32>& x,
   return ffi::Error::Success();
 }
 
-// The AVX-512 path where asked for, refused on a CPU without it.
+// The AVX-512 path where asked for, refused on a CPU without it (the CPU asked once).
 ffi::Error Int4Isa(bool avx512) {
-  __builtin_cpu_init();
-  if (avx512 && !__builtin_cpu_supports("avx512f")) {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  if (avx512 && !supported) {
     return ffi::Error::InvalidArgument("int4 matmul: avx512 asked for on a CPU without AVX-512F");
   }
   return ffi::Error::Success();

@@ -105,7 +105,7 @@ class LLMEngine:
         first = buckets if resolved.warmup == "all" else first_buckets(buckets)
         with compilation_cache.CompileCounter() as counter:
             progress = WarmupProgress(self.runner.warmup_units(first), counter, show_progress)
-            self.warmup_seconds = self.runner.warmup(self.batch_builder, progress, first)
+            self.warmup_seconds = self.runner.warmup(self.batch_builder, first, progress)
         self.warmup_programs, self.warmup_cache_hits = counter.programs, counter.cache_hits
         logger.info(
             "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "

@@ -417,24 +417,24 @@ class ModelRunner:
                 self.sampler_state, jax.device_put(updates.bitmask, self.partitioner.replicated)
             )
 
-    def warmup_units(self, buckets: tuple[int, ...] | None = None) -> int:
-        """How many units warmup(buckets) reports progress in."""
-        return len(self.config.scheduler.token_buckets if buckets is None else buckets) + 1
+    @staticmethod
+    def warmup_units(buckets: tuple[int, ...]) -> int:
+        """How many units warmup(builder, buckets) reports progress in."""
+        return len(buckets) + 1
 
     def warmup(
         self,
         builder: BatchBuilder,
+        buckets: tuple[int, ...],
         progress: Callable[[int, str], None] | None = None,
-        buckets: tuple[int, ...] | None = None,
     ) -> float:
-        """Compiles token buckets `buckets` (default: all), the sampler of each sample-row
-        bucket (with and without logprobs) and every size of per-request row updates, by
-        running all-padding steps from the batch builder; returns the seconds it took.
-        progress(done, what) is called after each of its warmup_units(buckets): the token
-        buckets, then the row updates (and the draft). The other buckets compile later
-        with compile_bucket."""
+        """Compiles token buckets `buckets` (all, or the first few), the sampler of each
+        sample-row bucket (with and without logprobs) and every size of per-request row
+        updates, by running all-padding steps from the batch builder; returns the seconds it
+        took. progress(done, what) is called after each of its warmup_units(buckets): the token
+        buckets, then the row updates (and the draft). The other buckets compile later with
+        compile_bucket."""
         start = time.perf_counter()
-        buckets = self.config.scheduler.token_buckets if buckets is None else buckets
         for index, num_tokens in enumerate(buckets):
             inputs, sampling = builder.padding_batch(num_tokens)
             num_samples = sampling.temperature.shape[0]

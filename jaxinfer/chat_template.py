@@ -2,20 +2,19 @@
 
 A model's own template is trusted code over untrusted messages, so its cost follows the
 (bounded) request. A template that a request brings (off unless the server allows it) is
-untrusted code: `render_isolated` renders it in a child process (`python -m
-jaxinfer.chat_template`, which imports only jinja2) with a wall-clock limit, an address-space
-limit and a limit on the characters it may produce, so a template that loops, allocates or
-escapes the sandbox costs at most that and never the server.
+untrusted code: it renders in a child process (`python -m jaxinfer.chat_template`, which
+imports only jinja2; jaxinfer.server.isolated_render starts, bounds and kills it), under
+limits it sets on itself before it reads the template: address space, CPU seconds, no new
+processes, no files written, few descriptors.
 
 This module must not import jax or the engine: the child process imports it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import math
 import resource
-import subprocess
 import sys
 from datetime import datetime
 
@@ -56,45 +55,40 @@ def render_bounded(template, variables: dict, max_chars: int) -> str:
     return "".join(pieces)
 
 
-async def render_isolated(source: str, variables: dict, *, timeout: float, max_chars: int) -> str:
-    """Renders an untrusted template in a child process; ValueError if it fails, runs past
-    `timeout` seconds, exceeds the memory limit or produces more than max_chars."""
-    request = json.dumps({"template": source, "variables": variables, "max_chars": max_chars})
-    # subprocess (a thread waits on it) rather than the event loop's own child processes:
-    # uvloop forks with the interpreter's fork hooks, which JAX warns about.
-    command = [sys.executable, "-I", "-m", "jaxinfer.chat_template"]
-    try:
-        finished = await asyncio.to_thread(
-            subprocess.run,
-            command,
-            input=request.encode(),
-            capture_output=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise ValueError(f"the chat template did not render within {timeout} s") from None
-    try:
-        status, value = json.loads(finished.stdout)
-    except ValueError:
-        raise ValueError(
-            "the chat template's renderer ended without a result (out of memory?)"
-        ) from None
-    if status != "ok":
-        raise ValueError(f"the chat template failed: {value}")
-    return value
+# The child's answer on stdout: one status byte, then UTF-8 text (the rendered prompt, or an
+# error of at most ERROR_CHARS characters).
+OK, FAILED = b"0", b"1"
+ERROR_CHARS = 1000
+
+
+def _limit(kind: int, value: int) -> None:
+    _, hard = resource.getrlimit(kind)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(kind, (value, value))
 
 
 def _render_one_request() -> None:
-    """The child process: one JSON request on stdin, ["ok" | "error", text] on stdout."""
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    """The child process: one JSON request on stdin ({"template", "variables", "max_chars",
+    "cpu_seconds"}), its answer on stdout."""
+    _limit(resource.RLIMIT_AS, CHILD_MEMORY_BYTES)
+    _limit(resource.RLIMIT_NPROC, 0)  # (not enforced for root)
+    _limit(resource.RLIMIT_FSIZE, 0)
+    _limit(resource.RLIMIT_CORE, 0)
+    request = json.loads(sys.stdin.buffer.read())
+    _limit(resource.RLIMIT_CPU, max(1, math.ceil(request["cpu_seconds"])))
+    _limit(resource.RLIMIT_NOFILE, 16)
     try:
-        request = json.loads(sys.stdin.buffer.read())
         template = environment().from_string(request["template"])
-        result = ["ok", render_bounded(template, request["variables"], request["max_chars"])]
+        text = render_bounded(template, request["variables"], request["max_chars"])
+        answer = OK + text.encode("utf-8")
     except BaseException as error:  # anything the template does is its own error
-        result = ["error", f"{type(error).__name__}: {error}"]
-    sys.stdout.write(json.dumps(result))
+        message = str(error)
+        answer = FAILED + f"{type(error).__name__}: {message[:ERROR_CHARS]}".encode(
+            "utf-8", "replace"
+        )
+    sys.stdout.buffer.write(answer)
+    sys.stdout.buffer.flush()
 
 
 if __name__ == "__main__":

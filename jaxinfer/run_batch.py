@@ -68,7 +68,7 @@ SAMPLING_FLAGS = (
 )
 
 
-def job_config_from_flags() -> BatchJobConfig:
+def job_config_from_flags(random_seed: int | None) -> BatchJobConfig:
     def path(value):
         return Path(value) if value is not None else None
 
@@ -83,6 +83,7 @@ def job_config_from_flags() -> BatchJobConfig:
         resume=FLAGS.resume,
         overwrite=FLAGS.overwrite,
         show_progress=FLAGS.progress,
+        random_seed=random_seed,
     )
 
 
@@ -92,7 +93,8 @@ def main(argv):
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per in-process request
     try:
         distributed = distributed_config_from_flags()
-        config = job_config_from_flags()
+        options = engine_options_from_flags()
+        config = job_config_from_flags(options.random_seed)
         if not distributed.process_id:  # the files are process 0's alone
             check_paths(config)
     except (ValueError, OSError) as error:
@@ -100,7 +102,7 @@ def main(argv):
     initialize(distributed, recoverable=True)
     # Under several processes, process 0 reads the input and writes the results; the others
     # follow its schedule (jaxinfer.parallel.lockstep).
-    engine = lead_or_follow(LLMEngine(engine_options_from_flags()), distributed)
+    engine = lead_or_follow(LLMEngine(options), distributed)
     if engine is None:
         return
     name = FLAGS.served_model_name or engine.config.model.path.name

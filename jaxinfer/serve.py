@@ -24,7 +24,7 @@ from jaxinfer.parallel.distributed import initialize
 from jaxinfer.parallel.lockstep import Leader, lead_or_follow
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
-from jaxinfer.server.guard import HostPolicy
+from jaxinfer.server.guard import HostPolicy, check_api_key
 from jaxinfer.server.metrics import ServerMetrics
 
 FLAGS = flags.FLAGS
@@ -54,17 +54,26 @@ flags.DEFINE_bool(
     "exit_on_engine_failure", False, "Exit with status 1 when the engine dies or stalls."
 )
 flags.DEFINE_integer("shutdown_timeout", 30, "Seconds in-flight requests get on SIGTERM.")
+flags.DEFINE_bool(
+    "enable_docs", False, "Serve Swagger UI at /docs (its scripts come from a CDN; behind the key)."
+)
 
 
 def _api_key() -> str | None:
     if FLAGS.api_key is not None and FLAGS.api_key_file is not None:
         raise app.UsageError("give --api_key or --api_key_file, not both")
     if FLAGS.api_key_file is None:
-        return FLAGS.api_key
-    lines = Path(FLAGS.api_key_file).read_text().splitlines()
-    if not lines or not lines[0].strip():
-        raise app.UsageError(f"{FLAGS.api_key_file} holds no API key")
-    return lines[0].strip()
+        key = FLAGS.api_key
+    else:
+        lines = Path(FLAGS.api_key_file).read_text().splitlines()
+        if not lines or not lines[0].strip():
+            raise app.UsageError(f"{FLAGS.api_key_file} holds no API key")
+        key = lines[0].strip()
+    try:
+        check_api_key(key)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
+    return key
 
 
 def main(argv):
@@ -88,6 +97,7 @@ def main(argv):
         chat_template_timeout=FLAGS.chat_template_timeout,
         host_policy=HostPolicy.for_server(FLAGS.host, FLAGS.allowed_hosts),
         engine_step_timeout=FLAGS.engine_step_timeout,
+        enable_docs=FLAGS.enable_docs,
     )
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(

@@ -5,14 +5,18 @@
 Starts `python -m jaxinfer.serve` (the default model unless --server_args names another) on
 a free loopback port and drives it with --concurrency clients for --minutes: normal chat and
 completion requests (streamed and not), streams dropped after a few tokens, clients that
-time out, invalid bodies and parameters, heavy but valid grammars, n > 1, and the server's
-limits (bodies over the limit). It then checks that:
+time out, invalid bodies and parameters, heavy but valid grammars, n > 1, the server's
+limits (bodies over the limit), and clients that share X-Request-Ids: some stream a whole
+answer under an id that others send at the same time and drop within milliseconds, or send
+a spinning chat template and leave. It then checks that:
 
-- every well-formed request that was not abandoned got a 2xx, and every bad one a 4xx;
+- every well-formed request that was not abandoned got a 2xx, and every bad one a 4xx; a
+  stream under a shared id got all its tokens and [DONE];
 - /health answered 200 at every probe (once a second);
 - after the load, nothing is running and the KV cache is back at idle (/metrics);
 - the server's log holds no traceback;
-- the server's RSS at the end is within 10% of its RSS after the first minute.
+- the server's RSS at the end is within 10% of its RSS after the first minute;
+- no chat-template child process is left.
 
 Prints requests by kind, status counts, p50/p99 latency of each kind and the RSS samples,
 writes them to --output as JSON, and exits 1 if a check failed.
@@ -47,6 +51,8 @@ flags.DEFINE_string("output", None, "Write the report here as JSON.")
 flags.DEFINE_integer("seed", 0, "Seed of the request mix.")
 flags.DEFINE_float("start_timeout", 900.0, "Seconds the server may take to start.")
 
+SHARED_IDS = [f"shared-{i}" for i in range(3)]  # X-Request-Ids several clients send at once
+SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 TOPICS = ["the sea", "bread", "chess", "volcanoes", "owls", "rain", "trains", "music"]
 HEAVY_SCHEMA = {  # valid, with many alternatives to compile
     "type": "array",
@@ -92,18 +98,20 @@ def completion_body(rng: random.Random, **extra) -> dict:
     }
 
 
-async def send(client, kind, expect, path, body=None, content=None, timeout=120.0) -> Result:
+async def send(
+    client, kind, expect, path, body=None, content=None, timeout=120.0, headers=None
+) -> Result:
     start = time.perf_counter()
     try:
         if content is not None:
             response = await client.post(
                 path,
                 content=content,
-                headers={"content-type": "application/json"},
+                headers={"content-type": "application/json", **(headers or {})},
                 timeout=timeout,
             )
         else:
-            response = await client.post(path, json=body, timeout=timeout)
+            response = await client.post(path, json=body, timeout=timeout, headers=headers)
     except httpx.TimeoutException:
         return Result(kind, expect, None, time.perf_counter() - start, "timeout")
     except httpx.TransportError as error:
@@ -112,14 +120,21 @@ async def send(client, kind, expect, path, body=None, content=None, timeout=120.
     return Result(kind, expect, response.status_code, time.perf_counter() - start, detail)
 
 
-async def stream(client, kind, path, body, keep_chunks: int | None) -> Result:
-    """Reads a stream to its end (keep_chunks None) or drops it after keep_chunks chunks."""
+async def stream(
+    client, kind, path, body, keep_chunks: int | None, headers=None, tokens: int | None = None
+) -> Result:
+    """Reads a stream to its end (keep_chunks None) or drops it after keep_chunks chunks.
+    `tokens`: the completion tokens the stream must report in its usage (599 otherwise)."""
     start = time.perf_counter()
     expect = "ok" if keep_chunks is None else "gone"
+    body = {**body, "stream": True}
+    if tokens is not None:
+        body["stream_options"] = {"include_usage": True}
     try:
-        async with client.stream("POST", path, json={**body, "stream": True}, timeout=120) as r:
+        async with client.stream("POST", path, json=body, timeout=120, headers=headers) as r:
             chunks = 0
             done = False
+            usage = None
             async for line in r.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
@@ -127,10 +142,16 @@ async def stream(client, kind, path, body, keep_chunks: int | None) -> Result:
                     if '"error"' in line:
                         return Result(kind, expect, 500, time.perf_counter() - start, line[:200])
                     chunks += 1
+                    usage = json.loads(line[6:]).get("usage") or usage
                     if keep_chunks is not None and chunks >= keep_chunks:
                         return Result(kind, expect, None, time.perf_counter() - start, "dropped")
             status = r.status_code if done or r.status_code >= 400 else 599
-            return Result(kind, expect, status, time.perf_counter() - start)
+            detail = ""
+            if tokens is not None and status == 200:
+                got = (usage or {}).get("completion_tokens")
+                if got != tokens:
+                    status, detail = 599, f"{got} tokens of {tokens}"
+            return Result(kind, expect, status, time.perf_counter() - start, detail)
     except httpx.TransportError as error:
         return Result(kind, expect, None, time.perf_counter() - start, repr(error))
 
@@ -180,8 +201,11 @@ async def one_request(client, rng: random.Random) -> Result:
             "n_samples",
             "large_top_k",
             "bad_words",
+            "shared_id_stream",
+            "shared_id_dropper",
+            "template_dropper",
         ],
-        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4],
+        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3],
     )[0]
     chat, completions = "/v1/chat/completions", "/v1/completions"
     if kind == "chat":
@@ -207,6 +231,20 @@ async def one_request(client, rng: random.Random) -> Result:
         return await send(client, kind, "ok", chat, body)
     if kind == "n_samples":
         return await send(client, kind, "ok", completions, completion_body(rng, n=4))
+    if kind == "shared_id_stream":  # others send this id meanwhile, and drop it at once
+        headers = {"X-Request-Id": rng.choice(SHARED_IDS)}
+        body = chat_body(rng, max_tokens=rng.randint(16, 64), ignore_eos=True)
+        return await stream(
+            client, kind, chat, body, None, headers=headers, tokens=body["max_tokens"]
+        )
+    if kind == "shared_id_dropper":
+        headers = {"X-Request-Id": rng.choice(SHARED_IDS)}
+        body = completion_body(rng, max_tokens=64, ignore_eos=True)
+        timeout = rng.uniform(0.002, 0.05)
+        return await send(client, kind, "gone", completions, body, timeout=timeout, headers=headers)
+    if kind == "template_dropper":  # leaves while its template spins in a child
+        body = chat_body(rng, chat_template=SPIN)
+        return await send(client, kind, "gone", chat, body, timeout=rng.uniform(0.1, 0.3))
     if kind == "large_top_k":
         return await send(client, kind, "ok", completions, completion_body(rng, top_k=2**31))
     words = [f"{rng.choice(TOPICS)} {i}" for i in range(1000)]
@@ -265,7 +303,35 @@ async def drive(url: str, pid: int, seconds: float) -> dict:
             if running == waiting == usage == 0:
                 break
             await asyncio.sleep(0.5)
-    return {"results": results, "health": dict(health), "rss": rss, "idle": idle}
+    children = None
+    for _ in range(40):  # cancelled renders' children are killed at once
+        children = template_children(pid)
+        if not children:
+            break
+        await asyncio.sleep(0.25)
+    return {
+        "results": results,
+        "health": dict(health),
+        "rss": rss,
+        "idle": idle,
+        "template_children": children,
+    }
+
+
+def template_children(pid: int) -> int:
+    """The chat-template render processes the server has now."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        count += parent == pid and b"jaxinfer.chat_template" in command
+    return count
 
 
 def report(run: dict, log_text: str, seconds: float) -> tuple[dict, list[str]]:
@@ -296,6 +362,8 @@ def report(run: dict, log_text: str, seconds: float) -> tuple[dict, list[str]]:
         failures.append(f"/health answered {run['health']}")
     if run["idle"] is None or any(run["idle"].values()):
         failures.append(f"not idle after the load: {run['idle']}")
+    if run["template_children"]:
+        failures.append(f"{run['template_children']} chat-template children left")
     if "Traceback" in log_text:
         failures.append("the server's log holds a traceback")
     rss = run["rss"]
@@ -312,6 +380,7 @@ def report(run: dict, log_text: str, seconds: float) -> tuple[dict, list[str]]:
         "by_kind": by_kind,
         "health": run["health"],
         "idle_after_load": run["idle"],
+        "template_children_after_load": run["template_children"],
         "rss_mb": {
             "after_first_minute": round(after_first_minute / 2**20, 1),
             "end": round(final / 2**20, 1),

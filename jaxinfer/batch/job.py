@@ -37,6 +37,9 @@ class BatchJobConfig:
     overwrite: replace an existing `output` when the run ends (its records go to
         `<output>.partial` until then, so an interrupted run leaves the old results); without
         it or `resume`, an existing `output` is an error.
+    random_seed: lines that set no seed sample with one derived from this and their
+        custom_id, the same on a rerun or a resume (run_batch's --random_seed); None: they
+        are random.
     """
 
     output: Path
@@ -48,6 +51,7 @@ class BatchJobConfig:
     resume: bool = False
     overwrite: bool = False
     show_progress: bool = True
+    random_seed: int | None = None
 
     def __post_init__(self):
         if (self.input is None) == (self.prompts_file is None):
@@ -109,6 +113,7 @@ def run_job(config: BatchJobConfig, engine: AsyncEngine, served_model_name: str)
                 lambda record: append_record(handle, record),
                 lambda: engine.alive,
                 config.show_progress,
+                config.random_seed,
             )
         )
     finally:

@@ -37,11 +37,16 @@ async def run_items(
     write: Callable[[dict[str, Any]], None],
     engine_alive: Callable[[], bool],
     show_progress: bool = True,
+    random_seed: int | None = None,
 ) -> RunResult:
     """Answers every item, calling `write` with each record as it completes.
 
     If the engine loop dies, the lines it could not answer get no record (a later --resume
     runs them) rather than a server error recorded as their result.
+
+    random_seed: when set, a line whose body sets no seed samples with one derived from this
+    and its custom_id (line_seed), so a rerun or a resume draws the same tokens; unset, such
+    lines are random as on the server.
     """
     records: list[dict[str, Any]] = []
     unanswered = 0
@@ -62,10 +67,12 @@ async def run_items(
 
         async def answer(item: BatchItem) -> None:
             nonlocal unanswered
-            # The line's custom_id names its request: its unseeded samples draw the same seeds
-            # on a rerun (under the same engine random_seed).
+            # The line's custom_id labels its response.
             headers = {"X-Request-Id": line_request_id(item.custom_id)}
-            response = await c.post(item.url, json=item.body, headers=headers)
+            body = item.body
+            if random_seed is not None and isinstance(body, dict) and body.get("seed") is None:
+                body = {**body, "seed": line_seed(random_seed, item.custom_id)}
+            response = await c.post(item.url, json=body, headers=headers)
             try:
                 body = response.json()
             except json.JSONDecodeError:
@@ -96,3 +103,9 @@ def line_request_id(custom_id: str) -> str:
     if 0 < len(custom_id) <= MAX_CLIENT_ID and custom_id.isprintable():
         return custom_id
     return hashlib.sha256(custom_id.encode()).hexdigest()
+
+
+def line_seed(random_seed: int, custom_id: str) -> int:
+    """The seed of a line that sets none, under run_batch's --random_seed (63 bits)."""
+    digest = hashlib.blake2b(f"{random_seed}/{custom_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -67,6 +67,13 @@ def define_engine_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer(
         "process_id", None, "jax.distributed: this process's index.", flag_values=flag_values
     )
+    flags.DEFINE_string(
+        "control_host",
+        None,
+        "Several processes: the address process 0's control channel binds to and the others "
+        "connect to (default: the coordinator's host, on the interface it routes over).",
+        flag_values=flag_values,
+    )
 
 
 def engine_options_from_flags(
@@ -86,6 +93,7 @@ def distributed_config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -
         coordinator_address=flag_values.coordinator_address,
         num_processes=flag_values.num_processes,
         process_id=flag_values.process_id,
+        control_host=flag_values.control_host,
     )
 
 

@@ -205,9 +205,11 @@ class EngineOptions:
 
     random_seed: int | None = option(
         None,
-        "Root of the seeds of requests that set none (each request's seed derives from it and "
-        "its id, so a run with the same ids repeats). Unset: drawn at start-up (on process 0, "
-        "shared with the others under jax.distributed).",
+        "Root of the seeds of requests that set none: each one's seed derives from it and the "
+        "request's id, so an LLM API run (ids counted from 0) repeats; the server's ids are "
+        "random, so its unseeded requests are too; run_batch gives each line that sets no "
+        "seed one derived from this and its custom_id. Unset: drawn at start-up (on process "
+        "0, shared with the others under jax.distributed).",
     )
     check_schedule: bool = option(
         False,

@@ -38,6 +38,7 @@ from jaxinfer.layers import kv_cache as kv_formats
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
+from jaxinfer.parallel.dispatch import DispatchWindow, dispatch_window
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import MAX_LOGPROBS
@@ -248,6 +249,7 @@ class ModelRunner:
                 donate_argnames=("kv_cache",),
             )
             self._add = jax.jit(jnp.add)
+            self._dispatch_window = dispatch_window(part.mesh)
         self.warmup_seconds: float | None = None
         self._sampled_buckets: set[int] = set()  # sample-row buckets whose sampler is compiled
         if not sampling:
@@ -295,8 +297,10 @@ class ModelRunner:
             self.kv_cache, hidden = self._scan_hidden(self.state, self.kv_cache, batch)
             return hidden
         hidden, residual, cos_sin = self.run_embedding(batch)
+        window = DispatchWindow(self._dispatch_window)  # (several CPU devices: a deadlock)
         for index in range(len(self.layer_params)):
             hidden, residual = self.run_layer(index, hidden, residual, batch, cos_sin)
+            window.dispatched(hidden)
         return self.run_final_add(hidden, residual)
 
     # The per-layer programs one at a time (per_layer execution), for tools that time them.
@@ -449,6 +453,7 @@ class ModelRunner:
                 progress(index + 1, f"{num_tokens} tokens")
         for num_rows in builder.update_buckets:
             self.apply_updates(builder.padding_updates(num_rows))
+            jax.block_until_ready((self.block_table, self.sampler_state))  # (dispatch.py)
         if self.draft is not None:
             self.draft.warmup(self.block_table, self.sampler_state.bias)
         jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))

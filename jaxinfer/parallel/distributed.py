@@ -19,14 +19,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     """Args:
-    coordinator_address: "host:port" of process 0's coordinator service.
+    coordinator_address: "host:port" of process 0's coordinator service ("[v6]:port").
     num_processes: processes in the job (one per host, usually).
     process_id: this process's index, 0 .. num_processes - 1.
+    control_host: the address process 0's control channel (jaxinfer.parallel.channel) binds
+        to and the others connect to; None: the coordinator's host, process 0 binding the
+        interface that address routes over.
     """
 
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    control_host: str | None = None
 
     def __post_init__(self):
         given = [
@@ -34,6 +38,8 @@ class DistributedConfig:
         ]
         if any(given) and not all(given):
             raise ValueError("--coordinator_address, --num_processes and --process_id go together")
+        if self.control_host is not None and not all(given):
+            raise ValueError("--control_host is for jobs of several processes")
         if all(given) and not 0 <= self.process_id < self.num_processes:
             raise ValueError(
                 f"process_id must be in [0, {self.num_processes}), got {self.process_id}"
@@ -45,7 +51,16 @@ class DistributedConfig:
 
     @property
     def coordinator_host(self) -> str:
-        return self.coordinator_address.rsplit(":", 1)[0]
+        return self.coordinator_address.rsplit(":", 1)[0].strip("[]")
+
+    @property
+    def coordinator_port(self) -> int:
+        return int(self.coordinator_address.rsplit(":", 1)[1])
+
+    @property
+    def control_connect_host(self) -> str:
+        """Where the other processes reach process 0's control channel."""
+        return self.control_host or self.coordinator_host
 
 
 def initialize(config: DistributedConfig, recoverable: bool = False) -> None:

@@ -4,13 +4,14 @@ Every process holds a whole engine (scheduler, KV block tables, request state) a
 step's program on its own shards of the mesh. The engines stay identical because they see the
 same calls in the same order: process 0's `Leader` records each call that changes the engine
 (a request admitted, with the id process 0 gave it; an abort; a prefix-cache reset) and sends
-the calls made since the last step, with that step, over a control channel (a TCP connection
-from each follower to process 0, authenticated with a key broadcast at start-up). `follow`
-replays them on the other processes. What the server or a batch run would otherwise decide
-per process is so decided once, on process 0: admission order (the order of the calls), the
-requests' ids and so the seeds of unseeded requests (derived from the ids and the seed root
-process 0 broadcasts, jaxinfer.parallel.distributed.seed_root), client disconnects (aborts),
-and which lines of a resumed batch still run (only process 0 reads the files).
+the calls made since the last step, with that step, over a control channel
+(jaxinfer.parallel.channel: a TCP connection from each follower to process 0, both sides
+proving a key broadcast at start-up; plain frames, lockstep_messages). `follow` replays them
+on the other processes. What the server or a batch run would otherwise decide per process is
+so decided once, on process 0: admission order (the order of the calls), the requests' ids
+(the server's own) and so the seeds of unseeded requests (derived from the ids and the seed
+root process 0 broadcasts, jaxinfer.parallel.distributed.seed_root), client disconnects
+(aborts), and which lines of a resumed batch still run (only process 0 reads the files).
 
 Failure: a follower that dies closes its connection; process 0's watcher reports it to
 `on_failure` (the server declares its engine dead: in-flight requests fail, /health is 503),
@@ -25,95 +26,86 @@ EngineOptions.check_schedule compares each step's schedule across processes befo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection, Listener
 
 import jax
 import numpy as np
 
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.parallel.channel import (
+    KEY_BYTES,
+    Channel,
+    ChannelError,
+    ControlListener,
+    connect_to_leader,
+    facing_address,
+    new_key,
+)
 from jaxinfer.parallel.distributed import DistributedConfig, broadcast_from_leader
+from jaxinfer.parallel.lockstep_messages import (
+    AbortRequest,
+    AddRequest,
+    FollowerFailed,
+    Message,
+    ResetPrefixCache,
+    Step,
+    Stop,
+    decode,
+    encode,
+)
 from jaxinfer.parallel.schedule_check import DistributedError
-from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_KEY_BYTES = 32
-
-
-# -- what the leader sends -------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class AddRequest:
-    prompt_token_ids: tuple[int, ...]  # as process 0 tokenized it
-    params: SamplingParams
-    request_id: str
-    priority: int
-    cache_salt: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ResetPrefixCache:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """Apply `calls` in order, then run one engine step."""
-
-    calls: tuple[AddRequest | AbortRequest | ResetPrefixCache, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Stop:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class FollowerFailed:
-    """What a follower sends back before it exits on an error."""
-
-    process_id: int
-    error: str
+JOIN_SECONDS = 300.0  # for every follower to connect once process 0 listens
 
 
 # -- the control channel ---------------------------------------------------------------------
 
 
-def open_channel(config: DistributedConfig) -> list[Connection] | Connection:
-    """Process 0: a connection to each follower (in process order). Other processes: their
-    connection to process 0. Every process calls this once, after jax.distributed joined
-    them (it broadcasts process 0's port and key)."""
+def open_channel(config: DistributedConfig) -> list[Channel] | Channel:
+    """Process 0: a channel to each follower (in process order). Other processes: their
+    channel to process 0. Every process calls this once, after jax.distributed joined them
+    (it broadcasts process 0's port and a fresh key; jaxinfer.parallel.channel)."""
     leader = jax.process_index() == 0
-    key = secrets.token_bytes(_KEY_BYTES)
-    listener = Listener(("", 0), authkey=key) if leader else None
-    announced = np.zeros(1 + _KEY_BYTES, np.int32)
+    announced = np.zeros(1 + KEY_BYTES, np.int32)
+    listener = None
     if leader:
-        announced[0] = listener.address[1]
+        key = new_key()
+        listener = ControlListener(control_bind_host(config), key, jax.process_count() - 1)
+        announced[0] = listener.port
         announced[1:] = np.frombuffer(key, np.uint8)
     announced = broadcast_from_leader(announced)
     if not leader:
         port, key = int(announced[0]), announced[1:].astype(np.uint8).tobytes()
-        connection = Client((config.coordinator_host, port), authkey=key)
-        connection.send(jax.process_index())
-        return connection
-    followers: dict[int, Connection] = {}
-    with listener:
-        while len(followers) < jax.process_count() - 1:
-            connection = listener.accept()
-            followers[connection.recv()] = connection
-    return [followers[i] for i in sorted(followers)]
+        try:
+            return connect_to_leader(config.control_connect_host, port, key, jax.process_index())
+        except (OSError, EOFError) as error:
+            raise DistributedError(f"could not join process 0's control channel: {error}") from None
+    try:
+        return listener.accept_followers(JOIN_SECONDS)
+    except ChannelError as error:
+        raise DistributedError(str(error)) from None
+
+
+def control_bind_host(config: DistributedConfig) -> str:
+    """Where process 0 listens: DistributedConfig.control_host, or the local address of the
+    interface its coordinator address routes over (its address family too)."""
+    if config.control_host is not None:
+        return config.control_host
+    return facing_address(config.coordinator_host, config.coordinator_port)[1]
+
+
+def send(channel: Channel, message: Message) -> None:
+    channel.send(*encode(message))
+
+
+def receive(channel: Channel) -> Message:
+    """The next message; EOFError once the peer has gone, ValueError for a malformed one."""
+    return decode(*channel.recv())
 
 
 # -- process 0 -------------------------------------------------------------------------------
@@ -126,10 +118,10 @@ class Leader:
 
     Args:
         engine: this process's engine.
-        followers: the connections open_channel returned.
+        followers: the channels open_channel returned.
     """
 
-    def __init__(self, engine: LLMEngine, followers: list[Connection]):
+    def __init__(self, engine: LLMEngine, followers: list[Channel]):
         self.engine = engine
         self._followers = followers
         self._calls: list = []
@@ -212,15 +204,17 @@ class Leader:
         with self._send_lock:
             for index, connection in enumerate(self._followers):
                 try:
-                    connection.send(message)
+                    send(connection, message)
                 except OSError as error:
                     raise self._failed(index + 1, f"its connection broke ({error})") from None
 
-    def _watch(self, process_id: int, connection: Connection) -> None:
+    def _watch(self, process_id: int, connection: Channel) -> None:
         """A follower only ever sends FollowerFailed; its connection closing means it exited."""
         try:
-            message = connection.recv()
+            message = receive(connection)
             reason = message.error if isinstance(message, FollowerFailed) else repr(message)
+        except ValueError as error:
+            reason = f"it sent a malformed message ({error})"
         except (EOFError, OSError):
             if self._closed:
                 return
@@ -240,7 +234,7 @@ class Leader:
 # -- the other processes ---------------------------------------------------------------------
 
 
-def follow(engine: LLMEngine, leader: Connection) -> None:
+def follow(engine: LLMEngine, leader: Channel) -> None:
     """Replays process 0's calls and steps on this process's engine until process 0 says stop
     (returns; the caller closes the connection once it has left the job) or goes away
     (DistributedError). An error here is sent to process 0 first, and closes the connection."""
@@ -248,9 +242,11 @@ def follow(engine: LLMEngine, leader: Connection) -> None:
     try:
         while True:
             try:
-                message = leader.recv()
+                message = receive(leader)
             except (EOFError, OSError):
                 raise DistributedError("process 0 went away without stopping the job") from None
+            if not isinstance(message, Step | Stop):
+                raise DistributedError(f"process 0 sent {message!r}")
             if isinstance(message, Stop):
                 return
             for call in message.calls:
@@ -258,7 +254,7 @@ def follow(engine: LLMEngine, leader: Connection) -> None:
             engine.step()
     except BaseException as error:
         with contextlib.suppress(OSError):
-            leader.send(FollowerFailed(process_id, f"{type(error).__name__}: {error}"))
+            send(leader, FollowerFailed(process_id, f"{type(error).__name__}: {error}"))
         leader.close()
         raise
 

@@ -15,7 +15,6 @@ import dataclasses
 import importlib.metadata
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 import fastapi
 from fastapi.responses import HTMLResponse
@@ -23,8 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.errors import APIError, error_response, install_error_handlers
-from jaxinfer.server.guard import Guard, HostPolicy
+from jaxinfer.server.guard import Guard, HostPolicy, check_api_key
+from jaxinfer.server.headers import ResponseHeaders
 from jaxinfer.server.metrics import ServerMetrics
+from jaxinfer.server.page import CHAT_PAGE, PAGE_HEADERS
 from jaxinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,7 +36,6 @@ from jaxinfer.server.serving import OpenAIServing
 
 VERSION = importlib.metadata.version("jaxinfer")
 logger = logging.getLogger(__name__)
-CHAT_PAGE = (Path(__file__).parent / "static" / "chat.html").read_text()
 
 
 class EngineStalledError(RuntimeError):
@@ -46,7 +46,9 @@ class EngineStalledError(RuntimeError):
 class ServerConfig:
     """Args:
     served_model_name: the model id clients name (and /v1/models lists).
-    api_key: when set, /v1, /tokenize and /detokenize need `Authorization: Bearer <key>`.
+    api_key: when set, /v1, /tokenize, /detokenize and the API's description
+        (/openapi.json, /docs) need `Authorization: Bearer <key>`; visible ASCII only (what
+        a header carries as typed).
     max_queued_requests: sequences (prompts x n) held at once, beyond which new requests get
         503; None: no limit (batch runs, which bound themselves by their file).
     max_body_bytes: larger request bodies get 413.
@@ -55,6 +57,8 @@ class ServerConfig:
     chat_template_timeout: seconds a request's own chat template may take to render.
     host_policy: which Host headers are answered (None: any).
     engine_step_timeout: a step running longer makes /health 503 and the engine dead.
+    enable_docs: serve the API's interactive page at /docs (Swagger UI, whose scripts come
+        from a CDN); off by default. /openapi.json is always there.
     """
 
     served_model_name: str
@@ -65,8 +69,10 @@ class ServerConfig:
     chat_template_timeout: float = 5.0
     host_policy: HostPolicy | None = None
     engine_step_timeout: float = 60.0
+    enable_docs: bool = False
 
     def __post_init__(self):
+        check_api_key(self.api_key)
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be at least 1")
         if self.max_body_bytes < 1 or self.engine_step_timeout <= 0:
@@ -95,13 +101,20 @@ def build_app(
             if on_shutdown is not None:
                 await asyncio.to_thread(on_shutdown)
 
-    app = fastapi.FastAPI(title="jaxinfer", version=VERSION, lifespan=lifespan)
+    app = fastapi.FastAPI(
+        title="jaxinfer",
+        version=VERSION,
+        lifespan=lifespan,
+        docs_url="/docs" if config.enable_docs else None,
+        redoc_url=None,
+    )
     app.add_middleware(
         Guard,
         api_key=config.api_key,
         max_body_bytes=config.max_body_bytes,
         host_policy=config.host_policy,
     )
+    app.add_middleware(ResponseHeaders)  # (outermost: on the Guard's refusals too)
     install_error_handlers(app)
     serving = OpenAIServing(
         engine,
@@ -116,7 +129,7 @@ def build_app(
     @app.get("/", include_in_schema=False)
     async def chat_page():
         """The chat page (jaxinfer/server/static/chat.html)."""
-        return HTMLResponse(CHAT_PAGE)
+        return HTMLResponse(CHAT_PAGE, headers=PAGE_HEADERS)
 
     @app.get("/health")
     async def health():

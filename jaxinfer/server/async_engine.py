@@ -82,7 +82,11 @@ class _Add:
 
 @dataclasses.dataclass
 class _Abort:
+    """Ends the admission whose channel is `channel` (if it is still running): an abort acts on
+    the admission it belongs to, never on whatever else holds the id by then."""
+
     request_id: str
+    channel: OutputChannel
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
@@ -177,7 +181,10 @@ class AsyncEngine:
     async def add(self, request_id: str, prepared: PreparedRequest) -> RequestStream:
         """Admits a prepared request on the engine thread (its ValueError if it is refused
         there) and returns the stream of its outputs. Cancelled while waiting, it leaves
-        nothing running."""
+        nothing running.
+
+        request_id: the engine's id for it, unique among the requests in flight (the server
+        makes its own; a client's X-Request-Id only labels its response)."""
         loop = asyncio.get_running_loop()
         channel = OutputChannel(prepared.params.output_kind)
         admitted = loop.create_future()
@@ -188,12 +195,13 @@ class AsyncEngine:
         try:
             await admitted
         except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the _Add: it ends the request if admitted
+            self.abort(request_id, channel)  # queued after the _Add: ends it if admitted
             raise
         return RequestStream(request_id, channel, self)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, channel: OutputChannel) -> None:
+        """Ends the admission of `request_id` that streams into `channel`, if it still runs."""
+        self._commands.put(_Abort(request_id, channel))
 
     def declare_dead(self, error: BaseException) -> None:
         """Fails everything in flight and refuses what comes (a stalled step: the loop
@@ -241,7 +249,10 @@ class AsyncEngine:
         engine = self.engine
         if isinstance(command, _Abort):
             with self._lock:
-                self._channels.pop(command.request_id, None)
+                entry = self._channels.get(command.request_id)
+                if entry is None or entry[0] is not command.channel:
+                    return  # finished, never admitted, or not this admission's
+                del self._channels[command.request_id]
             engine.abort_request(command.request_id)
             return
         if command.admitted.done():  # cancelled before its turn: never admitted
@@ -309,4 +320,4 @@ class RequestStream:
         """Aborts the request unless it has finished (idempotent)."""
         if not self.finished:
             self.finished = True
-            self._engine.abort(self.request_id)
+            self._engine.abort(self.request_id, self._channel)

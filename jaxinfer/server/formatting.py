@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import fastapi
@@ -13,6 +14,8 @@ from jaxinfer.server.async_engine import EngineDeadError
 from jaxinfer.server.errors import error_body
 from jaxinfer.server.tool_calls import ToolPlan
 from jaxinfer.tokenizer import TokenizerWrapper
+
+logger = logging.getLogger(__name__)
 
 
 class Formatter:
@@ -153,10 +156,15 @@ class Usage:
 
 
 async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Server-sent events ending in [DONE]; an engine that dies mid-stream is an error event."""
+    """Server-sent events, always ending in [DONE]: an engine that dies mid-stream, or any
+    other failure, is an error event first (a client that left gets nothing more)."""
     try:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
     except EngineDeadError as error:
         yield f"data: {json.dumps(error_body(503, str(error), 'engine_dead'))}\n\n"
+    except Exception:
+        logger.exception("a stream failed")
+        body = error_body(500, "the server failed to continue this stream", "server_error")
+        yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"

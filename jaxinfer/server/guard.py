@@ -57,15 +57,26 @@ class HostPolicy:
         return False
 
 
+def check_api_key(key: str | None) -> None:
+    """ValueError for a key no client could send as typed: HTTP header values are visible
+    ASCII (the Bearer scheme's token68), and a key outside that would never match."""
+    if key is not None and not (key and all("!" <= c <= "~" for c in key)):
+        raise ValueError(
+            "the API key must be visible ASCII characters, without spaces (what an HTTP "
+            "header carries as typed)"
+        )
+
+
 class Guard:
     """Args:
     app: the ASGI app it guards.
-    api_key: when set, paths under `protected` need `Authorization: Bearer <key>`.
+    api_key: when set, paths under PROTECTED (the API and its description) need
+        `Authorization: Bearer <key>`.
     max_body_bytes: a larger body (declared or streamed in chunks) gets 413.
     host_policy: Host headers answered (None: any).
     """
 
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+    PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/redoc")
 
     def __init__(
         self,
@@ -75,7 +86,9 @@ class Guard:
         host_policy: HostPolicy | None,
     ):
         self.app = app
-        self.api_key = api_key
+        # Compared as bytes, as the header arrives (ServerConfig refuses keys that are not
+        # visible ASCII, which no header could carry as typed).
+        self.expected = None if api_key is None else b"Bearer " + api_key.encode("ascii")
         self.max_body_bytes = max_body_bytes
         self.host_policy = host_policy
 
@@ -90,13 +103,14 @@ class Guard:
                 return await error_response(400, message, "invalid_request_error")(
                     scope, receive, send
                 )
-        if self.api_key is not None and scope["path"].startswith(self.PROTECTED):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            expected = f"Bearer {self.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return await error_response(401, "invalid or missing API key", "auth_error")(
-                    scope, receive, send
-                )
+        if (
+            self.expected is not None
+            and scope["path"].startswith(self.PROTECTED)
+            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+        ):
+            return await error_response(401, "invalid or missing API key", "auth_error")(
+                scope, receive, send
+            )
         limit = self.max_body_bytes
         too_large = error_response(413, f"body over {limit} bytes", "request_too_large")
         length = headers.get(b"content-length")

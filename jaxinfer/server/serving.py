@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +20,6 @@ import fastapi
 import pydantic
 from fastapi.responses import StreamingResponse
 
-from jaxinfer.chat_template import render_isolated
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import tool_calls
@@ -27,6 +27,7 @@ from jaxinfer.server.admission import SequenceLimiter, Ticket
 from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.formatting import Formatter, Usage, json_response, sse, tool_finish_reason
+from jaxinfer.server.isolated_render import IsolatedRenderer
 from jaxinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,6 +36,7 @@ from jaxinfer.server.protocol import (
 )
 
 BAD_REQUEST = (ValueError, TypeError, pydantic.ValidationError)
+MAX_ERROR_CHARS = 1000  # of a template's error message in a response
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -92,15 +94,14 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.allow_request_chat_template = allow_request_chat_template
-        self.chat_template_timeout = chat_template_timeout
         self.max_rendered_chars = max_rendered_chars
+        self.isolated = IsolatedRenderer(chat_template_timeout, max_rendered_chars)
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.config.model.max_model_len
         self.vocab_size = engine.engine.config.model.arch.vocab_size
         self.limiter = SequenceLimiter(max_queued_requests)
         self.formatter = Formatter(self.tokenizer, served_model_name)
         self.template_reads_tools = tool_calls.template_reads_tools(self.tokenizer.chat_template)
-        self._isolated_renders = asyncio.Semaphore(2)  # child processes at once
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -109,8 +110,9 @@ class OpenAIServing:
     # -- endpoints -------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, client_id: str | None = None):
-        """client_id: the X-Request-Id header, if any (named_id)."""
+        """client_id: the X-Request-Id header, if any: it labels the response (response_id)."""
         self.check_model(body.model)
+        request_id = response_id("cmpl", client_id)
         try:
             params = body.sampling_params()
             prompts = body.prompts()
@@ -118,8 +120,7 @@ class OpenAIServing:
             raise APIError(400, str(error)) from None
         held = _Held(self.limiter.take(len(prompts) * params.n))
         try:
-            request_id = named_id("cmpl", client_id)
-            await self._start(held, request_id, prompts, params, add_special_tokens=True)
+            await self._start(held, prompts, params, add_special_tokens=True)
             created = int(time.time())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -154,8 +155,9 @@ class OpenAIServing:
                 held.release()
 
     async def chat(self, body: ChatCompletionRequest, client_id: str | None = None):
-        """client_id: the X-Request-Id header, if any (named_id)."""
+        """client_id: the X-Request-Id header, if any: it labels the response (response_id)."""
         self.check_model(body.model)
+        request_id = response_id("chatcmpl", client_id)
         if body.chat_template is not None and not self.allow_request_chat_template:
             raise APIError(400, "chat_template in a request is not allowed on this server")
         try:
@@ -170,8 +172,7 @@ class OpenAIServing:
             text = await self.render(
                 conversation, body.add_generation_prompt, body.chat_template, tools
             )
-            request_id = named_id("chatcmpl", client_id)
-            await self._start(held, request_id, [text], params, add_special_tokens=False)
+            await self._start(held, [text], params, add_special_tokens=False)
             created = int(time.time())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -260,25 +261,24 @@ class OpenAIServing:
             variables = self.tokenizer.template_variables(
                 conversation, add_generation_prompt, tools
             )
-            async with self._isolated_renders:
-                return await render_isolated(
-                    chat_template,
-                    variables,
-                    timeout=self.chat_template_timeout,
-                    max_chars=self.max_rendered_chars,
-                )
+            return await self.isolated.render(chat_template, variables)
         except Exception as error:  # a template's code may raise anything: its error
-            raise APIError(400, f"the chat template failed: {error}") from None
+            message = str(error)
+            if len(message) > MAX_ERROR_CHARS:
+                message = message[:MAX_ERROR_CHARS] + "..."
+            raise APIError(400, f"the chat template failed: {message}") from None
 
     async def _start(
         self,
         held: _Held,
-        request_id: str,
         prompts: list[str | list[int]],
         params: SamplingParams,
         add_special_tokens: bool,
     ) -> None:
-        """Prepares and admits every prompt (all or none: `held` closes them on failure)."""
+        """Prepares and admits every prompt (all or none: `held` closes them on failure), each
+        under an engine id of the server's own (engine_id): unique per admission, so no
+        client can name, end or steer another's request, and an unseeded request draws a
+        fresh seed (the engine derives it from the id)."""
         try:
             prepared = [
                 await self.engine.prepare(prompt, params, add_special_tokens) for prompt in prompts
@@ -293,8 +293,9 @@ class OpenAIServing:
                         f"the prompt has {length} tokens and max_tokens is {params.max_tokens}: "
                         f"more than max_model_len ({self.max_model_len})"
                     )
+            admission = engine_id()
             for index, request in enumerate(prepared):
-                held.streams.append(await self.engine.add(f"{request_id}-{index}", request))
+                held.streams.append(await self.engine.add(f"{admission}-{index}", request))
         except EngineDeadError as error:
             raise APIError(503, str(error), "engine_dead") from None
         except BAD_REQUEST as error:
@@ -419,13 +420,21 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 MAX_CLIENT_ID = 128
 
 
-def named_id(prefix: str, client_id: str | None) -> str:
-    """The id of a request (its response's "id", the engine's request ids): the client's
-    X-Request-Id when given, so a client can follow it (and a batch run's unseeded samples
-    repeat: their seeds derive from the id and the engine's random_seed), else a fresh one.
-    A client id already in flight is refused by the engine."""
+def engine_id() -> str:
+    """A new admission's engine id: 128 random bits, never a client's choice. Under several
+    processes process 0 makes it and the others replay it (jaxinfer.parallel.lockstep)."""
+    return secrets.token_hex(16)
+
+
+def response_id(prefix: str, client_id: str | None) -> str:
+    """The "id" of a response: the client's X-Request-Id when given (a label it chose: two
+    clients may send the same one at once; the engine never sees it), else a fresh one."""
     if client_id is None:
         return f"{prefix}-{uuid.uuid4().hex}"
-    if not 0 < len(client_id) <= MAX_CLIENT_ID or not client_id.isprintable():
+    if not valid_client_id(client_id):
         raise APIError(400, f"X-Request-Id must be 1 to {MAX_CLIENT_ID} printable characters")
     return f"{prefix}-{client_id}"
+
+
+def valid_client_id(client_id: str) -> bool:
+    return 0 < len(client_id) <= MAX_CLIENT_ID and client_id.isprintable()

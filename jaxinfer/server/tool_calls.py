@@ -184,7 +184,7 @@ def _arguments(function: dict) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser): as it is
             return arguments
     return arguments
 
@@ -202,20 +202,20 @@ def new_call(name: str, arguments: str) -> dict:
 
 def calls_in_block(text: str) -> list[dict] | None:
     """The calls one block's JSON holds (an object or a list of them), or None if it is not
-    that."""
+    that: whatever the model wrote (nested past the parser's depth, say), never an error."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+        items = value if isinstance(value, list) else [value]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            arguments = item.get("arguments", item.get("parameters", {}))
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            calls.append(new_call(item["name"], arguments))
+    except (ValueError, RecursionError):  # (json.JSONDecodeError is a ValueError)
         return None
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        arguments = item.get("arguments", item.get("parameters", {}))
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments)
-        calls.append(new_call(item["name"], arguments))
     return calls
 
 

@@ -35,6 +35,8 @@ def url(tiny_model_dir):
 def test_the_page_is_served_without_the_key(url):
     page = httpx.get(url)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    assert page.headers["x-content-type-options"] == "nosniff"
     assert "<title>jaxinfer chat</title>" in page.text
 
 
@@ -43,6 +45,8 @@ def test_a_message_gets_a_streamed_answer_in_chromium(url, tmp_path):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1100, "height": 700})
+        console: list[str] = []
+        page.on("console", lambda message: console.append(message.text))
         page.goto(url)
         expect(page.locator("#keybox")).to_be_visible()  # /v1 answered 401: asks for the key
         page.fill("#key", "page-key")
@@ -60,4 +64,6 @@ def test_a_message_gets_a_streamed_answer_in_chromium(url, tmp_path):
         expect(page.locator("#kv")).to_contain_text("%", timeout=10_000)  # polled /metrics
         assert page.locator("#running").inner_text() in ("0", "1")
         page.screenshot(path=str(tmp_path / "chat_page.png"))
+        # It all ran under the page's strict Content-Security-Policy.
+        assert not [text for text in console if "Content Security Policy" in text], console
         browser.close()

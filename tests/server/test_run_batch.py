@@ -307,3 +307,32 @@ def test_flags_that_do_not_apply_are_refused(tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode != 0 and "does not exist" in result.stderr
+
+
+def test_random_seed_makes_unseeded_lines_repeat_and_without_it_they_do_not(engine, tmp_path):
+    """--random_seed: a line that sets no seed samples with one derived from it and the
+    line's custom_id (the server's own ids are random, so they no longer carry it); without
+    it such lines are random, like the server's."""
+    body = {"prompt": "A fox", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    source = tmp_path / "in.jsonl"
+    source.write_text(
+        "\n".join(line(f"sample-{i}", "/v1/completions", body) for i in range(3)) + "\n"
+    )
+
+    def texts(name, random_seed):
+        output = tmp_path / f"{name}.jsonl"
+        config = BatchJobConfig(
+            output=output, input=source, show_progress=False, random_seed=random_seed
+        )
+        run_job(config, engine, "tiny")
+        return {
+            r["custom_id"]: r["response"]["body"]["choices"][0]["text"]
+            for r in read_records(output)
+        }
+
+    seeded = texts("a", 7)
+    assert texts("b", 7) == seeded
+    assert len(set(seeded.values())) == 3  # each line its own seed
+    assert texts("c", 8) != seeded
+    unseeded = [texts(f"u{i}", None) for i in range(2)]
+    assert unseeded[0] != unseeded[1]

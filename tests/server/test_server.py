@@ -510,10 +510,10 @@ def test_the_server_exits_non_zero_when_its_engine_fails(tiny_model_dir):
         assert b"shutting down (--exit_on_engine_failure)" in process.stdout.read()
 
 
-def test_x_request_id_names_the_request_and_so_its_unseeded_seed(server, client):
-    """The header becomes the response's id; an unseeded sample under the same id repeats
-    (its seed derives from the id and the engine's seed root); other ids draw other seeds; a
-    header that cannot be an id is refused."""
+def test_x_request_id_labels_the_response(server, client):
+    """The header becomes the response's id and comes back as a header; the engine's ids
+    are the server's own (tests/server/test_isolation.py); a header that cannot be an id is
+    refused."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0}
 
     def sample(name):
@@ -522,10 +522,10 @@ def test_x_request_id_names_the_request_and_so_its_unseeded_seed(server, client)
         )
         assert response.status_code == 200, response.text
         assert response.json()["id"] == f"cmpl-{name}"
-        return response.json()["choices"][0]["text"]
+        assert response.headers["x-request-id"] == name
 
-    assert sample("line-7") == sample("line-7")
-    assert len({sample(f"other-{i}") for i in range(4)}) > 1
+    sample("line-7")
+    sample("line-7")  # the same label again, at once or later: answered
     chat = client.chat.completions.with_raw_response.create(
         model="tiny",
         messages=[{"role": "user", "content": "Hi"}],

@@ -7,26 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
-import logging
 import threading
 import time
 
 import httpx
 import pytest
 
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
-from jaxinfer.server.app import ServerConfig, build_app
-from jaxinfer.server.async_engine import AsyncEngine
-from jaxinfer.server.background import serve
 from jaxinfer.server.guard import HostPolicy
-from jaxinfer.server.metrics import ServerMetrics
-from tests.conftest import PRESETS
+from tests.support.server import assert_error, post, slow_steps, wait_until
 
-OPTIONS = PRESETS["served"]
 PROMPT = "The quick brown fox"
 SCHEMA = {
     "type": "object",
@@ -35,100 +26,14 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    llm_engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
-    metrics = ServerMetrics(llm_engine)
-    return AsyncEngine(llm_engine, metrics.observe_finished), metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Server:
-    url: str
-    app: object
-    engine: AsyncEngine
-
-    @property
-    def limiter(self):
-        return self.app.state.serving.limiter
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    """The engine behind a server with the CLI's defaults that matter here: a sequence limit,
-    request chat templates allowed, and the loopback host check."""
-    async_engine, metrics = engine
-    config = ServerConfig(
-        served_model_name="tiny",
-        max_queued_requests=16,
-        allow_request_chat_template=True,
-        chat_template_timeout=2.0,
-        host_policy=HostPolicy.for_server("127.0.0.1", None),
-    )
-    app = build_app(async_engine, config, metrics)
-    url, uvicorn_server = serve(app)
-    yield Server(url, app, async_engine)
-    uvicorn_server.should_exit = True
+@pytest.fixture
+def server(guarded_server):
+    return guarded_server
 
 
 @pytest.fixture
-def healthy_after(server):
-    """Runs the test, then checks the server as the issue asks: /health 200, a normal request
-    answered, nothing left running and the KV cache back at idle, no error logged."""
-    errors: list[logging.LogRecord] = []
-    handler = logging.Handler(level=logging.ERROR)
-    handler.emit = errors.append
-    loggers = [logging.getLogger(), logging.getLogger("uvicorn")]  # uvicorn's do not propagate
-    for logger in loggers:
-        logger.addHandler(handler)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeHandler(handler)
-    assert httpx.get(f"{server.url}/health").status_code == 200
-    ok = post(server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
-    assert ok.status_code == 200, ok.text
-    engine = server.engine
-    wait_until(lambda: engine.num_unfinished == 0 and server.limiter.held == 0)
-    wait_until(lambda: engine.engine.stats().kv_cache_usage == 0)
-    assert not engine.engine.has_unfinished_requests()
-    assert not errors, [record.getMessage() for record in errors]
-
-
-def post(url, path, body, timeout=60, **kwargs):
-    return httpx.post(f"{url}{path}", json=body, timeout=timeout, **kwargs)
-
-
-def wait_until(condition, seconds=20.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def assert_error(response, status):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error["message"]
-
-
-@contextlib.contextmanager
-def slow_steps(async_engine, seconds):
-    """Each engine step takes at least `seconds` (commands queue up meanwhile)."""
-    engine = async_engine.engine
-    real = engine.step
-
-    def step():
-        time.sleep(seconds)
-        return real()
-
-    engine.step = step
-    try:
-        yield
-    finally:
-        del engine.step
+def engine(guarded_engine):
+    return guarded_engine
 
 
 # -- 1. clients that leave while their request waits for admission -------------------------

@@ -5,6 +5,7 @@ parses the model's blocks, none leaves the tools out."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -17,6 +18,7 @@ from jaxinfer.server import tool_calls
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
+from jaxinfer.server.formatting import sse
 from jaxinfer.tokenizer import TokenizerWrapper
 from tests.conftest import PRESETS
 
@@ -117,6 +119,54 @@ def test_streams_cut_anywhere_give_the_whole_parse(text):
         assert [c["index"] for c in calls] == list(range(len(calls)))
         assert ((content.strip() if calls else content) or None) == expected[0]
         assert [c["function"] for c in calls] == [c["function"] for c in expected[1]]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>" + "[" * 1000,  # unclosed: content
+        "<tool_call>" + "[" * 100_000 + "</tool_call>",  # nested past json's depth
+        '<tool_call>{"name": "add", "arguments": ' + "[" * 5000 + "]" * 5000 + "}</tool_call>",
+        "<tool_call>" + "{" * 3000 + "</tool_call> and then text",
+    ],
+)
+def test_anything_unparsable_is_text_never_an_error(text):
+    """A model's `<tool_call>` and a thousand `[` raised RecursionError: a 500, or a stream
+    cut without an error event or [DONE]."""
+    content, calls = tool_calls.parse(text, AUTO_PLAN)
+    assert calls == [] and content and content.startswith("<tool_call>")
+    stream = tool_calls.CallStream(AUTO_PLAN)
+    deltas = [d for i in range(0, len(text), 7) for d in stream.feed(text[i : i + 7])]
+    deltas += stream.finish()
+    assert "".join(d.get("content", "") for d in deltas) == content
+    assert not any("tool_calls" in d for d in deltas)
+
+
+def test_a_conversations_arguments_nested_past_the_parser_stay_text():
+    arguments = "[" * 100_000
+    messages = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "add", "arguments": arguments}}],
+        }
+    ]
+    (message,) = tool_calls.conversation_for(messages, None, reads_tools=False)
+    assert arguments in message["content"]
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_and_done():
+    async def chunks():
+        yield {"n": 1}
+        raise RecursionError("maximum recursion depth exceeded")
+
+    async def collect():
+        return [event async for event in sse(chunks())]
+
+    events = asyncio.run(collect())
+    assert events[0] == 'data: {"n": 1}\n\n'
+    assert json.loads(events[1][6:])["error"]["code"] == 500
+    assert events[-1] == "data: [DONE]\n\n"
 
 
 def test_a_named_choice_streams_its_arguments():

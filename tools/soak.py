@@ -42,6 +42,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer.server.background import free_port
+from tools.processes import template_children
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("minutes", 10.0, "How long the load runs.")
@@ -316,22 +317,6 @@ async def drive(url: str, pid: int, seconds: float) -> dict:
         "idle": idle,
         "template_children": children,
     }
-
-
-def template_children(pid: int) -> int:
-    """The chat-template render processes the server has now."""
-    count = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        count += parent == pid and b"jaxinfer.chat_template" in command
-    return count
 
 
 def report(run: dict, log_text: str, seconds: float) -> tuple[dict, list[str]]:

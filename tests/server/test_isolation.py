@@ -20,6 +20,7 @@ from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.background import serve
 from jaxinfer.server.guard import check_api_key
 from tests.support.server import assert_error, post, slow_steps, wait_until
+from tools.processes import template_children
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -161,22 +162,6 @@ def rss_mb() -> float:
     raise AssertionError("no VmRSS")
 
 
-def template_children() -> int:
-    """This process's chat-template render children now."""
-    count = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        count += parent == os.getpid() and b"jaxinfer.chat_template" in command
-    return count
-
-
 def test_a_templates_huge_error_is_capped(server, healthy_after):
     """raise_exception('x' * 150_000_000) was a 150 MB 400 body and about 900 MB more in
     the server for that one request (30 MB here, which renders well within the timeout)."""
@@ -212,7 +197,7 @@ def test_a_cancelled_render_kills_its_child_and_holds_its_slot_until_then(server
 
     def watch():
         while not done.is_set():
-            seen.append(template_children())
+            seen.append(template_children(os.getpid()))
             time.sleep(0.01)
 
     async def leave_early(client):
@@ -228,7 +213,7 @@ def test_a_cancelled_render_kills_its_child_and_holds_its_slot_until_then(server
     watcher.start()
     try:
         asyncio.run(run())
-        wait_until(lambda: template_children() == 0, seconds=5)
+        wait_until(lambda: template_children(os.getpid()) == 0, seconds=5)
     finally:
         done.set()
         watcher.join()

@@ -124,8 +124,8 @@ def test_batch_across_two_processes_answers_as_one_and_resumes(tiny_model_dir, c
         )
 
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    # Jobs one at a time here: XLA:CPU gives a collective among one process's devices 40 s
-    # to gather, which busy processes on two cores can exceed.
+    # Jobs one at a time here: each compiles for minutes on two cores, and side by side
+    # they would share them.
     job = start("jaxinfer.run_batch", flags(one), cache_dir, tmp_path, 1, (2,), "one")
     with killed_at_exit(job):
         assert wait_all(job) == [0], logs(tmp_path, "one", 1)
@@ -304,8 +304,8 @@ def test_default_model_across_three_processes_matches_one(model_cache_dir, cache
     """The LLM API, every process running the same script: the default model split three
     ways (9 query heads, 3 KV heads) over three processes of one device against one process
     of three devices: the same greedy tokens and logprobs. (Three processes, since JAX wants
-    the same device count in each, and a mesh that leaves a process's device out, two
-    processes of two devices, has hung here in XLA:CPU's collectives.)"""
+    the same device count in each. A two-process mesh of 2+2 devices once hung here, most likely
+    in XLA:CPU's thread-pool deadlock that jaxinfer.parallel.dispatch now avoids.)"""
     options = {
         "cache_dir": str(model_cache_dir),
         "compilation_cache_dir": str(cache_dir),

@@ -1,16 +1,19 @@
 """The `jaxinfer` command: `jaxinfer serve [MODEL] [flags]`, `jaxinfer run-batch [flags]`,
-`jaxinfer bench [flags]`.
+`jaxinfer bench [flags]`, `jaxinfer --version`.
 
 Each subcommand is its `python -m` entry point (jaxinfer.serve, jaxinfer.run_batch,
 tools.bench_throughput) with the same absl flags; `serve` also takes the model as its first
 argument, as `vllm serve MODEL` does. Only the chosen entry point is imported: each defines
-its flags when imported.
+its flags when imported. `jaxinfer COMMAND --help` lists that command's flags in groups (its
+own, the engine options, the several-process flags), each with its default.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
+import textwrap
 
 COMMANDS = {
     "serve": ("jaxinfer.serve", "the OpenAI-compatible server"),
@@ -22,9 +25,12 @@ COMMANDS = {
 }
 
 USAGE = (
-    "usage: jaxinfer {serve,run-batch,bench} [MODEL] [--flags]  (--helpfull: every flag)\n"
+    "usage: jaxinfer {serve,run-batch,bench} [MODEL] [--flags]   jaxinfer --version\n"
     + "".join(f"  {name:10} {text}\n" for name, (_, text) in COMMANDS.items())
+    + "jaxinfer COMMAND --help lists the command's flags.\n"
 )
+# Flags of jaxinfer.config.flags that join processes rather than configure the engine.
+PROCESS_FLAGS = ("coordinator_address", "num_processes", "process_id", "control_host")
 
 
 def arguments(command: str, rest: list[str]) -> list[str]:
@@ -34,11 +40,50 @@ def arguments(command: str, rest: list[str]) -> list[str]:
     return rest
 
 
+def describe_flags(flag_list) -> str:
+    lines = []
+    for flag in sorted(flag_list, key=lambda f: f.name):
+        text = flag.help or ""
+        if flag.default is not None and "(default:" not in text:
+            shown = (
+                ",".join(map(str, flag.default)) if isinstance(flag.default, list) else flag.default
+            )
+            text += f" (default: {shown})"
+        lines.append(f"  --{flag.name}")
+        lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def command_help(command: str, module) -> str:
+    """A command's flags in groups: its own, the engine options, the several-process flags."""
+    from absl import flags
+
+    values = flags.FLAGS
+    own = values.get_flags_for_module(module.__name__)
+    common = values.get_flags_for_module("jaxinfer.config.flags")
+    engine = [f for f in common if f.name not in PROCESS_FLAGS]
+    processes = [f for f in common if f.name in PROCESS_FLAGS]
+    usage = "jaxinfer serve [MODEL]" if command == "serve" else f"jaxinfer {command}"
+    groups = [
+        (f"{command} flags", own),
+        ("Engine options (also [engine] keys of --config)", engine),
+    ]
+    groups.append(("Several processes (jax.distributed)", processes))
+    text = f"usage: {usage} [--flags]\n{COMMANDS[command][1]}\n"
+    for title, group in groups:
+        if group:
+            text += f"\n{title}:\n{describe_flags(group)}\n"
+    return text + "\n--helpfull lists every flag, absl's own included.\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
         sys.exit(0 if argv else 2)
+    if argv[0] == "--version":
+        sys.stdout.write(f"jaxinfer {importlib.metadata.version('jaxinfer')}\n")
+        sys.exit(0)
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         sys.stderr.write(f"jaxinfer: unknown command {command!r}\n{USAGE}")
@@ -54,13 +99,11 @@ def main(argv: list[str] | None = None) -> None:
             "source checkout of jaxinfer, with the test extra installed\n"
         )
         sys.exit(2)
-    from absl import app, flags
+    if any(a in ("-h", "--help", "-?") for a in rest):
+        sys.stdout.write(command_help(command, module))
+        sys.exit(0)
+    from absl import app
 
-    from jaxinfer.config import flags as engine_flags
-
-    # --help lists the entry point's flags and the engine's
-    flags.adopt_module_key_flags(module)
-    flags.adopt_module_key_flags(engine_flags)
     sys.argv = [sys.argv[0], *arguments(command, rest)]
     app.run(module.main)
 

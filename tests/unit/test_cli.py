@@ -35,6 +35,32 @@ def test_serve_help_lists_the_entry_points_flags():
         text=True,
         timeout=120,
     )
-    assert "Traceback" not in shown.stderr, shown.stderr  # (absl's --help exits 1)
-    for flag in ("--port", "--api_key", "--max_num_seqs", "--coordinator_address"):
-        assert flag in shown.stdout
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    text = shown.stdout
+    groups = ["serve flags:", "Engine options", "Several processes"]
+    assert all(group in text for group in groups), text[:500]
+    own, engine, processes = (
+        text[text.index(a) : text.index(b)] if b else text[text.index(a) :]
+        for a, b in zip(groups, [*groups[1:], None], strict=True)
+    )
+    assert "--port\n" in own and "(default: 8000)" in own and "--api_key\n" in own
+    assert "--max_num_seqs\n" in engine and "--port\n" not in engine
+    assert "--coordinator_address\n" in processes and "--control_host\n" in processes
+
+
+@pytest.mark.parametrize("command, flag", [("run-batch", "--input"), ("bench", "--rounds")])
+def test_every_command_lists_its_flags(command, flag):
+    shown = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0 and f"{flag}\n" in shown.stdout, shown.stderr[-2000:]
+    assert "--max_num_seqs\n" in shown.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("jaxinfer ")

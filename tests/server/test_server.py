@@ -402,13 +402,16 @@ def test_a_stalled_step_fails_requests_and_turns_health_503(tiny_model_dir):
     config = ServerConfig(served_model_name="tiny", engine_step_timeout=1.0)
     url, server = serve(build_app(async_engine, config, on_engine_dead=lambda: reported.append(1)))
     release = threading.Event()
-    real_step, steps = engine.step, 0
+    real_step, steps_with_both = engine.step, 0
 
     def stalling_step():
-        nonlocal steps
-        steps += 1
-        if steps == 3:
-            release.wait(60)
+        # Stalls the second step that holds both requests, however late (under load) the
+        # second one reaches the engine: both are in flight when the step stops returning.
+        nonlocal steps_with_both
+        if len(engine.requests) == 2:
+            steps_with_both += 1
+            if steps_with_both == 2:
+                release.wait(60)
         return real_step()
 
     try:

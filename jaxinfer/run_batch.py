@@ -23,8 +23,8 @@ from jaxinfer.config.flags import (
     engine_options_from_flags,
 )
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.lockstep import Leader, lead_or_follow
 from jaxinfer.parallel.distributed import initialize
-from jaxinfer.parallel.lockstep import Leader, lead_or_follow
 from jaxinfer.server.async_engine import AsyncEngine
 
 FLAGS = flags.FLAGS
@@ -101,7 +101,7 @@ def main(argv):
         raise app.UsageError(str(error)) from None
     initialize(distributed, recoverable=True)
     # Under several processes, process 0 reads the input and writes the results; the others
-    # follow its schedule (jaxinfer.parallel.lockstep).
+    # follow its schedule (jaxinfer.engine.lockstep).
     engine = lead_or_follow(LLMEngine(options), distributed)
     if engine is None:
         return

@@ -20,8 +20,8 @@ from jaxinfer.config.flags import (
     engine_options_from_flags,
 )
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.lockstep import Leader, lead_or_follow
 from jaxinfer.parallel.distributed import initialize
-from jaxinfer.parallel.lockstep import Leader, lead_or_follow
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.guard import HostPolicy, check_api_key

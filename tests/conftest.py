@@ -167,8 +167,8 @@ def layer_weights(runner) -> dict:
 
 
 def scheduled(request, num_new: int, new_row: bool = False):
-    """What the scheduler sends for `request`'s next `num_new` tokens (jaxinfer.engine.step.
+    """What the scheduler sends for `request`'s next `num_new` tokens (jaxinfer.engine.execution.step.
     prefill_chunk)."""
-    from jaxinfer.engine.step import prefill_chunk
+    from jaxinfer.engine.execution.step import prefill_chunk
 
     return prefill_chunk(request, num_new, new_row)

@@ -8,7 +8,7 @@ process_id}, or null for one process), and mode:
 
 - "generate": every process makes the same calls (the LLM API under jax.distributed: each
   runs the script); process 0 writes [[token ids, logprob of each]] of every prompt to output.
-- "diverge": process 0 leads (jaxinfer.parallel.lockstep) under check_schedule, and process 1
+- "diverge": process 0 leads (jaxinfer.engine.lockstep) under check_schedule, and process 1
   replays its requests with one more prompt token each: the check must stop both. Each
   process writes what stopped it to output.<process id>.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineOptions
+from jaxinfer.engine import lockstep
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.parallel import lockstep
 from jaxinfer.parallel.distributed import DistributedConfig, initialize
 
 

@@ -34,13 +34,13 @@ import numpy as np
 from absl import app, flags
 
 from cpu_kernels.matmul.kernel import load_matmul
+from jaxinfer.arch_config import LlamaConfig, MoeConfig, RouterConfig
 from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, dense_ffn
 from jaxinfer.layers.moe.experts import moe_ffn
 from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.models.llama import as_weights, quantize_weights, random_params, to_layout
-from jaxinfer.models.llama_config import LlamaConfig, MoeConfig, RouterConfig
 from tools.device_rates import timed
 
 FLAGS = flags.FLAGS

@@ -21,9 +21,9 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.batch import SamplingMetadata
-from jaxinfer.engine.constraints import bitmask_width
-from jaxinfer.engine.sampler import SamplerState, sample
+from jaxinfer.engine.execution.batch import SamplingMetadata
+from jaxinfer.engine.sampling.constraints import bitmask_width
+from jaxinfer.engine.sampling.sampler import SamplerState, sample
 from jaxinfer.sampling_params import StructuredOutputsParams
 
 FLAGS = flags.FLAGS

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.weights import GGUFBlocks, is_weight
+from jaxinfer.models.inputs import BatchInputs
 
 
 def decode_batch(

@@ -33,7 +33,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
-from jaxinfer.engine.step import StepTiming
+from jaxinfer.engine.execution.step import StepTiming
 from tools.step_breakdown import table
 
 FLAGS = flags.FLAGS

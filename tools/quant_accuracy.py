@@ -22,7 +22,7 @@ from absl import app, flags
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
-from jaxinfer.engine.step import SchedulerOutput, prefill_chunk
+from jaxinfer.engine.execution.step import SchedulerOutput, prefill_chunk
 from jaxinfer.models.llama import lm_head
 from tools.chat_topics import TOPICS
 

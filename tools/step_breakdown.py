@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import LLM
-from jaxinfer.engine.batch import SamplingMetadata
-from jaxinfer.engine.sampler import sample
+from jaxinfer.engine.execution.batch import SamplingMetadata
+from jaxinfer.engine.sampling.sampler import sample
 from jaxinfer.layers.weights import is_weight
 from jaxinfer.models.llama import head_name
 from tools.decode import decode_batch, read_bytes, uses_gguf_blocks

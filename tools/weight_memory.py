@@ -17,13 +17,13 @@ import numpy as np
 from absl import app
 from flax import nnx
 
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.options import EngineOptions
 from jaxinfer.layers.linear import OUT_IN
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama, random_params
-from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.models.shapes import shape
 
 FORMATS = {

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolve import ResolvedOptions
 from jaxinfer.layers import kv_cache
 from jaxinfer.layers.quantization import Quantization
-from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
 

@@ -35,13 +35,13 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
 from jaxinfer.layers.kernel_probe import probe_kernel
 from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.native_kernels import KernelMatmul
-from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 
 logger = logging.getLogger(__name__)

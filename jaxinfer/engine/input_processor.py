@@ -17,7 +17,7 @@ from pathlib import Path
 import llguidance
 import numpy as np
 
-from jaxinfer.engine.constraints import BadWords, GrammarCompiler, bias_row, stop_mask
+from jaxinfer.engine.sampling.constraints import BadWords, GrammarCompiler, bias_row, stop_mask
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import TokenizerWrapper
 

@@ -12,22 +12,23 @@ import numpy as np
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine import compilation_cache, kv_calibration, output_builder
-from jaxinfer.engine.background_compile import BackgroundCompiler, first_buckets
-from jaxinfer.engine.batch_builder import BatchBuilder
-from jaxinfer.engine.constraints import RequestConstraints
+from jaxinfer.engine import output_builder
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from jaxinfer.engine.draft_model import load_draft
+from jaxinfer.engine.execution.batch_builder import BatchBuilder
+from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.execution.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
-from jaxinfer.engine.kv_cache_manager import KVCacheManager
-from jaxinfer.engine.model_runner import ModelRunner
-from jaxinfer.engine.parent_request import ParentRequest
-from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.engine.sampler import SamplerOutput
-from jaxinfer.engine.scheduler import Scheduler, SchedulerStats
-from jaxinfer.engine.speculative import make_proposer
-from jaxinfer.engine.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
-from jaxinfer.engine.warmup_progress import WarmupProgress
+from jaxinfer.engine.sampling.constraints import RequestConstraints
+from jaxinfer.engine.sampling.sampler import SamplerOutput
+from jaxinfer.engine.schedule_check import check_same_schedule
+from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.scheduling.request import ParentRequest, Request, RequestStatus
+from jaxinfer.engine.scheduling.scheduler import Scheduler, SchedulerStats
+from jaxinfer.engine.speculation.draft_model import load_draft
+from jaxinfer.engine.speculation.ngram import make_proposer
+from jaxinfer.engine.startup import compilation_cache, kv_calibration
+from jaxinfer.engine.startup.background_compile import BackgroundCompiler, first_buckets
+from jaxinfer.engine.startup.warmup_progress import WarmupProgress
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
@@ -35,7 +36,6 @@ from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.parallel.distributed import seed_root
 from jaxinfer.parallel.host import fetch
 from jaxinfer.parallel.mesh import make_mesh
-from jaxinfer.parallel.schedule_check import check_same_schedule
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.tokenizer import TokenizerWrapper

@@ -9,7 +9,7 @@ deltas equal the final cumulative text.
 from __future__ import annotations
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.outputs import CompletionOutput
 from jaxinfer.sampling_params import RequestOutputKind
 

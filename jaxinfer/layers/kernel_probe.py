@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.arch_config import LlamaConfig
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference

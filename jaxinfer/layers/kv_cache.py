@@ -39,7 +39,7 @@ SMOOTHING_AXES = ("layers", "kv_heads", "head_dim")
 
 @dataclasses.dataclass(frozen=True)
 class CacheConstants:
-    """What a quantized cache fixes before serving (jaxinfer.engine.kv_calibration)."""
+    """What a quantized cache fixes before serving (jaxinfer.engine.startup.kv_calibration)."""
 
     fp8_scales: jax.Array | None = None  # f32[L, 2, K]
     key_smoothing: jax.Array | None = None  # f32[L, K, D] (int8)

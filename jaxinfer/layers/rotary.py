@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.llama_config import RopeScaling
+from jaxinfer.arch_config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from cpu_kernels.gguf_matmul.reference import BLOCK, FORMATS, dequantize
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
 from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
 from jaxinfer.models.llama import LAYER_PROJECTIONS
-from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from pallas_kernels.int4_matmul.reference import pack as int4_pack
 

@@ -1,5 +1,5 @@
 """AWQ and GPTQ checkpoints' 4-bit projections, read as they are (config.json's
-quantization_config, jaxinfer.models.llama_config.CheckpointQuantization) into int4 groups
+quantization_config, jaxinfer.arch_config.CheckpointQuantization) into int4 groups
 (pallas_kernels.int4_matmul.reference), never through float.
 
 Both store, per linear layer `prefix` with in_features K and out_features N, groups of G
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxinfer.arch_config import CheckpointQuantization
 from jaxinfer.layers.weights import Int4Parts
-from jaxinfer.models.llama_config import CheckpointQuantization
 from pallas_kernels.int4_matmul.reference import pack
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

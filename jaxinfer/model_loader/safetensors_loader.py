@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.weights import mapped
 from jaxinfer.model_loader.quantized_checkpoint import read_linear
-from jaxinfer.models.llama_config import LlamaConfig
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

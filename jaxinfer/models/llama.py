@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxinfer.engine.batch import BatchInputs
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers import invariant
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import KVCache
@@ -30,7 +30,7 @@ from jaxinfer.layers.moe.experts import (
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.layers.rotary import apply_rotary, cos_sin_cache
 from jaxinfer.layers.weights import Dense, GGUFBlocks, Int4, Int4Parts, dense, is_weight
-from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.parallel.sharding import Partitioner
 
 REFERENCE_KERNELS = ModelKernels()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxinfer.models.llama_config import LlamaConfig, RopeScaling
+from jaxinfer.arch_config import LlamaConfig, RopeScaling
 
 SHAPES = {
     "smollm2": LlamaConfig(

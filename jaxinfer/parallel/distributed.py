@@ -1,6 +1,6 @@
 """Several hosts: jax.distributed joins the processes so one mesh spans every host's devices.
 
-Process 0 decides everything the processes must agree on (jaxinfer.parallel.lockstep sends it
+Process 0 decides everything the processes must agree on (jaxinfer.engine.lockstep sends it
 the rest of the way); what is drawn once at start-up is broadcast here.
 """
 
@@ -71,7 +71,7 @@ def initialize(config: DistributedConfig, recoverable: bool = False) -> None:
     recoverable: JAX's coordinator, in process 0, then lets a process die without aborting
     the others (after its heartbeat timeout): their collectives fail at once instead, so the
     server reports the failure (in-flight requests fail, /health is 503). There is then no
-    shutdown barrier: the processes must leave in order (jaxinfer.parallel.lockstep does).
+    shutdown barrier: the processes must leave in order (jaxinfer.engine.lockstep does).
     Without it (a script every process runs through the LLM API), JAX's shutdown barrier
     makes the processes leave together."""
     if not config.enabled:

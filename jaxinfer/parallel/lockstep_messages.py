@@ -1,4 +1,4 @@
-"""What process 0 sends the other processes of a job (jaxinfer.parallel.lockstep), and how
+"""What process 0 sends the other processes of a job (jaxinfer.engine.lockstep), and how
 each message travels on the control channel: a JSON header, with the prompts' token ids as
 raw int32 bytes after it."""
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer.models.llama_config import LlamaConfig
+from jaxinfer.arch_config import LlamaConfig
 
 TP_AXIS = "tp"
 

@@ -12,9 +12,9 @@ import threading
 import jax
 import prometheus_client as prom
 
-from jaxinfer.engine.background_compile import on_background_thread
-from jaxinfer.engine.compilation_cache import COMPILE_EVENT as _COMPILE_EVENT
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.startup.background_compile import on_background_thread
+from jaxinfer.engine.startup.compilation_cache import COMPILE_EVENT as _COMPILE_EVENT
 from jaxinfer.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

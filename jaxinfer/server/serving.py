@@ -422,7 +422,7 @@ MAX_CLIENT_ID = 128
 
 def engine_id() -> str:
     """A new admission's engine id: 128 random bits, never a client's choice. Under several
-    processes process 0 makes it and the others replay it (jaxinfer.parallel.lockstep)."""
+    processes process 0 makes it and the others replay it (jaxinfer.engine.lockstep)."""
     return secrets.token_hex(16)
 
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.background_compile import THREAD_NAME
-from jaxinfer.engine.compilation_cache import COMPILE_EVENT
+from jaxinfer.engine.startup.background_compile import THREAD_NAME
+from jaxinfer.engine.startup.compilation_cache import COMPILE_EVENT
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve

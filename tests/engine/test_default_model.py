@@ -10,7 +10,7 @@ import transformers
 
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.step import SchedulerOutput
+from jaxinfer.engine.execution.step import SchedulerOutput
 from jaxinfer.layers.weights import Int4, Int8
 from jaxinfer.model_loader.model_cache import resolve_model
 from tests.conftest import layer_weights, scheduled

@@ -12,6 +12,7 @@ import pytest
 
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.layers.linear import OUT_IN
@@ -22,7 +23,6 @@ from jaxinfer.model_loader.load import kept_gguf_blocks
 from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import as_weights, to_layout
-from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from tests.conftest import layer_weights, make_tiny_model
 from tests.engine.test_gguf_convert import NUM_KV_HEADS, write_gguf

@@ -22,8 +22,8 @@ import safetensors.numpy
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine import kv_calibration
-from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.startup import kv_calibration
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.parallel.mesh import make_mesh

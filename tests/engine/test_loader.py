@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.safetensors_loader import checkpoint_files, load_llama_params
-from jaxinfer.models.llama_config import LlamaConfig
 from tests.conftest import make_tiny_model
 
 

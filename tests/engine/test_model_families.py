@@ -235,8 +235,8 @@ def _pack_experts(source, target, prefix: str, names: tuple[str, str, str]):
     ],
 )
 def test_packed_expert_layout_loads_the_same_model(family, prefix, names, family_folder, tmp_path):
+    from jaxinfer.arch_config import LlamaConfig
     from jaxinfer.model_loader.safetensors_loader import load_llama_params
-    from jaxinfer.models.llama_config import LlamaConfig
 
     source = family_folder(family)
     _pack_experts(source, tmp_path / "packed", prefix, names)

@@ -16,10 +16,10 @@ import transformers
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine.batch_builder import BatchBuilder
-from jaxinfer.engine.model_runner import ModelRunner
-from jaxinfer.engine.request import Request
-from jaxinfer.engine.step import SchedulerOutput
+from jaxinfer.engine.execution.batch_builder import BatchBuilder
+from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.execution.step import SchedulerOutput
+from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.model_loader.safetensors_loader import load_llama_params

@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from jaxinfer import SamplingParams
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduling.scheduler import Scheduler
 from tests.engine.test_default_model import check_logprobs_close
 
 # (proposals may grow any step up to the budget, not only small ones)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineOptions
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.scheduling.scheduler import Scheduler
 from tests.conftest import PRESETS, make_tiny_model
 from tests.engine.test_speculative import (
     BIAS,

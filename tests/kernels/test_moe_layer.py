@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
+from jaxinfer.arch_config import LlamaConfig, MoeConfig, RouterConfig
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.moe.experts import moe_ffn
 from jaxinfer.layers.weights import Int4
 from jaxinfer.models.llama import as_weights, quantize_weights, random_params, to_layout
-from jaxinfer.models.llama_config import LlamaConfig, MoeConfig, RouterConfig
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul as pallas_grouped
 
 CONFIG = LlamaConfig(

@@ -1,5 +1,5 @@
 """Jobs of two processes on this machine: jax.distributed over the loopback, gloo collectives,
-the model split over both processes' CPU devices (jaxinfer.parallel.lockstep), each against
+the model split over both processes' CPU devices (jaxinfer.engine.lockstep), each against
 the same job run as one process: run_batch (unseeded sampling, a kill and a resume), the
 server driven with the openai client (streams, a client that leaves, SIGTERM, a follower that
 dies), the LLM API on the default model (over three processes: its 9 heads split in 3),

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from jaxinfer.engine.lockstep import control_bind_host
 from jaxinfer.parallel import channel as channel_module
 from jaxinfer.parallel.channel import (
     ChannelError,
@@ -21,7 +22,6 @@ from jaxinfer.parallel.channel import (
     new_key,
 )
 from jaxinfer.parallel.distributed import DistributedConfig
-from jaxinfer.parallel.lockstep import control_bind_host
 from jaxinfer.parallel.lockstep_messages import (
     AbortRequest,
     AddRequest,

@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer.config.engine_config import CacheConfig
-from jaxinfer.engine.scheduler import SchedulerStats, SpecStats
+from jaxinfer.engine.scheduling.scheduler import SchedulerStats, SpecStats
 from jaxinfer.server.metrics import ServerMetrics
 
 DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "jaxinfer.json"

@@ -17,8 +17,8 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from jaxinfer.arch_config import LlamaConfig, RouterConfig
 from jaxinfer.layers.moe.routing import route
-from jaxinfer.models.llama_config import LlamaConfig, RouterConfig
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 32, 16, 4, 96
 BASE = dict(

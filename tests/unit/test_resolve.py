@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from cpu_kernels.matmul.kernel import matmul
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.platform import Platform
 from jaxinfer.config.resolve import resolve
 from jaxinfer.layers.kernel_registry import default_registry
 from jaxinfer.layers.native_kernels import KernelMatmul
-from jaxinfer.models.llama_config import LlamaConfig
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -169,7 +169,7 @@ def test_a_gpu_kernel_that_fails_its_probe_falls_back_to_the_reference():
 def test_int4_kernel_choices_and_refusals():
     """int4: the reference off the C++ kernel on CPU, Pallas on one GPU; int8_activations
     only with int4 weights in the C++ kernel; int8 never over an AWQ/GPTQ checkpoint."""
-    from jaxinfer.models.llama_config import CheckpointQuantization
+    from jaxinfer.arch_config import CheckpointQuantization
     from pallas_kernels.int4_matmul.kernel import int4_matmul
     from pallas_kernels.int4_matmul.reference import int4_matmul_reference
 

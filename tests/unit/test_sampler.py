@@ -11,8 +11,8 @@ import pytest
 from scipy import stats
 
 from jaxinfer import SamplingParams
-from jaxinfer.engine.batch import SamplingMetadata
-from jaxinfer.engine.constraints import (
+from jaxinfer.engine.execution.batch import SamplingMetadata
+from jaxinfer.engine.sampling.constraints import (
     BadWords,
     RequestConstraints,
     bias_row,
@@ -20,14 +20,14 @@ from jaxinfer.engine.constraints import (
     clear_bits,
     stop_mask,
 )
-from jaxinfer.engine.logits_processors import (
+from jaxinfer.engine.sampling.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     first_argmax,
     unpack_bitmask,
 )
-from jaxinfer.engine.sampler import SamplerState, sample
+from jaxinfer.engine.sampling.sampler import SamplerState, sample
 
 RNG = np.random.default_rng(0)
 

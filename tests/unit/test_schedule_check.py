@@ -1,12 +1,12 @@
-"""The schedule digest (jaxinfer.parallel.schedule_check): equal schedules agree, and every
+"""The schedule digest (jaxinfer.engine.schedule_check): equal schedules agree, and every
 field that changes what a step runs changes it."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxinfer.engine.step import ScheduledRequest, SchedulerOutput
-from jaxinfer.parallel.schedule_check import check_same_schedule, schedule_digest
+from jaxinfer.engine.execution.step import ScheduledRequest, SchedulerOutput
+from jaxinfer.engine.schedule_check import check_same_schedule, schedule_digest
 from jaxinfer.sampling_params import SamplingParams
 
 

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.config import SchedulerConfig, token_buckets
-from jaxinfer.engine.kv_cache_manager import KVCacheManager
-from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.engine.row_table import RowTable
-from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.speculative import SpecState
-from jaxinfer.engine.step import StepOutput
+from jaxinfer.engine.execution.row_table import RowTable
+from jaxinfer.engine.execution.step import StepOutput
+from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.scheduling.request import Request, RequestStatus
+from jaxinfer.engine.scheduling.scheduler import Scheduler
+from jaxinfer.engine.speculation.ngram import SpecState
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 

@@ -5,9 +5,9 @@ block on."""
 
 from __future__ import annotations
 
-from jaxinfer.engine.block_pool import NULL_BLOCK
-from jaxinfer.engine.kv_cache_manager import KVCacheManager
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
+from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 

@@ -12,11 +12,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.engine.batch import SamplingMetadata
-from jaxinfer.engine.device_inputs import accepted_rows, record_sampled
-from jaxinfer.engine.sampler import SamplerState, process_logits
-from jaxinfer.engine.scheduler import SpecStats
-from jaxinfer.engine.speculative import MAX_COOLDOWN, NgramIndex, SpecState
+from jaxinfer.engine.execution.batch import SamplingMetadata
+from jaxinfer.engine.execution.device_inputs import accepted_rows, record_sampled
+from jaxinfer.engine.sampling.sampler import SamplerState, process_logits
+from jaxinfer.engine.scheduling.scheduler import SpecStats
+from jaxinfer.engine.speculation.ngram import MAX_COOLDOWN, NgramIndex, SpecState
 
 
 def brute_force_proposal(tokens: list[int], count: int, min_n: int, max_n: int) -> list[int]:
@@ -184,7 +184,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     share is sum(min(p, q)); the check first rejects a verifier that keeps every proposal."""
     from scipy import stats as scipy_stats
 
-    from jaxinfer.engine.sampler import rejection_sample, request_keys
+    from jaxinfer.engine.sampling.sampler import rejection_sample, request_keys
 
     vocab, trials = 6, 20000
     rng = np.random.default_rng(1)

@@ -1,12 +1,12 @@
-"""Warm-up progress (jaxinfer.engine.warmup_progress): units done of how many, programs so
+"""Warm-up progress (jaxinfer.engine.startup.warmup_progress): units done of how many, programs so
 far, the time left at the pace so far; the last unit always logged."""
 
 from __future__ import annotations
 
 import logging
 
-from jaxinfer.engine.compilation_cache import CompileCounter
-from jaxinfer.engine.warmup_progress import WarmupProgress
+from jaxinfer.engine.startup.compilation_cache import CompileCounter
+from jaxinfer.engine.startup.warmup_progress import WarmupProgress
 
 
 def test_progress_lines_and_estimate(caplog):
@@ -14,7 +14,7 @@ def test_progress_lines_and_estimate(caplog):
     progress = WarmupProgress(4, counter, bar=True, log_every=0.0)
     assert progress.eta(0, 0.0) is None
     assert progress.eta(1, 3.0) == 9.0  # 3 s a unit, 3 units left
-    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.warmup_progress"):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.startup.warmup_progress"):
         for done in range(1, 5):
             counter.programs += 5
             progress(done, f"{2**done} tokens")
@@ -27,7 +27,7 @@ def test_progress_lines_and_estimate(caplog):
 
 def test_lines_are_spaced_but_the_last_is_kept(caplog):
     progress = WarmupProgress(3, CompileCounter(), bar=False, log_every=3600.0)
-    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.warmup_progress"):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.engine.startup.warmup_progress"):
         for done in range(1, 4):
             progress(done, "x")
     assert [r.getMessage()[:16] for r in caplog.records] == ["warm-up: 3/3 don"]

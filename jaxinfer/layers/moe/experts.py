@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.invariant import tree_sum
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense_ffn, unstacked
 from jaxinfer.layers.moe.routing import route
 from jaxinfer.layers.weights import Dense, Int4, Int8, dense
-from jaxinfer.models.llama_config import LlamaConfig
 from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_out_in_reference
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.arch_config import RouterConfig
 from jaxinfer.layers.invariant import tree_sum
-from jaxinfer.models.llama_config import RouterConfig
 
 
 def route(

@@ -25,8 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.batch import SamplingMetadata
-from jaxinfer.engine.logits_processors import (
+from jaxinfer.engine.execution.batch import SamplingMetadata
+from jaxinfer.engine.sampling.logits_processors import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,

@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +19,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, StepInputs
-from jaxinfer.engine.batch_builder import BatchBuilder
-from jaxinfer.engine.block_pool import NULL_BLOCK
-from jaxinfer.engine.constraints import bitmask_width
-from jaxinfer.engine.device_inputs import (
+from jaxinfer.engine.execution.batch import SamplingMetadata, StepInputs
+from jaxinfer.engine.execution.batch_builder import BatchBuilder
+from jaxinfer.engine.execution.device_inputs import (
     assemble_batch,
     record_sampled,
     set_bias_rows,
@@ -32,21 +30,32 @@ from jaxinfer.engine.device_inputs import (
     set_rows,
     verified_probs,
 )
-from jaxinfer.engine.sampler import SamplerOutput, SamplerState, sample, token_logprobs
-from jaxinfer.engine.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
+from jaxinfer.engine.execution.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
+from jaxinfer.engine.sampling.constraints import bitmask_width
+from jaxinfer.engine.sampling.sampler import SamplerOutput, SamplerState, sample, token_logprobs
+from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
 from jaxinfer.layers import kv_cache as kv_formats
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
+from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.dispatch import DispatchWindow, dispatch_window
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import MAX_LOGPROBS
 
-if TYPE_CHECKING:
-    from jaxinfer.engine.draft_model import DraftModel
-
 logger = logging.getLogger(__name__)
+
+
+class Draft(Protocol):
+    """What the runner asks of a draft model (jaxinfer.engine.speculation.draft_model): to run
+    over each step's batch too, and its q for the sampler to verify against."""
+
+    draft_probs: jax.Array  # f32[S * K, V], q by request row
+
+    def extend(self, batch: BatchInputs) -> None: ...
+
+    def warmup(self, block_table: jax.Array, bias: jax.Array) -> None: ...
 
 
 PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
@@ -201,7 +210,7 @@ class ModelRunner:
         partitioner: Partitioner | None = None,
         *,
         sampling: bool = True,
-        draft: DraftModel | None = None,
+        draft: Draft | None = None,
         kv_constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
     ):
         """`state`: the model's parameters, already placed by `partitioner` (build_llama);

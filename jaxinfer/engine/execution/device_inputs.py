@@ -13,14 +13,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.batch import (
-    BatchInputs,
+from jaxinfer.engine.execution.batch import (
     PenaltyRows,
     RowValues,
     SamplingMetadata,
     StepInputs,
 )
-from jaxinfer.engine.sampler import SamplerState
+from jaxinfer.engine.sampling.sampler import SamplerState
+from jaxinfer.models.inputs import BatchInputs
 
 
 def set_rows(table: jax.Array, update: RowValues) -> jax.Array:  # [S, ...]
@@ -83,7 +83,7 @@ def accepted_rows(
 ) -> jax.Array:  # bool[P]
     """Sample rows whose token is kept: the request's sample is kept (sampling.keeps) and no
     earlier row of the same request sampled something other than its proposal (the host's
-    verification, jaxinfer.engine.scheduler, keeps the same rows)."""
+    verification, jaxinfer.engine.scheduling.scheduler, keeps the same rows)."""
     mismatch = ((sampling.drafts >= 0) & (token_ids != sampling.drafts)).astype(jnp.int32)
     before = jnp.cumsum(mismatch) - mismatch  # mismatches in rows before each row
     return (sampling.keeps > 0) & (before == before[sampling.first_rows])

@@ -30,10 +30,10 @@ import dataclasses
 import numpy as np
 
 from jaxinfer.config import SchedulerConfig
-from jaxinfer.engine.constraints import bitmask_width
-from jaxinfer.engine.kv_cache_manager import KVCacheManager
-from jaxinfer.engine.request import Request, RequestStatus
-from jaxinfer.engine.step import RowInit, ScheduledRequest, SchedulerOutput, StepOutput
+from jaxinfer.engine.execution.step import RowInit, ScheduledRequest, SchedulerOutput, StepOutput
+from jaxinfer.engine.sampling.constraints import bitmask_width
+from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.scheduling.request import Request, RequestStatus
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -265,7 +265,7 @@ class Scheduler:
         """Gives each proposing request that samples in the step blocks for spec_lookahead
         tokens past it, where the pool has them free (never by preemption): a draft model
         writes the K/V of its next proposals there before the step that verifies them
-        (jaxinfer.engine.draft_model). A request without them proposes fewer tokens."""
+        (jaxinfer.engine.speculation.draft_model). A request without them proposes fewer tokens."""
         for request, num_new in scheduled:
             end = request.num_computed_tokens + num_new
             if request.spec is None or end < request.num_tokens_with_placeholders:

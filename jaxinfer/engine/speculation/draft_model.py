@@ -20,7 +20,7 @@ Greedy rows propose the draft's argmax (with the request's logit bias). Random r
 each proposal from q, the draft's logits with the request's logit bias, temperature, min-p,
 top-k and top-p, keyed by the request's seed and output position on a stream of their own,
 and keep q (by request row and proposal index) for the target's rejection sampling
-(jaxinfer.engine.sampler.rejection_sample), which keeps the output distribution exactly the
+(jaxinfer.engine.sampling.sampler.rejection_sample), which keeps the output distribution exactly the
 target's whatever q is.
 
 R: proposing requests (padded), S: per-request device rows, K: num_speculative_tokens,
@@ -39,18 +39,19 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine import kv_calibration
-from jaxinfer.engine.batch import BatchInputs, SamplingMetadata, seed_words
-from jaxinfer.engine.block_pool import NULL_BLOCK
-from jaxinfer.engine.logits_processors import first_argmax
-from jaxinfer.engine.model_runner import ModelRunner
-from jaxinfer.engine.request import Request
-from jaxinfer.engine.sampler import request_keys, truncated
-from jaxinfer.engine.speculative import SpecState
+from jaxinfer.engine.execution.batch import SamplingMetadata, seed_words
+from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.sampling.logits_processors import first_argmax
+from jaxinfer.engine.sampling.sampler import request_keys, truncated
+from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
+from jaxinfer.engine.scheduling.request import Request
+from jaxinfer.engine.speculation.ngram import SpecState
+from jaxinfer.engine.startup import kv_calibration
 from jaxinfer.layers import invariant
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
+from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
 
@@ -138,7 +139,7 @@ class DraftModel:
         self.num_speculative = target.speculative.num_speculative_tokens
         self.vocab_size = target.model.arch.vocab_size
         sched = target.scheduler
-        self.padding_row = sched.max_num_seqs  # (jaxinfer.engine.row_table.RowTable)
+        self.padding_row = sched.max_num_seqs  # (jaxinfer.engine.execution.row_table.RowTable)
         self.buckets = tuple(sorted({sched.request_bucket(t) for t in sched.token_buckets}))
         self.draft_probs = runner.partitioner.zeros(
             ((sched.max_num_seqs + 1) * self.num_speculative, self.vocab_size),

@@ -1,6 +1,6 @@
 """Speculative decoding on the host: n-gram proposals and each request's proposal length.
 
-A request's proposals are scheduled as more tokens of its next step (jaxinfer.engine.scheduler):
+A request's proposals are scheduled as more tokens of its next step (jaxinfer.engine.scheduling.scheduler):
 the step samples at the request's last token and at each proposal, every position exactly as a
 step without proposals would (same logits processors, same random key for the same output
 position), and the leading proposals equal to the tokens sampled before them are accepted.
@@ -116,7 +116,7 @@ class NgramProposer:
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`: what max_tokens and
         max_model_len leave) after `tokens`, unless it rests. The scheduler takes them only
-        where a step has room for them for free (jaxinfer.engine.scheduler), and as many as
+        where a step has room for them for free (jaxinfer.engine.scheduling.scheduler), and as many as
         fit there: within such room a step costs the same however many it holds."""
         count = min(state.limit if state.wanted() else 0, room)
         if count <= 0:

@@ -9,7 +9,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from jaxinfer.engine.compilation_cache import CompileCounter
+from jaxinfer.engine.startup.compilation_cache import CompileCounter
 
 logger = logging.getLogger(__name__)
 

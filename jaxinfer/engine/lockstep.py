@@ -20,7 +20,7 @@ leader goes away (its connection closes) stops with an error. `Leader.close` sto
 followers cleanly.
 
 EngineOptions.check_schedule compares each step's schedule across processes before it runs
-(jaxinfer.parallel.schedule_check).
+(jaxinfer.engine.schedule_check).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.schedule_check import DistributedError
 from jaxinfer.parallel.channel import (
     KEY_BYTES,
     Channel,
@@ -56,7 +57,6 @@ from jaxinfer.parallel.lockstep_messages import (
     decode,
     encode,
 )
-from jaxinfer.parallel.schedule_check import DistributedError
 
 logger = logging.getLogger(__name__)
 

@@ -8,17 +8,15 @@ import bisect
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import (
+from jaxinfer.engine.execution.batch import (
     PenaltyRows,
     RowValues,
     SamplingMetadata,
     StepInputs,
     seed_words,
 )
-from jaxinfer.engine.block_pool import NULL_BLOCK
-from jaxinfer.engine.constraints import bitmask_width
-from jaxinfer.engine.row_table import RowTable
-from jaxinfer.engine.step import (
+from jaxinfer.engine.execution.row_table import RowTable
+from jaxinfer.engine.execution.step import (
     HostStep,
     PromptLogprobRows,
     RowUpdates,
@@ -26,6 +24,8 @@ from jaxinfer.engine.step import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from jaxinfer.engine.sampling.constraints import bitmask_width
+from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
 from jaxinfer.sampling_params import MAX_LOGPROBS
 
 

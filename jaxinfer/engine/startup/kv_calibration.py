@@ -22,10 +22,10 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.batch import BatchInputs
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import SCALE_AXES, SMOOTHING_AXES, CacheConstants, KVCache
 from jaxinfer.model_loader.safetensors_loader import load_kv_scales
+from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
 from pallas_kernels.ragged_paged_attention.kv_quant import fp8_scale

@@ -20,8 +20,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxinfer.engine.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
-from jaxinfer.engine.sampler import SamplerOutput
+from jaxinfer.engine.execution.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
+from jaxinfer.engine.sampling.sampler import SamplerOutput
 from jaxinfer.sampling_params import SamplingParams
 
 

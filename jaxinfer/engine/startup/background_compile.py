@@ -20,8 +20,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxinfer.engine.batch_builder import BatchBuilder
-    from jaxinfer.engine.model_runner import ModelRunner
+    from jaxinfer.engine.execution.batch_builder import BatchBuilder
+    from jaxinfer.engine.execution.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import hashlib
 import jax
 import numpy as np
 
-from jaxinfer.engine.step import SchedulerOutput
+from jaxinfer.engine.execution.step import SchedulerOutput
 from jaxinfer.parallel.distributed import gather_rows
 
 

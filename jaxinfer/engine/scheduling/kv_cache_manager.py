@@ -17,8 +17,8 @@ import hashlib
 
 import numpy as np
 
-from jaxinfer.engine.block_pool import NULL_BLOCK, BlockPool
-from jaxinfer.engine.request import Request
+from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK, BlockPool
+from jaxinfer.engine.scheduling.request import Request
 
 _ROOT = b"\x00" * 32
 

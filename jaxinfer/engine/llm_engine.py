@@ -3,42 +3,26 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
-from pathlib import Path
-
-import numpy as np
 
 from jaxinfer.config import EngineOptions
-from jaxinfer.config.configure import configure
 from jaxinfer.engine import output_builder
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from jaxinfer.engine.execution.batch_builder import BatchBuilder
-from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.execution.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
 from jaxinfer.engine.sampling.constraints import RequestConstraints
-from jaxinfer.engine.sampling.sampler import SamplerOutput
 from jaxinfer.engine.schedule_check import check_same_schedule
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import ParentRequest, Request, RequestStatus
 from jaxinfer.engine.scheduling.scheduler import Scheduler, SchedulerStats
-from jaxinfer.engine.speculation.draft_model import load_draft
 from jaxinfer.engine.speculation.ngram import make_proposer
-from jaxinfer.engine.startup import compilation_cache, kv_calibration
-from jaxinfer.engine.startup.background_compile import BackgroundCompiler, first_buckets
-from jaxinfer.engine.startup.warmup_progress import WarmupProgress
+from jaxinfer.engine.speculation.propose import propose_ngrams, propose_with_draft
+from jaxinfer.engine.startup.start import describe, start_model
 from jaxinfer.layers.kernel_registry import KernelRegistry
-from jaxinfer.model_loader.load import load_model
-from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.parallel.distributed import seed_root
-from jaxinfer.parallel.host import fetch
-from jaxinfer.parallel.mesh import make_mesh
-from jaxinfer.parallel.sharding import Partitioner
-from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
-from jaxinfer.tokenizer import TokenizerWrapper
+from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,75 +37,17 @@ class LLMEngine:
         """`kernels`: where options.attention_impl, ffn_impl and norm_impl are looked up
         (default: the built-in implementations). `show_progress`: a progress bar of the
         warm-up's compilation (the log has its progress either way)."""
-        folder = resolve_model(options.model, Path(options.cache_dir))
-        gguf_source = source_gguf(options.model, folder)
-        self.config, model_kernels = configure(options, folder, kernels, gguf_source)
-        resolved = self.config.resolved
-        if resolved.compilation_cache_dir is not None:
-            compilation_cache.enable(Path(resolved.compilation_cache_dir))
-        arch = self.config.model.arch
-        self.tokenizer = TokenizerWrapper(folder)
-        self.eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
-
-        parallel = self.config.parallel
-        self.partitioner = Partitioner(
-            make_mesh(parallel.tensor_parallel_size), expert_parallel=parallel.expert_parallel
+        started = start_model(options, kernels, show_progress)
+        self.config, self.tokenizer, self.runner = started.config, started.tokenizer, started.runner
+        self.eos_token_ids, self.draft = started.eos_token_ids, started.draft
+        self.partitioner, self.gguf_weights = started.partitioner, started.gguf_weights
+        self.batch_builder, self.background_compile = (
+            started.batch_builder,
+            started.background_compile,
         )
-        graphdef, state, self.gguf_weights = load_model(
-            folder, self.config, self.partitioner, gguf_source
-        )  # gguf_weights: the weights kept with GGUF blocks too (or taken from them: int4)
-
-        self.draft = None  # speculative decoding's draft model
-        if self.config.speculative.method == "draft":
-            self.draft = load_draft(
-                options,
-                self.config,
-                self.tokenizer.tokenizer.get_vocab(),
-                self.partitioner,
-                kernels,
-            )
-        self.batch_builder = BatchBuilder(self.config)
-        logger.info("engine: %s", json.dumps(self.describe()))
-        cache = self.config.cache
-        logger.info(
-            "KV cache: %d blocks of %d tokens in %s, %d tokens",
-            cache.num_blocks - 1,
-            cache.block_size,
-            cache.kv_cache_dtype,
-            cache.capacity_tokens(),
-        )
-        self.runner = ModelRunner(
-            self.config,
-            graphdef,
-            state,
-            model_kernels,
-            self.partitioner,
-            draft=self.draft,
-            kv_constants=kv_calibration.calibrate(
-                self.config, graphdef, state, model_kernels, self.partitioner, self.tokenizer
-            ),
-        )
-        buckets = self.config.scheduler.token_buckets
-        first = buckets if resolved.warmup == "all" else first_buckets(buckets)
-        with compilation_cache.CompileCounter() as counter:
-            progress = WarmupProgress(self.runner.warmup_units(first), counter, show_progress)
-            self.warmup_seconds = self.runner.warmup(self.batch_builder, first, progress)
-        self.warmup_programs, self.warmup_cache_hits = counter.programs, counter.cache_hits
-        logger.info(
-            "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "
-            "cache) in %.1f s",
-            len(first),
-            counter.programs,
-            counter.compiled,
-            counter.cache_hits,
-            self.warmup_seconds,
-        )
-        # The other buckets, compiled while the engine serves (warmup "background").
-        self.background_compile: BackgroundCompiler | None = None
-        rest = tuple(b for b in buckets if b not in first)
-        if rest:
-            self.batch_builder.ready_buckets = first
-            self.background_compile = BackgroundCompiler(self.runner, self.batch_builder, rest)
+        self.warmup_seconds, self.warmup_programs = started.warmup_seconds, started.warmup_programs
+        self.warmup_cache_hits = started.warmup_cache_hits
+        arch, folder = self.config.model.arch, started.folder
         self.kv_cache_manager = KVCacheManager(
             self.config.cache.block_size,
             self.config.cache.num_blocks,
@@ -306,22 +232,7 @@ class LLMEngine:
     def describe(self) -> dict:
         """What the engine runs: the model, its sizes, and every option as resolved (with why,
         where "auto" chose); logged at start-up, returned by the server's GET /v1/engine."""
-        config = self.config
-        return {
-            "model": str(config.model.path),
-            "max_model_len": config.model.max_model_len,
-            "max_num_seqs": config.scheduler.max_num_seqs,
-            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            "block_size": config.cache.block_size,
-            "num_kv_blocks": config.cache.num_blocks,
-            "kv_cache_dtype": config.cache.kv_cache_dtype,
-            "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
-            "tensor_parallel_size": config.parallel.tensor_parallel_size,
-            "quantization": config.resolved.weight_format,
-            "gguf_block_weights": list(self.gguf_weights),
-            "draft_model": None if self.draft is None else str(self.draft.config.model.path),
-            "resolved": config.resolved.describe(),
-        }
+        return describe(self.config, self.gguf_weights, self.draft)
 
     def stats(self) -> SchedulerStats:
         """Running and waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
@@ -348,8 +259,8 @@ class LLMEngine:
         if self.config.async_scheduling and not self._needs_tokens_on_host():
             self._in_flight = self._schedule_and_dispatch()
         overlapped = self._in_flight is not None and not current.sampled.token_ids.is_ready()
-        step_output = self._to_step_output(current.scheduler_output, current.sampled)
-        self._record_prompt_logprobs(current)
+        step_output = output_builder.step_output(current.scheduler_output, current.sampled)
+        output_builder.record_prompt_logprobs(current, self.requests)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
         newest = self._in_flight or current  # the last step this call enqueued, if any
@@ -377,57 +288,19 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Sets the proposals of each running request caught up to its last token."""
-        if self.draft is not None:
-            self._propose_with_draft()
+        running, max_model_len = self.scheduler.running, self.config.scheduler.max_model_len
+        if self.draft is None:
+            propose_ngrams(self.proposer, running, max_model_len)
             return
-        for request, room in self._proposal_candidates():
-            request.spec_token_ids = self.proposer.propose(
-                request.spec, request.all_token_ids, room
-            )
-
-    def _proposal_candidates(self):
-        """(request, room) for each running request that proposes and is caught up to its
-        last token; room: the proposals max_tokens and max_model_len leave it."""
-        max_model_len = self.config.scheduler.max_model_len
-        for request in self.scheduler.running:
-            if (
-                request.spec is None
-                or request.num_output_placeholders
-                or request.num_tokens - request.num_computed_tokens != 1
-            ):
-                continue
-            room = max_model_len - 1 - request.num_tokens
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is not None:
-                room = min(room, max_tokens - request.num_output_tokens - 1)
-            yield request, room
-
-    def _propose_with_draft(self) -> None:
-        """The draft model's proposals for each running request caught up to its last token,
-        up to its proposal length, what max_tokens and max_model_len leave, and the KV slots
-        its blocks hold for the tokens the draft writes (the last and each proposal but the
-        final one); in all, at most what the next step has room for (each costs a draft
-        step), given in the order the scheduler takes them."""
-        block_size = self.config.cache.block_size
-        step_room = self.scheduler.proposal_room()
-        for request in self.scheduler.running:
-            request.spec_token_ids = []
-        wanted = []
-        for request, room in self._proposal_candidates():
-            if not request.spec.wanted():
-                continue
-            slots = len(request.block_ids) * block_size - request.num_tokens + 1
-            count = min(request.spec.length, room, slots, step_room)
-            if count > 0:
-                step_room -= count
-                row = self.batch_builder.rows.row(request.request_id)
-                wanted.append((row, request, count))
-        if not wanted:
-            return
-        runner = self.runner
-        proposals = self.draft.propose(runner.block_table, runner.sampler_state.bias, wanted)
-        for (_, request, _), tokens in zip(wanted, proposals, strict=True):
-            request.spec_token_ids = tokens
+        propose_with_draft(
+            self.draft,
+            running,
+            max_model_len,
+            self.config.cache.block_size,
+            self.scheduler.proposal_room(),
+            self.batch_builder.rows,
+            self.runner,
+        )
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
         scheduler_output = self.scheduler.schedule()
@@ -484,7 +357,8 @@ class LLMEngine:
                     parent.update(request, output_builder.completion_output(request, detokenizer))
                 parents[parent.request_id] = parent
             elif output_builder.reports(request):
-                outputs.append(self._request_output(request))
+                detokenizer = self._detokenizers[request.request_id]
+                outputs.append(output_builder.request_output(request, detokenizer))
             if request.status.finished:
                 del self.requests[request.request_id]
                 del self._detokenizers[request.request_id]
@@ -521,101 +395,3 @@ class LLMEngine:
                 if not ended:
                     finished.append(request)
                 return
-
-    def _record_prompt_logprobs(self, step: DispatchedStep) -> None:
-        """Appends each prompt position's logprobs to its request (once: a chunk recomputed
-        after a preemption adds nothing)."""
-        if step.prompt_rows is None:
-            return
-        chosen, top_ids, top_logprobs = (
-            np.concatenate(part)[: len(step.prompt_rows.rows)]
-            for part in zip(*fetch(step.prompt_logprobs), strict=True)
-        )
-        offset = 0
-        for row, position, count in step.prompt_rows.spans:
-            item = step.scheduler_output.scheduled[row]
-            request = self.requests.get(item.request_id)
-            wanted = item.params.prompt_logprobs
-            valid = (
-                request is not None
-                and request.status is RequestStatus.RUNNING
-                and request.epoch == item.epoch
-            )
-            for j in range(count):
-                if valid and position + j == len(request.prompt_logprobs):
-                    row = offset + j
-                    request.prompt_logprobs.append(
-                        _top_logprobs(
-                            top_ids[row],
-                            top_logprobs[row],
-                            wanted,
-                            request.prompt_token_ids[position + j],
-                            chosen[row],
-                        )
-                    )
-            offset += count
-
-    def _to_step_output(
-        self, scheduler_output: SchedulerOutput, sampled: SamplerOutput
-    ) -> StepOutput:
-        host = fetch(sampled)  # the one device-to-host transfer of the step
-        num_rows = sum(item.num_sample_rows for item in scheduler_output.scheduled)
-        flat = host.token_ids[:num_rows].tolist()
-        token_ids, logprobs = [], []
-        first = 0
-        for item in scheduler_output.scheduled:
-            rows = range(first, first + item.num_sample_rows)
-            first = rows.stop
-            token_ids.append(flat[rows.start : rows.stop])
-            wanted = item.params.logprobs
-            if wanted is None or not item.samples:
-                logprobs.append([None] * len(rows))
-                continue
-            logprobs.append(
-                [
-                    _top_logprobs(
-                        host.top_ids[row],
-                        host.top_logprobs[row],
-                        wanted,
-                        flat[row],
-                        host.sampled_logprobs[row],
-                    )
-                    for row in rows
-                ]
-            )
-        return StepOutput(token_ids=token_ids, logprobs=logprobs)
-
-    def _request_output(self, request: Request) -> RequestOutput:
-        first_report = request.num_reported_tokens == 0
-        detokenizer = self._detokenizers[request.request_id]
-        completion = output_builder.completion_output(request, detokenizer)
-        prompt_logprobs = request.prompt_logprobs
-        if request.sampling_params.output_kind is RequestOutputKind.DELTA and not first_report:
-            prompt_logprobs = None  # reported once, with the first delta
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=request.status.finished,
-            metrics=request.metrics,
-            prompt_logprobs=prompt_logprobs,
-        )
-
-
-def _top_logprobs(ids, logprobs, count: int, token: int, token_logprob) -> dict[int, float]:
-    """The `count` most likely tokens' logprobs (rows of the sampler's top ids and logprobs)
-    and the chosen token's, by token id."""
-    top = dict(zip(ids[:count].tolist(), logprobs[:count].tolist(), strict=True))
-    top[token] = float(token_logprob)
-    return top
-
-
-def _generation_eos_ids(folder: Path) -> list[int]:
-    path = folder / "generation_config.json"
-    if not path.exists():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]

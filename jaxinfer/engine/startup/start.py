@@ -1,0 +1,167 @@
+"""Start-up: from options to a model ready to serve. Resolves and configures the model, loads
+its weights (and a draft model's), calibrates a quantized KV cache, warms up the token buckets
+(the first ones, or all) and leaves the rest to a background compiler."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from jaxinfer.config import EngineConfig, EngineOptions
+from jaxinfer.config.configure import configure
+from jaxinfer.engine.execution.batch_builder import BatchBuilder
+from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.speculation.draft_model import DraftModel, load_draft
+from jaxinfer.engine.startup import compilation_cache, kv_calibration
+from jaxinfer.engine.startup.background_compile import BackgroundCompiler, first_buckets
+from jaxinfer.engine.startup.warmup_progress import WarmupProgress
+from jaxinfer.layers.kernel_registry import KernelRegistry
+from jaxinfer.model_loader.load import load_model
+from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
+from jaxinfer.parallel.mesh import make_mesh
+from jaxinfer.parallel.sharding import Partitioner
+from jaxinfer.tokenizer import TokenizerWrapper
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartedModel:
+    """A model loaded, calibrated and warmed up: what the engine's step loop runs."""
+
+    folder: Path  # the model's folder (config, tokenizer)
+    config: EngineConfig
+    tokenizer: TokenizerWrapper
+    eos_token_ids: frozenset[int]
+    partitioner: Partitioner
+    gguf_weights: list[str]  # weights kept with GGUF blocks (or taken from them)
+    draft: DraftModel | None  # speculative decoding's draft model
+    batch_builder: BatchBuilder
+    runner: ModelRunner
+    warmup_seconds: float
+    warmup_programs: int
+    warmup_cache_hits: int
+    background_compile: BackgroundCompiler | None  # the buckets warm-up left, compiling
+
+
+def start_model(
+    options: EngineOptions, kernels: KernelRegistry | None, show_progress: bool
+) -> StartedModel:
+    """`kernels`: where options.attention_impl, ffn_impl and norm_impl are looked up (default:
+    the built-in implementations). `show_progress`: a progress bar of the warm-up."""
+    folder = resolve_model(options.model, Path(options.cache_dir))
+    gguf_source = source_gguf(options.model, folder)
+    config, model_kernels = configure(options, folder, kernels, gguf_source)
+    resolved = config.resolved
+    if resolved.compilation_cache_dir is not None:
+        compilation_cache.enable(Path(resolved.compilation_cache_dir))
+    arch = config.model.arch
+    tokenizer = TokenizerWrapper(folder)
+    eos_token_ids = frozenset(_generation_eos_ids(folder) or arch.eos_token_ids)
+
+    parallel = config.parallel
+    partitioner = Partitioner(
+        make_mesh(parallel.tensor_parallel_size), expert_parallel=parallel.expert_parallel
+    )
+    graphdef, state, gguf_weights = load_model(
+        folder, config, partitioner, gguf_source
+    )  # gguf_weights: the weights kept with GGUF blocks too (or taken from them: int4)
+
+    draft = None  # speculative decoding's draft model
+    if config.speculative.method == "draft":
+        draft = load_draft(
+            options,
+            config,
+            tokenizer.tokenizer.get_vocab(),
+            partitioner,
+            kernels,
+        )
+    batch_builder = BatchBuilder(config)
+    logger.info("engine: %s", json.dumps(describe(config, gguf_weights, draft)))
+    cache = config.cache
+    logger.info(
+        "KV cache: %d blocks of %d tokens in %s, %d tokens",
+        cache.num_blocks - 1,
+        cache.block_size,
+        cache.kv_cache_dtype,
+        cache.capacity_tokens(),
+    )
+    runner = ModelRunner(
+        config,
+        graphdef,
+        state,
+        model_kernels,
+        partitioner,
+        draft=draft,
+        kv_constants=kv_calibration.calibrate(
+            config, graphdef, state, model_kernels, partitioner, tokenizer
+        ),
+    )
+    buckets = config.scheduler.token_buckets
+    first = buckets if resolved.warmup == "all" else first_buckets(buckets)
+    with compilation_cache.CompileCounter() as counter:
+        progress = WarmupProgress(runner.warmup_units(first), counter, show_progress)
+        warmup_seconds = runner.warmup(batch_builder, first, progress)
+    warmup_programs, warmup_cache_hits = counter.programs, counter.cache_hits
+    logger.info(
+        "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "
+        "cache) in %.1f s",
+        len(first),
+        counter.programs,
+        counter.compiled,
+        counter.cache_hits,
+        warmup_seconds,
+    )
+    # The other buckets, compiled while the engine serves (warmup "background").
+    background_compile: BackgroundCompiler | None = None
+    rest = tuple(b for b in buckets if b not in first)
+    if rest:
+        batch_builder.ready_buckets = first
+        background_compile = BackgroundCompiler(runner, batch_builder, rest)
+    return StartedModel(
+        folder=folder,
+        config=config,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        partitioner=partitioner,
+        gguf_weights=gguf_weights,
+        draft=draft,
+        batch_builder=batch_builder,
+        runner=runner,
+        warmup_seconds=warmup_seconds,
+        warmup_programs=warmup_programs,
+        warmup_cache_hits=warmup_cache_hits,
+        background_compile=background_compile,
+    )
+
+
+def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> dict:
+    """What the engine runs: the model, its sizes, and every option as resolved (with why,
+    where "auto" chose)."""
+    return {
+        "model": str(config.model.path),
+        "max_model_len": config.model.max_model_len,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "block_size": config.cache.block_size,
+        "num_kv_blocks": config.cache.num_blocks,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "quantization": config.resolved.weight_format,
+        "gguf_block_weights": list(gguf_weights),
+        "draft_model": None if draft is None else str(draft.config.model.path),
+        "resolved": config.resolved.describe(),
+    }
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.execution.batch import SamplingMetadata, StepInputs
-from jaxinfer.engine.execution.batch_builder import BatchBuilder
 from jaxinfer.engine.execution.device_inputs import (
     assemble_batch,
     record_sampled,
@@ -30,7 +27,7 @@ from jaxinfer.engine.execution.device_inputs import (
     set_rows,
     verified_probs,
 )
-from jaxinfer.engine.execution.step import HostStep, PromptLogprobRows, RowUpdates, SamplingFlags
+from jaxinfer.engine.execution.step import HostStep, RowUpdates
 from jaxinfer.engine.sampling.constraints import bitmask_width
 from jaxinfer.engine.sampling.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
@@ -59,17 +56,6 @@ class Draft(Protocol):
 
 
 PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
-
-
-class RunnerSpecs(NamedTuple):
-    """ModelRunner's device state as jax.ShapeDtypeStructs (ModelRunner.state_specs)."""
-
-    state: Any  # the layers' parameters (nnx.State)
-    top_params: Any  # embed, norm, LM head, rope cache
-    kv_cache: Any
-    block_table: Any
-    last_tokens: Any
-    sampler_state: Any
 
 
 def allocate_kv_cache(
@@ -233,7 +219,7 @@ class ModelRunner:
         self.top_params = params  # embed, norm, lm_head, rope_cache
         logits_fn = functools.partial(compute_logits, arch, kernels=kernels, partitioner=part)
         self._logits = jax.jit(logits_fn)
-        self._select_rows = jax.jit(lambda hidden, rows: hidden[rows])
+        self.select_rows = jax.jit(lambda hidden, rows: hidden[rows])
         self._prompt_logprobs = jax.jit(functools.partial(_prompt_logprobs, arch, part, kernels))
         if self.layer_execution == "scan":
             self.state = state
@@ -241,7 +227,7 @@ class ModelRunner:
                 functools.partial(_scan_hidden, graphdef, kernels, part),
                 donate_argnames=("kv_cache",),
             )
-            self._scan_step = jax.jit(
+            self.scan_step = jax.jit(
                 functools.partial(_scan_step, graphdef, kernels, part, logits_fn),
                 donate_argnames=("kv_cache",),
             )
@@ -260,7 +246,7 @@ class ModelRunner:
             self._add = jax.jit(jnp.add)
             self._dispatch_window = dispatch_window(part.mesh)
         self.warmup_seconds: float | None = None
-        self._sampled_buckets: set[int] = set()  # sample-row buckets whose sampler is compiled
+        self.sampled_buckets: set[int] = set()  # sample-row buckets whose sampler is compiled
         if not sampling:
             return
         # Kept on the device between steps, by request row (the last row is the padding
@@ -286,7 +272,7 @@ class ModelRunner:
         self._set_bias_rows = jax.jit(set_bias_rows, donate_argnums=0)
         self._set_bitmask_rows = jax.jit(set_bitmask_rows, donate_argnums=0)
         self._assemble = jax.jit(assemble_batch)
-        self._sample = jax.jit(
+        self.sample_program = jax.jit(
             functools.partial(
                 _sample_and_record,
                 batch_invariant=kernels.batch_invariant,
@@ -358,7 +344,7 @@ class ModelRunner:
             count = min(PROMPT_LOGPROB_ROWS, len(rows) - start)
             chunk_rows[:count] = rows[start : start + count]
             chunk_targets[:count] = targets[start : start + count]
-            selected = self._select_rows(hidden, chunk_rows)
+            selected = self.select_rows(hidden, chunk_rows)
             chunks.append(self._prompt_logprobs(self.top_params, selected, chunk_targets))
         return chunks
 
@@ -375,7 +361,7 @@ class ModelRunner:
         self.apply_updates(step.updates)
         inputs = step.inputs
         if self.layer_execution == "scan":
-            self.kv_cache, hidden, logits = self._scan_step(
+            self.kv_cache, hidden, logits = self.scan_step(
                 self.state,
                 self.top_params,
                 self.kv_cache,
@@ -393,7 +379,7 @@ class ModelRunner:
                 batch = self._assemble(inputs, self.block_table, self.last_tokens)
             self.draft.extend(batch)
             draft_probs = self.draft.draft_probs
-        sampled, self.last_tokens, self.sampler_state = self._sample(
+        sampled, self.last_tokens, self.sampler_state = self.sample_program(
             logits,
             step.sampling,
             self.sampler_state,
@@ -429,101 +415,3 @@ class ModelRunner:
             self.sampler_state = self._set_bitmask_rows(
                 self.sampler_state, jax.device_put(updates.bitmask, self.partitioner.replicated)
             )
-
-    @staticmethod
-    def warmup_units(buckets: tuple[int, ...]) -> int:
-        """How many units warmup(builder, buckets) reports progress in."""
-        return len(buckets) + 1
-
-    def warmup(
-        self,
-        builder: BatchBuilder,
-        buckets: tuple[int, ...],
-        progress: Callable[[int, str], None] | None = None,
-    ) -> float:
-        """Compiles token buckets `buckets` (all, or the first few), the sampler of each
-        sample-row bucket (with and without logprobs) and every size of per-request row
-        updates, by running all-padding steps from the batch builder; returns the seconds it
-        took. progress(done, what) is called after each of its warmup_units(buckets): the token
-        buckets, then the row updates (and the draft). The other buckets compile later with
-        compile_bucket."""
-        start = time.perf_counter()
-        for index, num_tokens in enumerate(buckets):
-            inputs, sampling = builder.padding_batch(num_tokens)
-            num_samples = sampling.temperature.shape[0]
-            variants = [0] if num_samples in self._sampled_buckets else [0, MAX_LOGPROBS]
-            self._sampled_buckets.add(num_samples)
-            prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
-            for num_logprobs in variants:
-                step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
-                jax.block_until_ready(self.execute(step))
-                prompt = None  # compiled for this token bucket
-            if progress is not None:
-                progress(index + 1, f"{num_tokens} tokens")
-        for num_rows in builder.update_buckets:
-            self.apply_updates(builder.padding_updates(num_rows))
-            jax.block_until_ready((self.block_table, self.sampler_state))  # (dispatch.py)
-        if self.draft is not None:
-            self.draft.warmup(self.block_table, self.sampler_state.bias)
-        jax.block_until_ready((self.kv_cache, self.block_table, self.sampler_state))
-        if progress is not None:
-            progress(len(buckets) + 1, "row updates" + (", draft" * bool(self.draft)))
-        self.warmup_seconds = time.perf_counter() - start
-        logger.info("warm-up compiled token buckets %s in %.1f s", buckets, self.warmup_seconds)
-        return self.warmup_seconds
-
-    def state_specs(self) -> RunnerSpecs:
-        """The device state a step's programs take, as shapes, dtypes and shardings: what
-        compile_bucket lowers against (on the engine's thread, once: the arrays themselves
-        are donated and replaced step by step)."""
-        if self.layer_execution != "scan" or self.draft is not None:
-            raise ValueError("buckets compile ahead only for scan execution without a draft")
-
-        def spec(tree):
-            return jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree
-            )
-
-        return RunnerSpecs(
-            spec(self.state),
-            spec(self.top_params),
-            spec(self.kv_cache),
-            spec(self.block_table),
-            spec(self.last_tokens),
-            spec(self.sampler_state),
-        )
-
-    def compile_bucket(self, builder: BatchBuilder, num_tokens: int, specs: RunnerSpecs) -> None:
-        """Compiles the programs of token bucket `num_tokens` without running them (safe on
-        another thread while the engine steps): the model step, the sampler of its sample-row
-        bucket (with and without logprobs, unless compiled already) and the row selection of
-        prompt logprobs. A step of this bucket then finds them all in JAX's caches."""
-        inputs, sampling = builder.padding_batch(num_tokens)
-        step = self._scan_step.lower(
-            specs.state,
-            specs.top_params,
-            specs.kv_cache,
-            specs.block_table,
-            specs.last_tokens,
-            inputs,
-        )
-        compiled = step.compile()
-        outputs = jax.tree.map(
-            lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-            step.out_info,
-            compiled.output_shardings,
-        )
-        _, hidden, logits = outputs
-        num_samples = sampling.temperature.shape[0]
-        if num_samples not in self._sampled_buckets:
-            for num_logprobs in (0, MAX_LOGPROBS):
-                self._sample.lower(
-                    logits,
-                    sampling,
-                    specs.sampler_state,
-                    specs.last_tokens,
-                    num_logprobs=num_logprobs,
-                    draft_probs=None,
-                ).compile()
-            self._sampled_buckets.add(num_samples)
-        self._select_rows.lower(hidden, np.zeros(PROMPT_LOGPROB_ROWS, np.int32)).compile()

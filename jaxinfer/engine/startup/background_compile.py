@@ -3,8 +3,8 @@
 
 Before serving, warm-up compiles and runs only the smallest token bucket (a decode step of one
 request) and the largest (any step fits it). The other buckets' programs are then compiled,
-smallest first, on a thread of their own, without running them (ModelRunner.compile_bucket):
-JAX keeps what it compiled, so a later step of that bucket compiles nothing. Each bucket is
+smallest first, on a thread of their own, without running them (warmup.compile_bucket): JAX
+keeps what it compiled, so a later step of that bucket compiles nothing. Each bucket is
 added to the batch builder's ready buckets once compiled; until then a step is padded to the
 smallest ready bucket that holds it. Compilations on this thread are not counted as
 compilations on a request's path (the server's compilations_after_warmup).
@@ -17,11 +17,10 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jaxinfer.engine.execution.batch_builder import BatchBuilder
-    from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.execution.batch_builder import BatchBuilder
+from jaxinfer.engine.execution.model_runner import ModelRunner
+from jaxinfer.engine.startup.warmup import compile_bucket, state_specs
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class BackgroundCompiler:
         self.buckets = buckets
         self.compiled: list[int] = []  # in the order they became ready
         self.seconds: float | None = None  # once every bucket is compiled
-        self._specs = runner.state_specs()
+        self._specs = state_specs(runner)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(runner, builder), name=THREAD_NAME, daemon=True
@@ -62,7 +61,7 @@ class BackgroundCompiler:
             if self._stop.is_set():
                 return
             try:
-                runner.compile_bucket(builder, num_tokens, self._specs)
+                compile_bucket(runner, builder, num_tokens, self._specs)
             except Exception:  # steps keep padding to the buckets compiled so far
                 logger.exception("background compile of the %d-token bucket failed", num_tokens)
                 return

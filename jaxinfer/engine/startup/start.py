@@ -16,6 +16,7 @@ from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.speculation.draft_model import DraftModel, load_draft
 from jaxinfer.engine.startup import compilation_cache, kv_calibration
 from jaxinfer.engine.startup.background_compile import BackgroundCompiler, first_buckets
+from jaxinfer.engine.startup.warmup import warmup, warmup_units
 from jaxinfer.engine.startup.warmup_progress import WarmupProgress
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.model_loader.load import load_model
@@ -102,8 +103,8 @@ def start_model(
     buckets = config.scheduler.token_buckets
     first = buckets if resolved.warmup == "all" else first_buckets(buckets)
     with compilation_cache.CompileCounter() as counter:
-        progress = WarmupProgress(runner.warmup_units(first), counter, show_progress)
-        warmup_seconds = runner.warmup(batch_builder, first, progress)
+        progress = WarmupProgress(warmup_units(first), counter, show_progress)
+        warmup_seconds = warmup(runner, batch_builder, first, progress)
     warmup_programs, warmup_cache_hits = counter.programs, counter.cache_hits
     logger.info(
         "warm-up: %d token buckets, %d programs (%d compiled, %d from the compilation "

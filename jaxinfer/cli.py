@@ -54,6 +54,22 @@ def describe_flags(flag_list) -> str:
     return "\n".join(lines)
 
 
+def flags_table(module_name: str) -> str:
+    """A command's own flags as a Markdown table (flag, default, meaning): the README's table
+    of the server's flags is this one, checked by a test."""
+    from absl import flags
+
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for flag in sorted(flags.FLAGS.get_flags_for_module(module_name), key=lambda f: f.name):
+        default = flag.default
+        if isinstance(default, list):
+            default = ",".join(map(str, default))
+        shown = "" if default is None else f"`{default}`"
+        text = (flag.help or "").replace("|", "\\|")
+        rows.append(f"| `--{flag.name}` | {shown} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
 def command_help(command: str, module) -> str:
     """A command's flags in groups: its own, the engine options, the several-process flags."""
     from absl import flags
@@ -99,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
             "source checkout of jaxinfer, with the test extra installed\n"
         )
         sys.exit(2)
+    if "--help_markdown" in rest:  # the command's own flags as the README's table
+        sys.stdout.write(flags_table(module.__name__))
+        sys.exit(0)
     if any(a in ("-h", "--help", "-?") for a in rest):
         sys.stdout.write(command_help(command, module))
         sys.exit(0)

@@ -64,3 +64,22 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("jaxinfer ")
+
+
+def test_the_readme_table_of_serve_flags_is_the_code_s():
+    """The README's table of the server's flags is what `jaxinfer serve --help_markdown`
+    generates from the flags themselves (regenerate it when a flag changes)."""
+    from pathlib import Path
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "serve", "--help_markdown"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("<!-- serve flags:")
+    table = readme[readme.index("\n", start) + 1 : readme.index("<!-- end serve flags -->")]
+    assert table == shown.stdout
+    assert "| `--port` | `8000` |" in table and "| `--api_key_file` |" in table

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve demo test lint bench
+.PHONY: serve demo test check lint bench
 
 # Serving installs only what serving needs; the tests add their extra (PyTorch, transformers,
 # the openai client, ...) on top.
@@ -26,11 +26,17 @@ serve: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jaxinfer.demo
 
-test: $(STAMP).test
+# Lint, then every test in lanes by marker (tools/test_lanes.py says how).
+test: $(STAMP).test lint
+	$(PY) -m tools.test_lanes
+
+# Before each commit: lint and the fast lane (unit, kernel, tiny-model engine and server tests).
+check: $(STAMP).test lint
+	$(PY) -m tools.test_lanes --check
+
+lint: $(STAMP).test
 	$(PY) -m ruff check jaxinfer pallas_kernels cpu_kernels tests tools
 	$(PY) -m ruff format --check jaxinfer pallas_kernels cpu_kernels tests tools
-	# Four pytest processes, two at a time (tools/test_lanes.py says why).
-	$(PY) -m tools.test_lanes
 
 # llama.cpp (the benchmarks' baseline) built for the vector extensions this CPU reports, not
 # -march=native: that build takes ggml's AMX path on CPUs reporting AMX, and it faults in VMs

@@ -25,6 +25,7 @@ from jaxinfer.config.flags import (
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.lockstep import Leader, lead_or_follow
 from jaxinfer.parallel.distributed import initialize
+from jaxinfer.sampling_params import flag_fields
 from jaxinfer.server.async_engine import AsyncEngine
 
 FLAGS = flags.FLAGS
@@ -38,41 +39,23 @@ flags.DEFINE_bool("resume", False, "Keep the results already in --output; answer
 flags.DEFINE_bool("overwrite", False, "Replace an existing --output.")
 flags.DEFINE_string("served_model_name", None, "Model name bodies may give; default: folder's.")
 flags.DEFINE_bool("progress", True, "Show a progress bar.")
-# Sampling flags for --prompts_file (an --input line sets its own in its body).
-flags.DEFINE_integer("max_tokens", None, "Most generated tokens per prompt.")
-flags.DEFINE_float("temperature", None, "0 is greedy.")
-flags.DEFINE_float("top_p", None, "Nucleus sampling mass.")
-flags.DEFINE_integer("top_k", None, "Sample among the k likeliest tokens.")
-flags.DEFINE_float("min_p", None, "Drop tokens below min_p times the top probability.")
-flags.DEFINE_float("presence_penalty", None, "OpenAI presence penalty.")
-flags.DEFINE_float("frequency_penalty", None, "OpenAI frequency penalty.")
-flags.DEFINE_float("repetition_penalty", None, "Repetition penalty (prompt and output).")
-flags.DEFINE_integer("seed", None, "Seed for sampled completions.")
-flags.DEFINE_integer("n", None, "Completions per prompt.")
-flags.DEFINE_multi_string("stop", None, "Stop string (repeatable).")
-flags.DEFINE_bool("ignore_eos", None, "Keep generating past the end-of-sequence token.")
-
-SAMPLING_FLAGS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "n",
-    "stop",
-    "ignore_eos",
-)
+# Sampling flags for --prompts_file (an --input line sets its own in its body), as
+# SamplingParams declares them.
+_DEFINE = {
+    int: flags.DEFINE_integer,
+    float: flags.DEFINE_float,
+    bool: flags.DEFINE_bool,
+    "multi_string": flags.DEFINE_multi_string,
+}
+for _name, (_kind, _help) in flag_fields().items():
+    _DEFINE[_kind](_name, None, _help)
 
 
 def job_config_from_flags(random_seed: int | None) -> BatchJobConfig:
     def path(value):
         return Path(value) if value is not None else None
 
-    sampling = {name: FLAGS[name].value for name in SAMPLING_FLAGS if FLAGS[name].present}
+    sampling = {name: FLAGS[name].value for name in flag_fields() if FLAGS[name].present}
     return BatchJobConfig(
         output=Path(FLAGS.output),
         input=path(FLAGS.input),

@@ -14,6 +14,7 @@ import enum
 import json
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 MAX_LOGPROBS = 20  # like OpenAI's top_logprobs limit
 MAX_N = 128
@@ -24,6 +25,36 @@ MAX_STOP_STRINGS = 64  # each is searched for at every step
 MAX_STOP_CHARS = 512  # per stop string: a stream holds back up to this many characters
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 256
+
+
+def _param(default, *, body: Any = None, flag: str | None = None):
+    """A SamplingParams field and where else it is spoken: `body`, its type in request bodies
+    (the server's and batch lines', which pass it through by name: jaxinfer.server.protocol);
+    `flag`, the help of the batch runner's command-line flag of that name
+    (jaxinfer.run_batch). Declared here once, so a new parameter is one edit here (plus its
+    sampler code)."""
+    return dataclasses.field(default=default, metadata={"body": body, "flag": flag})
+
+
+def body_fields() -> dict[str, Any]:
+    """SamplingParams fields a request body passes through by name, with their body types."""
+    return {
+        f.name: f.metadata["body"]
+        for f in dataclasses.fields(SamplingParams)
+        if f.metadata.get("body") is not None
+    }
+
+
+def flag_fields() -> dict[str, tuple[type | str, str]]:
+    """SamplingParams fields the batch runner takes as flags: (int, float, bool, or
+    "multi_string" for a list of strings; help)."""
+    fields = {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.metadata.get("flag") is None:
+            continue
+        kind = f.metadata["body"] or type(f.default)
+        fields[f.name] = ("multi_string" if kind == str | list[str] else kind, f.metadata["flag"])
+    return fields
 
 
 class RequestOutputKind(enum.Enum):
@@ -123,30 +154,38 @@ class SamplingParams:
             this request per step (0: none); unset: the engine's num_speculative_tokens.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Mapping[int, float] | None = None
-    allowed_token_ids: Sequence[int] | None = None
-    bad_words: Sequence[str] | None = None
-    min_tokens: int = 0
-    max_tokens: int | None = 16
-    stop: Sequence[str] | str | None = None
-    stop_token_ids: Sequence[int] = ()
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None
+    n: int = _param(1, body=int, flag="Completions per prompt.")
+    temperature: float = _param(1.0, body=float, flag="0 is greedy.")
+    top_p: float = _param(1.0, body=float, flag="Nucleus sampling mass.")
+    top_k: int = _param(0, body=int, flag="Sample among the k likeliest tokens.")
+    min_p: float = _param(
+        0.0, body=float, flag="Drop tokens below min_p times the top probability."
+    )
+    repetition_penalty: float = _param(
+        1.0, body=float, flag="Repetition penalty (prompt and output)."
+    )
+    presence_penalty: float = _param(0.0, body=float, flag="OpenAI presence penalty.")
+    frequency_penalty: float = _param(0.0, body=float, flag="OpenAI frequency penalty.")
+    logit_bias: Mapping[int, float] | None = None  # bodies: string keys (protocol.py)
+    allowed_token_ids: Sequence[int] | None = _param(None, body=list[int])
+    bad_words: Sequence[str] | None = _param(None, body=list[str])
+    min_tokens: int = _param(0, body=int)
+    max_tokens: int | None = _param(16, flag="Most generated tokens per prompt.")  # per endpoint
+    stop: Sequence[str] | str | None = _param(
+        None, body=str | list[str], flag="Stop string (repeatable)."
+    )
+    stop_token_ids: Sequence[int] = _param((), body=list[int])
+    include_stop_str_in_output: bool = _param(False, body=bool)
+    ignore_eos: bool = _param(
+        False, body=bool, flag="Keep generating past the end-of-sequence token."
+    )
+    seed: int | None = _param(None, body=int, flag="Seed for sampled completions.")
+    logprobs: int | None = None  # bodies: per endpoint (protocol.py)
+    prompt_logprobs: int | None = _param(None, body=int)
+    skip_special_tokens: bool = _param(True, body=bool)
+    structured_outputs: StructuredOutputsParams | None = None  # bodies: a dict (protocol.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | None = _param(None, body=int)
     best_of: None = None  # refused: vLLM v1 dropped it too; use n
 
     def __post_init__(self):

@@ -1,56 +1,44 @@
-"""Shared fixtures: tiny random Hugging Face Llama folders, and the default model."""
+"""Shared fixtures: tiny random Hugging Face Llama folders, the engines built on them, the
+default model, the C++ kernels; and the run's compilation cache."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
 import pytest
 
-from tools.tiny_tokenizer import write_tiny_tokenizer
+from tests.support.engines import build_llm
+from tests.support.models import make_tiny_model
 
 # Tensor-parallel tests split models over 8 virtual CPU devices (set before any device use;
 # everything else runs on the first device as before).
 jax.config.update("jax_num_cpu_devices", 8)
-# Engines would keep every compiled program in JAX's persistent cache; in a test session the
-# programs rarely repeat and writing them costs time (the cache has its own test, in fresh
-# processes).
-jax.config.update("jax_enable_compilation_cache", False)
 
 
-def make_tiny_model(folder: Path, seed: int = 0, **overrides) -> Path:
-    """A random LlamaForCausalLM (or Qwen2) saved by transformers, with a byte-level tokenizer."""
-    import torch
-    import transformers
-
-    arch = overrides.pop("architecture", "llama")
-    config_kwargs = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=112,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
+def pytest_addoption(parser):
+    parser.addoption(
+        "--compilation_cache_dir",
+        default=None,
+        help="JAX's persistent compilation cache for this run, shared by its pytest processes "
+        "(tools.test_lanes passes one); default: a fresh directory, removed at the end.",
     )
-    config_kwargs.update(overrides)
-    torch.manual_seed(seed)
-    if arch == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config_kwargs))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_kwargs))
-    # Random init is small; scale weights up so logits are far from uniform and bugs show.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.mul_(4.0)
-    model.eval().save_pretrained(folder, safe_serialization=True)
-    write_tiny_tokenizer(folder, config_kwargs["vocab_size"])
-    return folder
+
+
+def pytest_configure(config):
+    """Every compiled program goes to one cache for the whole run: the many engines the tests
+    build on the same tiny model with the same options compile each program once. The
+    user's own cache (~/.cache/jaxinfer/xla) is never touched: an engine finds this one in
+    use and keeps it (jaxinfer.engine.startup.compilation_cache.enable)."""
+    from jaxinfer.engine.startup import compilation_cache
+
+    path = config.getoption("compilation_cache_dir")
+    if path is None:
+        path = tempfile.mkdtemp(prefix="jaxinfer-test-xla-")
+        config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
+    compilation_cache.enable(Path(path))
 
 
 @pytest.fixture(scope="session")
@@ -64,37 +52,18 @@ def model_cache_dir() -> Path:
     return Path.home() / ".cache" / "jaxinfer"
 
 
-# Named engine options for the tiny model:
-# - "tiny": every prompt is chunked, and warm-up compiles few buckets;
-# - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step).
-PRESETS = {
-    "tiny": dict(
-        max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
-    ),
-    "served": dict(
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        block_size=8,
-        num_kv_blocks=128,
-        max_model_len=128,
-    ),
-}
-TINY_OPTIONS = PRESETS["tiny"]
-
-
 @pytest.fixture(scope="session")
 def make_llm(tiny_model_dir):
     """make_llm(preset, **overrides): an LLM on the tiny model, built once per session for each
     set of options and shared by the tests that only generate with it (tests that change an
     engine's state, or hand it to a server thread, build their own)."""
-    from jaxinfer import LLM
 
     engines = {}
 
     def make(preset: str = "tiny", **overrides):
         key = (preset, tuple(sorted(overrides.items())))
         if key not in engines:
-            engines[key] = LLM(model=str(tiny_model_dir), **{**PRESETS[preset], **overrides})
+            engines[key] = build_llm(tiny_model_dir, preset, **overrides)
         return engines[key]
 
     return make
@@ -104,14 +73,8 @@ def make_llm(tiny_model_dir):
 def default_llm(model_cache_dir):
     """One engine on the default model, shared by its engine and server tests (the server's
     engine thread, idle between requests, leaves it to whoever calls it next)."""
-    from jaxinfer import LLM
 
-    return LLM(
-        cache_dir=str(model_cache_dir),
-        max_model_len=1024,
-        max_num_seqs=32,
-        max_num_batched_tokens=128,
-    )
+    return build_llm(None, "default", cache_dir=str(model_cache_dir))
 
 
 @pytest.fixture(scope="session")
@@ -154,21 +117,3 @@ def cpu_attention(cpu_kernel_dir):
     from cpu_kernels.paged_attention.kernel import load_paged_attention
 
     return load_paged_attention(cpu_kernel_dir)
-
-
-def layer_weights(runner) -> dict:
-    """The runner's decoder-layer parameters: layer 0's (per-layer programs) or all of them
-    stacked [L, ...] (under a scan)."""
-    from flax import nnx
-
-    if runner.layer_execution == "per_layer":
-        return runner.layer_params[0]
-    return nnx.to_pure_dict(runner.state)["layers"]
-
-
-def scheduled(request, num_new: int, new_row: bool = False):
-    """What the scheduler sends for `request`'s next `num_new` tokens (jaxinfer.engine.execution.step.
-    prefill_chunk)."""
-    from jaxinfer.engine.execution.step import prefill_chunk
-
-    return prefill_chunk(request, num_new, new_row)

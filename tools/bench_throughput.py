@@ -345,7 +345,7 @@ def main(argv):
     if FLAGS.long_context:
         cache = llm.engine.config.cache
         print(
-            f"jaxinfer KV cache: {cache.kv_cache_dtype}, {cache.capacity_tokens()} tokens; at "
+            f"jaxinfer KV cache: {cache.kv_format.name}, {cache.capacity_tokens()} tokens; at "
             f"most {first_run.peak_running} requests at once"
         )
     if FLAGS.compare:
@@ -359,7 +359,7 @@ def main(argv):
         if FLAGS.long_context:
             cache = other.engine.config.cache
             print(
-                f"jaxinfer {','.join(FLAGS.compare)} KV cache: {cache.kv_cache_dtype}, "
+                f"jaxinfer {','.join(FLAGS.compare)} KV cache: {cache.kv_format.name}, "
                 f"{cache.capacity_tokens()} tokens; at most {other_run.peak_running} requests "
                 "at once"
             )

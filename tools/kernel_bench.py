@@ -32,7 +32,7 @@ from cpu_kernels.build import KernelBuildError
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import default_registry
-from jaxinfer.layers.kv_cache import bytes_per_token
+from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.models.shapes import shape
 from pallas_kernels.ragged_paged_attention.kv_quant import quantize_cache
 from tools.bench_inputs import attention_inputs
@@ -69,13 +69,15 @@ def runnable(names: list[str], cpu_kernel: bool) -> list[str]:
     return [n for n in names if n not in skip and (n != "cpu" or cpu_kernel)]
 
 
-def decode_call(scale: float, quantized: bool):
+def decode_call(scale: float, scale_layout: str | None):
     """The attention call a decode case times: its last argument the cache's scales when it is
-    quantized."""
+    quantized (laid out as `scale_layout`)."""
 
     def make(fn):
-        if quantized:
-            return lambda *a: fn(*a[:-1], sm_scale=scale, kv_scales=a[-1])
+        if scale_layout is not None:
+            return lambda *a: fn(
+                *a[:-1], sm_scale=scale, kv_scales=a[-1], kv_scale_layout=scale_layout
+            )
         return lambda *a: fn(*a, sm_scale=scale)
 
     return make
@@ -170,9 +172,15 @@ def main(argv):
                     values, scales = quantize_cache(kv, kind)
                     case_args = (q, values, *rest, scales)
                 results = run_case(
-                    "attention", impls, registry, decode_call(scale, kind != "auto"), case_args
+                    "attention",
+                    impls,
+                    registry,
+                    decode_call(scale, KVCacheFormat.resolve(kind, dtype).scale_layout),
+                    case_args,
                 )
-                per_token = bytes_per_token(kind, dtype, 1, kv_heads, head_dim)
+                per_token = KVCacheFormat.resolve(kind, dtype).bytes_per_token(
+                    1, kv_heads, head_dim
+                )
                 case = f"decode attn b{requests} c{context}" + (
                     f" {kind}" if kind != "auto" else ""
                 )

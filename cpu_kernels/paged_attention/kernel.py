@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scale_layout
+
 from cpu_kernels.build import KernelBuildError, build, load, register
 
 SOURCE = Path(__file__).with_name("kernel.cc")
@@ -38,9 +40,11 @@ def paged_attention(
     sliding_window: int | None = None,
     layer: jax.Array | None = None,
     kv_scales: jax.Array | None = None,  # int8: f32[(L,) 2, NB, BS, K]; fp8: f32[(L,) 2, K]
+    kv_scale_layout: str | None = None,  # "token" (int8), "head" (fp8)
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
     """Causal attention of each request's new tokens over its paged context (see
-    load_paged_attention)."""
+    load_paged_attention). The kernel reads int8 values with per-token scales and fp8 values
+    with per-head scales; another pairing is an error."""
     quantized = kv_cache.dtype in QUANTIZED
     if q.dtype != jnp.float32 or not (kv_cache.dtype == jnp.float32 or quantized):
         raise TypeError(
@@ -49,6 +53,12 @@ def paged_attention(
         )
     if quantized != (kv_scales is not None):
         raise TypeError("paged_attention: an int8 or fp8 cache comes with kv_scales (only)")
+    check_scale_layout(kv_scale_layout, kv_scales, kv_cache)
+    if quantized and kv_scale_layout != ("token" if kv_cache.dtype == jnp.int8 else "head"):
+        raise TypeError(
+            f"paged_attention reads {kv_cache.dtype} values with per-"
+            f"{'token' if kv_cache.dtype == jnp.int8 else 'head'} scales, not per-{kv_scale_layout}"
+        )
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
         kv_scales = None if kv_scales is None else kv_scales[None]

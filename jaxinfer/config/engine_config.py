@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolve import ResolvedOptions
-from jaxinfer.layers import kv_cache
+from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
@@ -29,8 +29,8 @@ class ModelConfig:
 class CacheConfig:
     block_size: int
     num_blocks: int  # including the null block 0
+    kv_format: KVCacheFormat  # jaxinfer.layers.kv_cache, settled once
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # jaxinfer.layers.kv_cache
 
     def capacity_tokens(self) -> int:
         """Tokens the pool holds (the null block aside)."""
@@ -169,12 +169,9 @@ def build_engine_config(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"({arch.max_position_embeddings})"
         )
-    bytes_per_block = options.block_size * kv_cache.bytes_per_token(  # on each device: the
-        options.kv_cache_dtype,  # KV cache is split by KV heads
-        dtype,
-        arch.num_hidden_layers,
-        arch.num_key_value_heads // tp,
-        arch.head_dim,
+    kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
+    bytes_per_block = kv_format.bytes_per_block(  # on each device: the cache is split by KV heads
+        options.block_size, arch.num_hidden_layers, arch.num_key_value_heads // tp, arch.head_dim
     )
     num_blocks = options.num_kv_blocks or max(
         2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
@@ -192,7 +189,7 @@ def build_engine_config(
             block_size=options.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=options.enable_prefix_caching,
-            kv_cache_dtype=options.kv_cache_dtype,
+            kv_format=kv_format,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,

@@ -40,6 +40,7 @@ from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
 from jaxinfer.layers.kernel_probe import probe_kernel
 from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
+from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.native_kernels import KernelMatmul
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
@@ -196,7 +197,7 @@ def resolve(
 ) -> Resolution:
     """Settles every "auto" of `options` for `platform` and a model of shape `arch`.
     gguf_source: the GGUF file the model folder was converted from, if it keeps one.
-    probe(kind, kernel, arch, dtype, block_size, kv_cache_dtype): why a Pallas kernel cannot run on this GPU
+    probe(kind, kernel, arch, dtype, block_size, kv_format): why a Pallas kernel cannot run on this GPU
     at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes the
     reference, an explicit "pallas" is an error."""
     reasons: dict[str, str] = {}
@@ -231,7 +232,8 @@ def resolve(
             )
         kernel = registry.get(kind, name)  # a clear error for unknown names
         if name == "pallas" and platform.backend == "gpu":
-            why_not = probe(kind, kernel, arch, dtype, options.block_size, options.kv_cache_dtype)
+            kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
+            why_not = probe(kind, kernel, arch, dtype, options.block_size, kv_format)
             if why_not is not None:
                 if asked != "auto":
                     raise ValueError(f"{kind}_impl 'pallas' cannot run here: {why_not}")

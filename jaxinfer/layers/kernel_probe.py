@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.layers.kv_cache import KVCacheFormat
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
@@ -58,16 +59,17 @@ def _attention_inputs(arch: LlamaConfig, dtype, block_size: int) -> tuple:
 
 
 def _inputs(
-    kind: str, arch: LlamaConfig, dtype, block_size: int, kv_cache_dtype: str = "auto"
+    kind: str, arch: LlamaConfig, dtype, block_size: int, kv_format: KVCacheFormat | None = None
 ) -> tuple[tuple, dict]:
     rng = np.random.default_rng(1)
     hidden, inter = arch.hidden_size, arch.intermediate_size
     if kind == "attention":
         args = _attention_inputs(arch, dtype, block_size)
         static = {"sm_scale": arch.head_dim**-0.5}
-        if kv_cache_dtype != "auto":  # the cache format the engine will run
+        if kv_format is not None and kv_format.quantized:  # the format the engine will run
             q, kv, *rest = args
-            values, static["kv_scales"] = quantize_cache(kv, kv_cache_dtype)
+            values, static["kv_scales"] = quantize_cache(kv, kv_format.name)
+            static["kv_scale_layout"] = kv_format.scale_layout
             args = (q, values, *rest)
         return args, static
     if kind == "grouped_matmul":  # an expert's gate/up product over uneven groups
@@ -117,12 +119,12 @@ def check_kernel(
     arch: LlamaConfig,
     dtype: str,
     block_size: int,
-    kv_cache_dtype: str = "auto",
+    kv_format: KVCacheFormat | None = None,
 ) -> KernelCheck:
     """Compile `kernel` (of `kind`) on inputs shaped like the model's (an attention kernel over
-    a cache in `kv_cache_dtype`) and compare it with the reference at the highest matmul
+    a cache in `kv_format`) and compare it with the reference at the highest matmul
     precision."""
-    args, static = _inputs(kind, arch, jnp.dtype(dtype), block_size, kv_cache_dtype)
+    args, static = _inputs(kind, arch, jnp.dtype(dtype), block_size, kv_format)
     try:
         out = jax.block_until_ready(jax.jit(lambda *a: kernel(*a, **static))(*args))
     except Exception as error:  # anything the kernel's compiler or runtime raises
@@ -156,8 +158,8 @@ def probe_kernel(
     arch: LlamaConfig,
     dtype: str,
     block_size: int,
-    kv_cache_dtype: str = "auto",
+    kv_format: KVCacheFormat | None = None,
 ) -> str | None:
     """None if `kernel` (of `kind`) compiles and matches the reference on inputs shaped like
     the model's, else why not."""
-    return check_kernel(kind, kernel, arch, dtype, block_size, kv_cache_dtype).reason
+    return check_kernel(kind, kernel, arch, dtype, block_size, kv_format).reason

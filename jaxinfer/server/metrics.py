@@ -50,7 +50,7 @@ class ServerMetrics:
             "Tokens the KV cache holds, by its format.",
             ["kv_cache_dtype"],
             registry=self.registry,
-        ).labels(cache.kv_cache_dtype).set(cache.capacity_tokens())
+        ).labels(cache.kv_format.name).set(cache.capacity_tokens())
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Requests preempted.")

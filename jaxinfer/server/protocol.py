@@ -21,6 +21,7 @@ from jaxinfer.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
+    body_fields,
 )
 from jaxinfer.server import tool_calls
 from jaxinfer.server.tool_calls import ToolPlan
@@ -60,32 +61,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(
+    pydantic.create_model(  # the SamplingParams fields bodies pass through by name
+        "_PassedThrough",
+        __base__=_Body,
+        **{name: (kind | None, None) for name, kind in body_fields().items()},
+    )
+):
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    stop_token_ids: list[int] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
     structured_outputs: dict[str, Any] | None = None
-    num_speculative_tokens: int | None = None  # jaxinfer: this request's proposal limit
 
     def check_streaming(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -99,28 +86,9 @@ class _SamplingFields(_Body):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields this body sets (the rest keep their defaults)."""
-        names = [
-            "n",
-            "temperature",
-            "top_p",
-            "stop",
-            "presence_penalty",
-            "frequency_penalty",
-            "seed",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "min_tokens",
-            "ignore_eos",
-            "skip_special_tokens",
-            "include_stop_str_in_output",
-            "stop_token_ids",
-            "allowed_token_ids",
-            "bad_words",
-            "prompt_logprobs",
-            "num_speculative_tokens",
-        ]
-        kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        kwargs = {
+            name: getattr(self, name) for name in body_fields() if getattr(self, name) is not None
+        }
         if self.logit_bias is not None:
             try:
                 kwargs["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}

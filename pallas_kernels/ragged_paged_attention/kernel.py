@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
-from pallas_kernels.ragged_paged_attention.kv_quant import is_per_token
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scale_layout
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, token_request_index
 
 LOG2E = math.log2(math.e)
@@ -215,13 +215,13 @@ def ragged_paged_attention(
     batch_invariant: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
     kv_scales: jax.Array | None = None,  # int8: f32[(L,) 2, NB, BS, K]; fp8: f32[(L,) 2, K]
+    kv_scale_layout: str | None = None,  # "token" (int8), "head" (fp8)
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
     """The Pallas kernel with the reference's signature (see the module docstring).
     `batch_invariant`: each row's result independent of the other rows (one BQ, no splits)."""
     num_tokens, num_heads, head_dim = q.shape
-    scale_mode = None
-    if kv_scales is not None:
-        scale_mode = "token" if is_per_token(kv_scales, kv_cache) else "head"
+    check_scale_layout(kv_scale_layout, kv_scales, kv_cache)
+    scale_mode = kv_scale_layout
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
         kv_scales = None if kv_scales is None else kv_scales[None]

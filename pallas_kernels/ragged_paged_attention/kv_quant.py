@@ -50,16 +50,31 @@ def fp8_scale(amax: jax.Array, kind: str, headroom: float = 1.0) -> jax.Array:  
     return jnp.where(amax > 0, amax * headroom / limit, 1.0)
 
 
-def is_per_token(kv_scales: jax.Array, kv_cache: jax.Array) -> bool:
-    """Whether kv_scales holds a scale per token and head (int8: the cache's shape without D)
-    rather than one per head (fp8: [(L,) 2, K])."""
-    return kv_scales.ndim == kv_cache.ndim - 1
+SCALE_LAYOUTS = {"int8": "token", "fp8_e4m3": "head", "fp8_e5m2": "head"}  # by format name
 
 
-def dequantize_cache(kv_cache: jax.Array, kv_scales: jax.Array) -> jax.Array:
+def check_scale_layout(layout: str | None, kv_scales: jax.Array | None, kv_cache: jax.Array):
+    """Checks that `kv_scales` are laid out as `layout` says (the caller's settled format; a
+    kernel never guesses it from the arrays): "token" f32[(L,) 2, NB, BS, K] beside int8
+    values, "head" f32[(L,) 2, K] beside fp8 ones, or None and no scales."""
+    if (layout is None) != (kv_scales is None):
+        raise ValueError("kv_scales and kv_scale_layout come together (a quantized cache)")
+    if layout is None:
+        return
+    if layout not in ("token", "head"):
+        raise ValueError(f"kv_scale_layout must be 'token' or 'head', got {layout!r}")
+    expected = kv_cache.ndim - 1 if layout == "token" else kv_cache.ndim - 3
+    if kv_scales.ndim != expected:
+        raise ValueError(
+            f"kv_scales {kv_scales.shape} are not per-{layout} scales of a cache {kv_cache.shape}"
+        )
+
+
+def dequantize_cache(kv_cache: jax.Array, kv_scales: jax.Array, layout: str) -> jax.Array:
     """The float32 cache a quantized one stands for: [(L,) 2, NB, BS, K, D]."""
+    check_scale_layout(layout, kv_scales, kv_cache)
     values = kv_cache.astype(jnp.float32)
-    if is_per_token(kv_scales, kv_cache):
+    if layout == "token":
         return values * kv_scales[..., None]
     return values * kv_scales[..., None, None, :, None]  # [(L,) 2, K] over NB, BS and D
 
@@ -71,18 +86,19 @@ def write_kv_quantized(
     k: jax.Array,  # [T, K, D]
     v: jax.Array,  # [T, K, D]
     slot_mapping: jax.Array,  # i32[T]; padding tokens point into the null block 0
+    kind: str,  # the format: "int8", "fp8_e4m3" or "fp8_e5m2"
 ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, kv_scales)
     """Quantizes this step's K/V and scatters them into one layer of the cache: int8 values
     with their per-token scales into the same slots; fp8 values under the cache's fixed
     per-head scales (which are left as they are)."""
+    check_scale_layout(SCALE_LAYOUTS[kind], kv_scales, kv_cache)
     block_size = kv_cache.shape[3]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     for index, x in enumerate((k, v)):
-        if is_per_token(kv_scales, kv_cache):
+        if kind == "int8":
             q, scale = quantize_int8(x)
             kv_scales = kv_scales.at[layer, index, blocks, offsets].set(scale)
         else:
-            kind = next(name for name, dtype in FP8_DTYPES.items() if dtype == kv_cache.dtype)
             q = quantize_fp8(x, kv_scales[layer, index], kind)
         kv_cache = kv_cache.at[layer, index, blocks, offsets].set(q)
     return kv_cache, kv_scales

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.kv_quant import is_per_token
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scale_layout
 
 MASK_VALUE = -1e30  # finite, so a fully masked row gives zeros rather than NaN
 
@@ -49,19 +49,22 @@ def ragged_paged_attention_reference(
     layer: jax.Array | None = None,
     kv_chunk_blocks: int | None = None,
     kv_scales: jax.Array | None = None,
+    kv_scale_layout: str | None = None,
 ) -> jax.Array:  # [T, H, D]; zeros for padding tokens
     """Causal attention of each request's new tokens over its paged context.
 
     With `layer`, kv_cache is the whole [L, 2, NB, BS, K, D] cache and only that layer's blocks
     are gathered, so no per-layer copy of the cache is ever made.
 
-    A quantized cache (kv_quant) comes with `kv_scales`: f32[(L,) 2, NB, BS, K] beside int8
-    values, each gathered chunk dequantized as it is read; or f32[(L,) 2, K] beside fp8 values,
-    the key scales folded into the queries and the value scales into the output.
+    A quantized cache (kv_quant) comes with `kv_scales` and their `kv_scale_layout`: "token",
+    f32[(L,) 2, NB, BS, K] beside int8 values, each gathered chunk dequantized as it is read;
+    or "head", f32[(L,) 2, K] beside fp8 values, the key scales folded into the queries and
+    the value scales into the output.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[-3], kv_cache.shape[-2]
-    per_token = kv_scales is not None and is_per_token(kv_scales, kv_cache)
+    check_scale_layout(kv_scale_layout, kv_scales, kv_cache)
+    per_token = kv_scale_layout == "token"
     if layer is None:
         kv_cache, layer = kv_cache[None], 0
         kv_scales = None if kv_scales is None else kv_scales[None]

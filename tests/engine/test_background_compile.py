@@ -13,14 +13,16 @@ import jax
 import openai
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.engine.startup.background_compile import THREAD_NAME
 from jaxinfer.engine.startup.compilation_cache import COMPILE_EVENT
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
 from jaxinfer.server.metrics import ServerMetrics
-from tests.conftest import PRESETS
+from tests.support.engines import build_llm
+
+pytestmark = pytest.mark.engine
 
 
 class CompileThreads:
@@ -71,7 +73,7 @@ def test_buckets_compile_in_the_background_and_never_on_the_step_path(make_llm, 
         prompts(12), SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False
     )
     with CompileThreads() as compiles:
-        engine = LLM(model=str(tiny_model_dir), warmup="background", **PRESETS["tiny"]).engine
+        engine = build_llm(tiny_model_dir, "tiny", warmup="background").engine
         buckets = engine.config.scheduler.token_buckets
         assert engine.config.resolved.warmup == "background"
         assert engine.batch_builder.ready_buckets == (buckets[0], buckets[-1])
@@ -110,9 +112,4 @@ def test_buckets_compile_in_the_background_and_never_on_the_step_path(make_llm, 
 
 def test_background_is_refused_where_it_cannot_run(tiny_model_dir):
     with pytest.raises(ValueError, match=r"warmup 'background'.*per-layer"):
-        LLM(
-            model=str(tiny_model_dir),
-            warmup="background",
-            layer_execution="per_layer",
-            **PRESETS["tiny"],
-        )
+        build_llm(tiny_model_dir, "tiny", warmup="background", layer_execution="per_layer")

@@ -10,6 +10,9 @@ import random
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from tests.support.engines import build_llm
+
+pytestmark = pytest.mark.engine
 
 # max_num_seqs 64: batches of up to 64 requests; 128 tokens a step, so 64 prompts arrive in
 # chunks and the fixed request's prompt shares steps with decodes and other chunks.
@@ -125,8 +128,11 @@ def test_two_hundred_identical_requests_one_completion(wide, make_llm):
     assert counts["invariant"] == 1
 
 
+@pytest.mark.default_model
 def test_default_model_bit_identical(model_cache_dir):
-    llm = LLM(
+    llm = build_llm(
+        None,
+        None,
         cache_dir=str(model_cache_dir),
         max_model_len=256,
         max_num_seqs=16,
@@ -157,11 +163,11 @@ def test_moe_model_bit_identical(tmp_path_factory):
     """A mixture-of-experts model (Qwen3-MoE, 8 experts, top 2): the router and the experts'
     grouped products through the C++ kernels in their fixed order, whatever rows share the
     experts."""
-    from tests.engine.test_model_families import make_family_model
+    from tests.support.models import make_family_model
 
     folder = make_family_model(tmp_path_factory.mktemp("moe_invariant"), "qwen3_moe")
     options = dict(max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=512)
-    llm = LLM(model=str(folder), **{**WIDE, **options, "batch_invariant": True})
+    llm = build_llm(folder, None, **{**WIDE, **options, "batch_invariant": True})
     alone = record(llm.generate([FIXED_PROMPT], FIXED, use_tqdm=False)[0])
     for count in (5, 15):
         assert among(llm, random.Random(10 + count), count) == alone

@@ -6,17 +6,21 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from tests.support.engines import build_llm
+
+pytestmark = pytest.mark.engine
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(
-        model=str(tiny_model_dir),
+    return build_llm(
+        tiny_model_dir,
+        None,
         max_num_batched_tokens=32,
         max_num_seqs=8,
         block_size=8,
@@ -189,8 +193,9 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(llm):
 
 
 def test_request_larger_than_pool_is_refused(tiny_model_dir):
-    small = LLM(
-        model=str(tiny_model_dir),
+    small = build_llm(
+        tiny_model_dir,
+        None,
         num_kv_blocks=5,
         block_size=8,
         max_num_batched_tokens=16,
@@ -225,7 +230,7 @@ def test_engine_option_unknown_or_too_long(tiny_model_dir):
     with pytest.raises(TypeError):
         EngineOptions(max_num_sequences=3)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        LLM(model=str(tiny_model_dir), max_model_len=100000)
+        build_llm(tiny_model_dir, None, max_model_len=100000)
 
 
 def test_incremental_detokenizer_never_splits_utf8(llm):
@@ -262,8 +267,10 @@ def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
     default = llm.engine.runner.layer_execution
     assert default == ("scan" if llm.engine.runner.kernels.matmul is not None else "per_layer")
     assert not llm.engine.config.async_scheduling
-    scan = LLM(  # the other execution, with async scheduling (as on accelerators)
-        model=str(tiny_model_dir),
+    # the other execution, with async scheduling (as on accelerators)
+    scan = build_llm(
+        tiny_model_dir,
+        None,
         layer_execution="per_layer" if default == "scan" else "scan",
         async_scheduling=True,
         max_num_batched_tokens=32,

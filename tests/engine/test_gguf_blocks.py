@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels.build import can_build
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
@@ -24,8 +24,11 @@ from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import as_weights, to_layout
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
-from tests.conftest import layer_weights, make_tiny_model
-from tests.engine.test_gguf_convert import NUM_KV_HEADS, write_gguf
+from tests.support.engines import build_llm, layer_weights
+from tests.support.gguf import NUM_KV_HEADS, write_gguf
+from tests.support.models import make_tiny_model
+
+pytestmark = pytest.mark.engine
 
 Q4_0, Q4_1, Q4_K, Q8_0 = (gguf.GGMLQuantizationType[t] for t in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"))
 QUANTIZED = {
@@ -134,7 +137,7 @@ def test_engine_with_gguf_weights_gives_bit_identical_outputs(q4_gguf, cpu_kerne
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
     results = {}
     for mode in ("on", "off"):
-        llm = LLM(model=str(path), gguf_weights=mode, **options)
+        llm = build_llm(path, None, gguf_weights=mode, **options)
         assert llm.engine.gguf_weights == (ALL_BLOCKS if mode == "on" else [])
         outputs = llm.generate(prompts[:1], params, use_tqdm=False)
         outputs += llm.generate(prompts, params, use_tqdm=False)
@@ -147,14 +150,14 @@ def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
 ):
     options = dict(model=str(tiny_model_dir), cache_dir=str(model_cache_dir), gguf_weights="on")
     with pytest.raises(ValueError, match=r"gguf_weights 'on' cannot be used here: .*matmul"):
-        LLM(matmul_impl="xla", **options)
+        build_llm(None, None, matmul_impl="xla", **options)
     if can_build():
         with pytest.raises(
             ValueError, match=r"gguf_weights 'on' cannot be used here: .*not converted from a GGUF"
         ):
-            LLM(matmul_impl="cpu", **options)
+            build_llm(None, None, matmul_impl="cpu", **options)
     with pytest.raises(ValueError, match="gguf_weights must be one of"):
-        LLM(model=str(tiny_model_dir), gguf_weights="yes")
+        build_llm(tiny_model_dir, None, gguf_weights="yes")
 
 
 def test_another_models_gguf_keeps_no_blocks(q4_gguf, tiny_model_dir):
@@ -188,7 +191,7 @@ def test_int4_takes_q4_k_and_q4_0_blocks_as_they_are(k_gguf, cpu_kernel_dir):
         compilation_cache=False,
         matmul_impl="cpu",
     )
-    int4 = LLM(model=str(path), quantization="int4", **options)
+    int4 = build_llm(path, None, quantization="int4", **options)
     assert int4.engine.gguf_weights == PROJECTIONS
     weights = layer_weights(int4.engine.runner)
     for name in PROJECTIONS:
@@ -201,7 +204,7 @@ def test_int4_takes_q4_k_and_q4_0_blocks_as_they_are(k_gguf, cpu_kernel_dir):
         np.testing.assert_array_equal(got, want, err_msg=name)  # +0.0 == -0.0 (Q4_0)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [11, 12]]
-    float32 = LLM(model=str(path), **options)
+    float32 = build_llm(path, None, **options)
     outputs = (x.generate(prompts, params, use_tqdm=False) for x in (int4, float32))
     for a, b in zip(*outputs, strict=True):
         a, b = a.outputs[0], b.outputs[0]

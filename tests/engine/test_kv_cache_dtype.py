@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.engine.execution.model_runner import ModelRunner
@@ -30,8 +30,11 @@ from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
 from pallas_kernels.ragged_paged_attention.kv_quant import FP8_DTYPES
-from tests.conftest import make_tiny_model
-from tests.engine.test_scheduler_engine import SHARED_PREFIX, prompts
+from tests.support.engines import build_llm
+from tests.support.models import make_tiny_model
+from tests.support.prompts import SHARED_PREFIX, prompts
+
+pytestmark = pytest.mark.engine
 
 STREAM = 256  # teacher-forced positions per stream
 
@@ -128,6 +131,16 @@ def greedy(model: TeacherForced, kind: str, prompts, steps: int):
     return [s[len(p) :] for s, p in zip(sequences, prompts, strict=True)], logprobs, margins
 
 
+# Mean KL and top-1 agreement bounds, each near what the formats measure on this text (int8
+# 2.7e-4 and 99.2 %, fp8_e4m3 7.0e-3 and 95.7 %, fp8_e5m2 3.2e-2 and 90.5 %): a format that
+# got worse shows.
+DEFAULT_MODEL_BOUNDS = {
+    "int8": (5e-4, 0.985),
+    "fp8_e4m3": (1.2e-2, 0.94),
+    "fp8_e5m2": (5e-2, 0.88),
+}
+
+
 @pytest.mark.default_model
 def test_int8_keeps_the_default_models_next_token_distributions(model_cache_dir):
     folder = resolve_model(None, model_cache_dir)
@@ -138,11 +151,9 @@ def test_int8_keeps_the_default_models_next_token_distributions(model_cache_dir)
     stride = (len(ids) - STREAM) // 15
     results = model.compare([ids[i * stride : i * stride + STREAM] for i in range(16)])
     report("default model", results)
-    kl, top1 = results["int8"]
-    assert kl <= 1e-3 and top1 >= 0.99
-    for kind in ("fp8_e4m3", "fp8_e5m2"):  # reported; far from what a broken scale gives
+    for kind, (max_kl, min_top1) in DEFAULT_MODEL_BOUNDS.items():
         kl, top1 = results[kind]
-        assert kl <= 0.1 and top1 >= 0.8, kind
+        assert kl <= max_kl and top1 >= min_top1, (kind, kl, top1)
 
     # Greedy generations on the parity prompts, each through its own cache: the same tokens
     # with close logprobs, or a first difference only where the unquantized model was near a
@@ -230,10 +241,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 def engines(tiny_model_dir):
     model = str(tiny_model_dir)
     return {
-        "roomy": LLM(model, num_kv_blocks=256, max_num_batched_tokens=16, **COMMON),
+        "roomy": build_llm(model, None, num_kv_blocks=256, max_num_batched_tokens=16, **COMMON),
         # preempts, chunks every prompt, caches nothing
-        "tight": LLM(
+        "tight": build_llm(
             model,
+            None,
             num_kv_blocks=24,
             max_num_batched_tokens=8,
             enable_prefix_caching=False,

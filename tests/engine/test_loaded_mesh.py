@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-from tests.conftest import make_tiny_model
+from tests.support.models import make_tiny_model
+
+pytestmark = pytest.mark.multiprocess
 
 HOG = "import time\nend = time.time() + 600\nwhile time.time() < end: pass"
 

@@ -12,7 +12,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.safetensors_loader import checkpoint_files, load_llama_params
-from tests.conftest import make_tiny_model
+from tests.support.models import make_tiny_model
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")

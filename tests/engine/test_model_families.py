@@ -21,71 +21,18 @@ import torch
 import transformers
 from safetensors.numpy import load_file, save_file
 
-from tests.conftest import write_tiny_tokenizer
-from tests.engine.test_model_parity import (
+from tests.support.engines import build_llm
+from tests.support.models import FAMILIES, make_family_model
+from tests.support.parity import (
     Harness,
     check_prompt_in_chunks_over_shuffled_blocks,
     check_prompt_in_one_step,
     check_prompt_inside_mixed_batch,
 )
 
-BASE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MOE = dict(num_experts_per_tok=2)
-FAMILIES = {
-    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(head_dim=16)),
-    "qwen3_moe": (
-        transformers.Qwen3MoeForCausalLM,
-        transformers.Qwen3MoeConfig,
-        dict(MOE, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
-    ),
-    "qwen2_moe": (
-        transformers.Qwen2MoeForCausalLM,
-        transformers.Qwen2MoeConfig,
-        dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    ),
-    "mixtral": (
-        transformers.MixtralForCausalLM,
-        transformers.MixtralConfig,
-        dict(MOE, num_local_experts=6, intermediate_size=48),
-    ),
-    "olmoe": (
-        transformers.OlmoeForCausalLM,
-        transformers.OlmoeConfig,
-        dict(MOE, num_experts=8, intermediate_size=32, clip_qkv=4.0),
-    ),
-    "mistral_sliding_window": (
-        transformers.MistralForCausalLM,
-        transformers.MistralConfig,
-        dict(sliding_window=16),
-    ),
-}
+pytestmark = pytest.mark.engine
+
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-
-
-def make_family_model(folder, family: str, seed: int = 0, **overrides):
-    """A random model of `family` saved by transformers, with a byte-level tokenizer; weights
-    scaled up (norms aside) so that logits are far from uniform and bugs show."""
-    model_class, config_class, kwargs = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = model_class(config_class(**{**BASE, **kwargs, **overrides}))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.mul_(4.0)
-    model.eval().save_pretrained(folder, safe_serialization=True)
-    write_tiny_tokenizer(folder, BASE["vocab_size"])
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +114,12 @@ def test_greedy_generation_matches_hugging_face(harness):
 def test_engine_generates_hugging_faces_tokens(family, family_folder):
     """Through the whole engine (scheduler, chunked prefill, CPU defaults): a MoE family, and
     the sliding window, whose prompts outgrow the window."""
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import SamplingParams
 
     folder = family_folder(family)
-    llm = LLM(
-        model=str(folder),
+    llm = build_llm(
+        folder,
+        None,
         max_num_batched_tokens=16,
         max_num_seqs=4,
         block_size=8,

@@ -10,14 +10,18 @@ import re
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.sampling_params import StructuredOutputsParams
+from tests.support.engines import build_llm
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(
-        model=str(tiny_model_dir),
+    return build_llm(
+        tiny_model_dir,
+        None,
         max_num_batched_tokens=64,
         max_num_seqs=16,
         block_size=8,
@@ -113,8 +117,9 @@ def test_min_tokens_holds_back_stop_tokens(llm):
 def test_penalty_counts_on_the_device_follow_the_outputs(tiny_model_dir):
     """The device's per-slot output counts equal each running request's token counts after
     every step, through preemptions (a small pool) and chunked prompts."""
-    llm = LLM(
-        model=str(tiny_model_dir),
+    llm = build_llm(
+        tiny_model_dir,
+        None,
         max_num_batched_tokens=16,
         max_num_seqs=8,
         block_size=8,

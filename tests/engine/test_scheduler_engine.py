@@ -7,15 +7,12 @@ import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from tests.support.engines import build_llm
+from tests.support.prompts import SHARED_PREFIX, prompts
+
+pytestmark = pytest.mark.engine
 
 COMMON = dict(block_size=8, max_model_len=128, max_num_seqs=8)
-SHARED_PREFIX = [(5 * i) % 300 + 3 for i in range(48)]
-
-
-def prompts(count: int, prefix: list[int] = ()) -> list[list[int]]:
-    return [
-        list(prefix) + [(11 * i + 3 * j) % 300 + 3 for j in range(12 + 3 * i)] for i in range(count)
-    ]
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -25,14 +22,22 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def engines(tiny_model_dir):
     model = str(tiny_model_dir)
     return {
-        "roomy": LLM(model, num_kv_blocks=256, max_num_batched_tokens=128, **COMMON),
-        "tiny_pool": LLM(model, num_kv_blocks=24, max_num_batched_tokens=128, **COMMON),
-        "tiny_budget": LLM(model, num_kv_blocks=256, max_num_batched_tokens=8, **COMMON),
-        "tiny_budget_async": LLM(
-            model, num_kv_blocks=256, max_num_batched_tokens=8, async_scheduling=True, **COMMON
+        "roomy": build_llm(model, None, num_kv_blocks=256, max_num_batched_tokens=128, **COMMON),
+        "tiny_pool": build_llm(model, None, num_kv_blocks=24, max_num_batched_tokens=128, **COMMON),
+        "tiny_budget": build_llm(
+            model, None, num_kv_blocks=256, max_num_batched_tokens=8, **COMMON
         ),
-        "no_cache": LLM(
+        "tiny_budget_async": build_llm(
             model,
+            None,
+            num_kv_blocks=256,
+            max_num_batched_tokens=8,
+            async_scheduling=True,
+            **COMMON,
+        ),
+        "no_cache": build_llm(
+            model,
+            None,
             num_kv_blocks=256,
             max_num_batched_tokens=128,
             enable_prefix_caching=False,
@@ -151,8 +156,8 @@ def test_async_scheduling_gives_the_same_results_as_sync(tiny_model_dir):
     device) against one step at a time, under preemption and chunking, with greedy, seeded and
     logprob requests and early stops."""
     options = dict(num_kv_blocks=20, max_num_batched_tokens=16, **COMMON)
-    sync = LLM(str(tiny_model_dir), async_scheduling=False, **options)
-    pipelined = LLM(str(tiny_model_dir), async_scheduling=True, **options)
+    sync = build_llm(tiny_model_dir, None, async_scheduling=False, **options)
+    pipelined = build_llm(tiny_model_dir, None, async_scheduling=True, **options)
     batch = prompts(8)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     reference = tokens(sync, batch, greedy)

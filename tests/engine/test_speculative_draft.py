@@ -10,11 +10,12 @@ import collections
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.scheduling.scheduler import Scheduler
-from tests.conftest import PRESETS, make_tiny_model
-from tests.engine.test_speculative import (
+from tests.support.engines import build_llm
+from tests.support.models import make_tiny_model
+from tests.support.speculative import (
     BIAS,
     NUM_SAMPLES,
     accept_all,
@@ -24,6 +25,8 @@ from tests.engine.test_speculative import (
     prompts_and_params,
     without_override,
 )
+
+pytestmark = pytest.mark.engine
 
 DRAFT = dict(speculative_method="draft", num_speculative_tokens=4)
 
@@ -172,4 +175,4 @@ def test_draft_options_are_checked(tmp_path, tiny_model_dir):
         EngineOptions(draft_model=str(tiny_model_dir))
     other_vocab = make_tiny_model(tmp_path / "vocab", vocab_size=256)
     with pytest.raises(ValueError, match="must have the model's vocabulary"):
-        LLM(model=str(tiny_model_dir), draft_model=str(other_vocab), **DRAFT, **PRESETS["tiny"])
+        build_llm(tiny_model_dir, "tiny", draft_model=str(other_vocab), **DRAFT)

@@ -12,8 +12,10 @@ from jaxinfer.model_loader.orbax_checkpoint import convert
 from jaxinfer.parallel.distributed import DistributedConfig
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.tokenizer import TokenizerWrapper
-from tests.conftest import PRESETS
-from tests.engine.test_model_parity import Harness, assert_close
+from tests.support.engines import PRESETS, build_llm
+from tests.support.parity import Harness, assert_close
+
+pytestmark = pytest.mark.engine
 
 OPTIONS = PRESETS["tiny"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def f(x):", "Zwölf Boxkämpfer"]
@@ -50,7 +52,7 @@ def shard_shape(array) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("tp", [2, 4])  # 4 > the tiny model's 2 KV heads: they are copied
 def test_tiny_model_split_gives_the_same_tokens_and_shards(tiny_model_dir, single, tp):
-    llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=tp, **OPTIONS)
+    llm = build_llm(tiny_model_dir, None, tensor_parallel_size=tp, **OPTIONS)
     tokens, logprobs = completions(llm)
     assert tokens == single[0]
     np.testing.assert_allclose(logprobs, single[1], rtol=1e-4, atol=1e-5)
@@ -96,6 +98,7 @@ def test_split_logits_match_one_device_and_hf(tiny_model_dir, layer_execution, w
     assert_close(results[2], results[1])
 
 
+@pytest.mark.default_model
 def test_default_model_split_three_ways(model_cache_dir):
     """SmolLM2-135M (9 query heads, 3 KV heads) over 3 devices: a chat prompt, then HF's
     greedy continuation fed one token at a time. Every step's logits match one device's and
@@ -129,7 +132,7 @@ def test_orbax_round_trip(tiny_model_dir, single, tmp_path, tp):
     folder = tmp_path / "orbax_model"
     convert(resolve_model(str(tiny_model_dir), tmp_path), folder, "float32")
     assert (folder / "orbax").is_dir() and not list(folder.glob("*.safetensors"))
-    llm = LLM(model=str(folder), tensor_parallel_size=tp, **OPTIONS)
+    llm = build_llm(folder, None, tensor_parallel_size=tp, **OPTIONS)
     tokens, logprobs = completions(llm)
     assert tokens == single[0]
     np.testing.assert_allclose(logprobs, single[1], rtol=1e-5 if tp == 1 else 1e-4, atol=1e-6)
@@ -144,11 +147,11 @@ def test_orbax_round_trip(tiny_model_dir, single, tmp_path, tp):
 
 def test_sizes_that_cannot_split_are_clear_errors(tiny_model_dir):
     with pytest.raises(ValueError, match=r"cannot split 4 query heads.*sizes that work: \[1, 2, 4"):
-        LLM(model=str(tiny_model_dir), tensor_parallel_size=3, **OPTIONS)
+        build_llm(tiny_model_dir, None, tensor_parallel_size=3, **OPTIONS)
     with pytest.raises(ValueError, match="needs 16 devices; JAX sees 8"):
         make_mesh(16)
     with pytest.raises(ValueError, match="does not run under tensor parallelism"):
-        LLM(model=str(tiny_model_dir), tensor_parallel_size=2, attention_impl="pallas", **OPTIONS)
+        build_llm(tiny_model_dir, None, tensor_parallel_size=2, attention_impl="pallas", **OPTIONS)
     with pytest.raises(ValueError, match="go together"):
         DistributedConfig(coordinator_address="10.0.0.1:1234")
     with pytest.raises(ValueError, match="process_id"):

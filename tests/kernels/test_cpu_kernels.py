@@ -16,7 +16,15 @@ from cpu_kernels.matmul.reference import matmul_reference
 from cpu_kernels.paged_attention.reference import ragged_paged_attention_reference
 from jaxinfer.layers.native_kernels import KernelMatmul
 from jaxinfer.layers.quantization import quantize_int8
-from tests.kernels.test_kernels import F32, assert_close, attention_batch, jit, mixed_lengths
+from tests.support.kernels import (
+    ATTENTION_CASES,
+    F32,
+    assert_close,
+    attention_batch,
+    jit,
+    many_decodes,
+    mixed_lengths,
+)
 
 pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
@@ -155,23 +163,6 @@ def attention(cpu_attention):
     return cpu_attention
 
 
-# Block size x group x head dim: every pair of {8, 16, 32} x {1, 3, 4, 8} x {16, 64, 128}.
-ATTENTION_CASES = [
-    (8, 1, 16),
-    (8, 3, 64),
-    (8, 4, 128),
-    (8, 8, 16),
-    (16, 1, 64),
-    (16, 3, 128),
-    (16, 4, 16),
-    (16, 8, 64),
-    (32, 1, 128),
-    (32, 3, 16),
-    (32, 4, 64),
-    (32, 8, 128),
-]
-
-
 @pytest.mark.parametrize("block_size,group,head_dim", ATTENTION_CASES)
 def test_attention_matches_reference(attention, block_size, group, head_dim):
     q_lens, context_lens = mixed_lengths(block_size)
@@ -194,21 +185,6 @@ def test_attention_long_contexts_and_sliding_window(attention, sliding_window):
     kwargs = dict(sm_scale=0.125, sliding_window=sliding_window)
     out = jit(attention, **kwargs)(*args)
     assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)
-
-
-def many_decodes(group: int, num_kv_heads: int) -> tuple:
-    """11 decodes of random contexts and a 24-token prefill chunk (attention_batch's args)."""
-    rng = np.random.default_rng(1)
-    context_lens = [int(c) for c in rng.integers(1, 180, size=11)] + [100]
-    return attention_batch(
-        [1] * 11 + [24],
-        context_lens,
-        group=group,
-        head_dim=64,
-        block_size=16,
-        dtype=F32,
-        num_kv_heads=num_kv_heads,
-    )
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from pallas_kernels.int4_matmul.reference import (
     quantize,
     unpack,
 )
-from tests.gguf_q4_k import quantize_q4_k
+from tests.support.gguf_q4_k import quantize_q4_k
 
 
 def packed_by_definition(q: np.ndarray) -> np.ndarray:

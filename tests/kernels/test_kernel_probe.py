@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxinfer.layers.kernel_probe import probe_kernel
+from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.models.shapes import shape
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.fused_ffn.kernel import fused_ffn
@@ -33,12 +34,13 @@ def test_the_pallas_kernels_pass_interpreted(kind):
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 def test_attention_is_probed_over_the_engines_cache_format(kv_cache_dtype):
     kernel = functools.partial(ragged_paged_attention, interpret=True)
-    assert probe_kernel("attention", kernel, ARCH, "float32", 16, kv_cache_dtype) is None
+    kv_format = KVCacheFormat.resolve(kv_cache_dtype, "float32")
+    assert probe_kernel("attention", kernel, ARCH, "float32", 16, kv_format) is None
 
-    def ignores_scales(q, kv, *rest, kv_scales, **kwargs):  # reads int8 codes as values
+    def ignores_scales(q, kv, *rest, kv_scales, kv_scale_layout, **kwargs):  # codes as values
         return kernel(q, kv.astype(jnp.float32), *rest, **kwargs)
 
-    reason = probe_kernel("attention", ignores_scales, ARCH, "float32", 16, kv_cache_dtype)
+    reason = probe_kernel("attention", ignores_scales, ARCH, "float32", 16, kv_format)
     assert "differs from the reference" in reason
 
 

@@ -13,7 +13,9 @@ from jaxinfer.layers.native_kernels import KernelMatmul
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.conftest import PRESETS
+from tests.support.engines import PRESETS, build_llm
+
+pytestmark = pytest.mark.engine
 
 OPTIONS = PRESETS["tiny"]
 PROMPTS = [
@@ -44,8 +46,9 @@ def reference_tokens(tiny_llm):
 
 
 def test_pallas_kernels_in_the_engine_give_the_same_greedy_tokens(tiny_model_dir, reference_tokens):
-    llm = LLM(
-        model=str(tiny_model_dir),
+    llm = build_llm(
+        tiny_model_dir,
+        None,
         attention_impl="pallas_interpret",
         ffn_impl="pallas_interpret",
         norm_impl="pallas_interpret",
@@ -70,8 +73,9 @@ def test_a_registered_function_runs_inside_the_jitted_step(tiny_model_dir, refer
     registry = default_registry()
     registry.register("attention", "mine", my_attention)
     registry.register("norm", "mine", my_norm)
-    llm = LLM(
-        model=str(tiny_model_dir),
+    llm = build_llm(
+        tiny_model_dir,
+        None,
         kernels=registry,
         attention_impl="mine",
         norm_impl="mine",
@@ -86,7 +90,7 @@ def test_a_registered_function_runs_inside_the_jitted_step(tiny_model_dir, refer
 
 def test_unknown_names_and_bad_registrations_are_clear_errors(tiny_model_dir):
     with pytest.raises(ValueError, match=r"no attention kernel named 'flash9'.*'reference'"):
-        LLM(model=str(tiny_model_dir), attention_impl="flash9", **OPTIONS)
+        build_llm(tiny_model_dir, None, attention_impl="flash9", **OPTIONS)
     registry = default_registry()
     with pytest.raises(ValueError, match="kind"):
         registry.register("softmax", "mine", len)
@@ -96,4 +100,4 @@ def test_unknown_names_and_bad_registrations_are_clear_errors(tiny_model_dir):
         registry.register("ffn", "mine", 3)
     assert registry.names("ffn") == ["pallas", "pallas_interpret", "reference"]
     with pytest.raises(ValueError, match="weight_layout"):
-        LLM(model=str(tiny_model_dir), weight_layout="column_major", **OPTIONS)
+        build_llm(tiny_model_dir, None, weight_layout="column_major", **OPTIONS)

@@ -18,18 +18,20 @@ from pallas_kernels import gpu_lowering
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.kv_quant import (
     FP8_DTYPES,
+    SCALE_LAYOUTS,
     dequantize_cache,
     quantize_cache,
 )
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.kernels.test_cpu_kernels import ATTENTION_CASES, many_decodes
-from tests.kernels.test_kernels import (
+from tests.support.kernels import (
+    ATTENTION_CASES,
     F32,
     INTERPRET,
     PAIRWISE_CASES,
     assert_close,
     attention_batch,
     jit,
+    many_decodes,
     mixed_lengths,
     reference,
 )
@@ -44,13 +46,16 @@ def quantized(args, kind):
     """(args over the quantized cache, args over its dequantized float cache, its scales)."""
     q, kv, *rest = args
     values, scales = quantize_cache(kv.astype(jnp.float32), kind)
-    restored = dequantize_cache(values, scales).astype(kv.dtype)
+    restored = dequantize_cache(values, scales, SCALE_LAYOUTS[kind]).astype(kv.dtype)
     return (q, values, *rest), (q, restored, *rest), scales
 
 
 def check(kernel, args, kind, dtype, kernel_options=None, **static):
     quant_args, float_args, scales = quantized(args, kind)
-    out = jit(kernel, kv_scales=scales, **static, **(kernel_options or {}))(*quant_args)
+    layout = SCALE_LAYOUTS[kind]
+    out = jit(kernel, kv_scales=scales, kv_scale_layout=layout, **static, **(kernel_options or {}))(
+        *quant_args
+    )
     expected = reference(ragged_paged_attention_reference, **static)(*float_args)
     assert out.shape == expected.shape and out.dtype == dtype
     assert_close(out, expected, dtype)
@@ -109,10 +114,13 @@ def test_one_layer_of_a_stacked_cache(kernel, kind, request):
     q, kv, *rest = attention_batch([4, 1], [20, 33], group=4, head_dim=64, block_size=16, dtype=F32)
     stacked = jnp.stack([kv * 0.5, kv, kv * 3.0])  # [L, 2, NB, BS, K, D]
     values, scales = quantize_cache(stacked, kind)
-    out = jax.jit(lambda layer: fn(q, values, *rest, sm_scale=0.1, layer=layer, kv_scales=scales))(
-        jnp.int32(2)
-    )
-    restored = dequantize_cache(values, scales)[2]
+    layout = SCALE_LAYOUTS[kind]
+    out = jax.jit(
+        lambda layer: fn(
+            q, values, *rest, sm_scale=0.1, layer=layer, kv_scales=scales, kv_scale_layout=layout
+        )
+    )(jnp.int32(2))
+    restored = dequantize_cache(values, scales, layout)[2]
     expected = reference(ragged_paged_attention_reference, sm_scale=0.1)(q, restored, *rest)
     assert_close(out, expected, F32)
 
@@ -158,8 +166,14 @@ def test_cpu_kernel_refuses_mismatched_scales(cpu_attention):
     values, scales = quantize_cache(kv, "int8")
     with pytest.raises(TypeError, match="kv_scales"):
         cpu_attention(q, values, *rest, sm_scale=0.25)
+    with pytest.raises(ValueError, match="kv_scale_layout"):  # scales without their layout
+        cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=scales)
+    with pytest.raises(TypeError, match="per-token scales"):  # int8 read as per-head
+        cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=scales, kv_scale_layout="head")
     with pytest.raises(Exception, match="kv_scales must be"):
-        cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=scales[..., :1])
+        cpu_attention(
+            q, values, *rest, sm_scale=0.25, kv_scales=scales[..., :1], kv_scale_layout="token"
+        )
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -181,7 +195,16 @@ def test_pallas_over_a_quantized_cache_lowers_for_the_gpu(kind):
 
     def attention(q, kv, scales, tables, lens, starts, num_seqs, layer):
         return ragged_paged_attention(
-            q, kv, tables, lens, starts, num_seqs, sm_scale=0.1, layer=layer, kv_scales=scales
+            q,
+            kv,
+            tables,
+            lens,
+            starts,
+            num_seqs,
+            sm_scale=0.1,
+            layer=layer,
+            kv_scales=scales,
+            kv_scale_layout=SCALE_LAYOUTS[kind],
         )
 
     text = gpu_lowering.lower_for_gpu(attention, *args)

@@ -9,21 +9,19 @@ import logging
 import httpx
 import pytest
 
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
 from jaxinfer.server.guard import HostPolicy
 from jaxinfer.server.metrics import ServerMetrics
-from tests.conftest import PRESETS
+from tests.support.engines import build_engine
 from tests.support.server import Server, post, wait_until
 
 
 @pytest.fixture(scope="session")
 def guarded_engine(tiny_model_dir):
     """(AsyncEngine, ServerMetrics) on the tiny model's "served" options."""
-    llm_engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **PRESETS["served"]))
+    llm_engine = build_engine(tiny_model_dir, "served")
     metrics = ServerMetrics(llm_engine)
     return AsyncEngine(llm_engine, metrics.observe_finished), metrics
 

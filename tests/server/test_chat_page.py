@@ -11,20 +11,20 @@ import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
 from jaxinfer.server.metrics import ServerMetrics
-from tests.conftest import PRESETS
+from tests.support.engines import build_engine
+
+pytestmark = [pytest.mark.engine, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir):
-    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **PRESETS["served"]))
+    engine = build_engine(tiny_model_dir, "served")
     metrics = ServerMetrics(engine)
     config = ServerConfig(served_model_name="tiny", api_key="page-key")
     url, server = serve(build_app(AsyncEngine(engine, metrics.observe_finished), config, metrics))

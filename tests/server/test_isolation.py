@@ -22,6 +22,8 @@ from jaxinfer.server.guard import check_api_key
 from tests.support.server import assert_error, post, slow_steps, wait_until
 from tools.processes import template_children
 
+pytestmark = pytest.mark.engine
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SPIN = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
 

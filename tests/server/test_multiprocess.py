@@ -24,7 +24,9 @@ import openai
 import pytest
 
 from jaxinfer.server.background import free_port
-from tests.server.test_run_batch import assert_same, line, read_records
+from tests.support.batch import assert_same, line, read_records
+
+pytestmark = pytest.mark.multiprocess
 
 # One CPU device per process, the model split over both (tp 2); one process: two devices.
 ENGINE_FLAGS = (
@@ -280,7 +282,7 @@ def test_a_follower_that_dies_fails_the_server_not_hangs_it(tiny_model_dir, cach
 
 
 def run_script(spec: dict, tmp_path: Path, devices: tuple[int, ...], name: str):
-    """tests.multiprocess_job with `spec` as a job of len(devices) processes (one if 1)."""
+    """tests.support.multiprocess_job with `spec` as a job of len(devices) processes (one if 1)."""
     port = free_port()
     started = []
     for i, count in enumerate(devices):
@@ -295,7 +297,7 @@ def run_script(spec: dict, tmp_path: Path, devices: tuple[int, ...], name: str):
         path.write_text(json.dumps({**spec, "distributed": distributed}))
         env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(count)}
         log = (tmp_path / f"{name}.{i}.log").open("w")
-        command = [sys.executable, "-m", "tests.multiprocess_job", str(path)]
+        command = [sys.executable, "-m", "tests.support.multiprocess_job", str(path)]
         started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
     return started
 

@@ -13,31 +13,24 @@ import httpx
 import pytest
 
 from jaxinfer.batch.job import BatchJobConfig, run_job
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
-from tests.conftest import PRESETS
+from tests.support.batch import assert_same, line, read_records
+from tests.support.engines import PRESETS, build_engine
+
+pytestmark = pytest.mark.engine
 
 OPTIONS = PRESETS["served"]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return AsyncEngine(LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS)))
-
-
-def line(custom_id, url, body):
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+    return AsyncEngine(build_engine(tiny_model_dir, None, **OPTIONS))
 
 
 def chat(content, **extra):
     return {"messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
-
-
-def read_records(path):
-    return [json.loads(text) for text in path.read_text().splitlines()]
 
 
 def good_lines(count, max_tokens=12):
@@ -51,22 +44,6 @@ def good_lines(count, max_tokens=12):
         )
         for i in range(count)
     ]
-
-
-def assert_same(a, b, path="body"):
-    """Equal, except floats (logprobs) within 1e-4: batch composition moves the last digits."""
-    if isinstance(a, float) or isinstance(b, float):
-        assert a == pytest.approx(b, abs=1e-4), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 def strip_ids(body):

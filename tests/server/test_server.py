@@ -16,20 +16,20 @@ import openai
 import pytest
 
 from jaxinfer import SamplingParams
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import free_port, serve
 from jaxinfer.server.metrics import ServerMetrics
-from tests.conftest import PRESETS
+from tests.support.engines import PRESETS, build_engine
+
+pytestmark = pytest.mark.engine
 
 OPTIONS = PRESETS["served"]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
+    engine = build_engine(tiny_model_dir, None, **OPTIONS)
     metrics = ServerMetrics(engine)
     return AsyncEngine(engine, metrics.observe_finished), metrics
 
@@ -318,7 +318,7 @@ def test_a_failing_step_ends_every_request_in_flight_or_queued(tiny_model_dir):
     """Fault injection: a step raises while a stream, a non-streamed request and requests
     still queued for admission are in flight; each ends with an error (none hangs), /health
     turns 503 and the server reports the dead engine."""
-    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
+    engine = build_engine(tiny_model_dir, None, **OPTIONS)
     async_engine = AsyncEngine(engine)
     reported = []
     app = build_app(
@@ -396,7 +396,7 @@ def test_a_failing_step_ends_every_request_in_flight_or_queued(tiny_model_dir):
 def test_a_stalled_step_fails_requests_and_turns_health_503(tiny_model_dir):
     """A step that never returns cannot be stopped, but nobody may wait on it: past
     engine_step_timeout the requests in flight get errors and /health 503."""
-    engine = LLMEngine(EngineOptions(model=str(tiny_model_dir), **OPTIONS))
+    engine = build_engine(tiny_model_dir, None, **OPTIONS)
     async_engine = AsyncEngine(engine)
     reported = []
     config = ServerConfig(served_model_name="tiny", engine_step_timeout=1.0)

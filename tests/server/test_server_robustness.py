@@ -18,6 +18,8 @@ from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 from jaxinfer.server.guard import HostPolicy
 from tests.support.server import assert_error, post, slow_steps, wait_until
 
+pytestmark = pytest.mark.engine
+
 PROMPT = "The quick brown fox"
 SCHEMA = {
     "type": "object",

@@ -6,24 +6,24 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
+from tests.support.engines import build_engine
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def api_schema(tiny_model_dir):
-    engine = LLMEngine(
-        EngineOptions(
-            model=str(tiny_model_dir),
-            max_num_batched_tokens=64,
-            max_num_seqs=8,
-            block_size=8,
-            num_kv_blocks=128,
-            max_model_len=128,
-        )
+    engine = build_engine(
+        tiny_model_dir,
+        None,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        block_size=8,
+        num_kv_blocks=128,
+        max_model_len=128,
     )
     url, server = serve(build_app(AsyncEngine(engine), ServerConfig(served_model_name="tiny")))
     yield schemathesis.openapi.from_url(f"{url}/openapi.json")

@@ -12,15 +12,15 @@ import jsonschema
 import openai
 import pytest
 
-from jaxinfer.config import EngineOptions
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.server import tool_calls
 from jaxinfer.server.app import ServerConfig, build_app
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.background import serve
 from jaxinfer.server.formatting import sse
 from jaxinfer.tokenizer import TokenizerWrapper
-from tests.conftest import PRESETS
+from tests.support.engines import PRESETS, build_engine
+
+pytestmark = pytest.mark.engine
 
 WEATHER = {
     "type": "function",
@@ -239,7 +239,7 @@ def test_templates_with_and_without_tools(tiny_model_dir):
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
     options = {**PRESETS["served"], "max_model_len": 512}
-    engine = AsyncEngine(LLMEngine(EngineOptions(model=str(tiny_model_dir), **options)))
+    engine = AsyncEngine(build_engine(tiny_model_dir, None, **options))
     config = ServerConfig(served_model_name="tiny", allow_request_chat_template=True)
     url, server = serve(build_app(engine, config))
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

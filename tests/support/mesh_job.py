@@ -10,22 +10,19 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import SamplingParams
+from tests.support.engines import build_llm
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 
 
 def main() -> None:
     model, tp, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(
-        model=model,
+    llm = build_llm(
+        model,
+        "tiny",
         tensor_parallel_size=tp,
         layer_execution="per_layer",  # a program per layer: the host runs far ahead
-        max_num_seqs=4,
-        max_num_batched_tokens=16,
-        block_size=8,
-        num_kv_blocks=64,
-        max_model_len=96,
         compilation_cache=False,
         use_tqdm=False,
     )

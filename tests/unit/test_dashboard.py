@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer.config.engine_config import CacheConfig
 from jaxinfer.engine.scheduling.scheduler import SchedulerStats, SpecStats
+from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.server.metrics import ServerMetrics
 
 DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "jaxinfer.json"
@@ -25,7 +26,9 @@ def exported_samples() -> set[str]:
     engine = types.SimpleNamespace(
         config=types.SimpleNamespace(
             speculative=types.SimpleNamespace(method="ngram"),
-            cache=CacheConfig(block_size=16, num_blocks=9),
+            cache=CacheConfig(
+                block_size=16, num_blocks=9, kv_format=KVCacheFormat.resolve("auto", "float32")
+            ),
         ),
         stats=lambda: stats,
         background_compile=None,

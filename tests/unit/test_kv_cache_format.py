@@ -7,7 +7,11 @@ import pytest
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.layers.kv_cache import bytes_per_token
+from jaxinfer.layers.kv_cache import KVCacheFormat
+
+
+def bytes_per_token(kind, dtype, *shape):
+    return KVCacheFormat.resolve(kind, dtype).bytes_per_token(*shape)
 
 
 def test_bytes_per_token_counts_values_and_scales():
@@ -16,6 +20,17 @@ def test_bytes_per_token_counts_values_and_scales():
     assert bytes_per_token("auto", "bfloat16", 30, 3, 64) == 2 * 30 * 3 * 64 * 2
     assert bytes_per_token("int8", "float32", 30, 3, 64) == 2 * 30 * 3 * (64 + 4)
     assert bytes_per_token("fp8_e4m3", "bfloat16", 30, 3, 64) == 2 * 30 * 3 * 64
+
+
+def test_a_format_is_settled_once_into_a_value():
+    int8, fp8 = (KVCacheFormat.resolve(k, "float32") for k in ("int8", "fp8_e5m2"))
+    assert (int8.value_dtype, int8.scale_layout, int8.quantized) == ("int8", "token", True)
+    assert (fp8.value_dtype, fp8.scale_layout) == ("float8_e5m2", "head")
+    auto = KVCacheFormat.resolve("auto", "bfloat16")
+    assert (auto.value_dtype, auto.scale_layout, auto.quantized) == ("bfloat16", None, False)
+    assert int8.bytes_per_block(16, 30, 3, 64) == 16 * int8.bytes_per_token(30, 3, 64)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        KVCacheFormat.resolve("int4", "float32")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

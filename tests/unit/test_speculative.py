@@ -17,6 +17,7 @@ from jaxinfer.engine.execution.device_inputs import accepted_rows, record_sample
 from jaxinfer.engine.sampling.sampler import SamplerState, process_logits
 from jaxinfer.engine.scheduling.scheduler import SpecStats
 from jaxinfer.engine.speculation.ngram import MAX_COOLDOWN, NgramIndex, SpecState
+from jaxinfer.layers.kv_cache import KVCacheFormat
 
 
 def brute_force_proposal(tokens: list[int], count: int, min_n: int, max_n: int) -> list[int]:
@@ -157,7 +158,9 @@ def test_prometheus_counters():
     engine = types.SimpleNamespace(
         config=types.SimpleNamespace(
             speculative=types.SimpleNamespace(method="ngram"),
-            cache=CacheConfig(block_size=16, num_blocks=9),
+            cache=CacheConfig(
+                block_size=16, num_blocks=9, kv_format=KVCacheFormat.resolve("auto", "float32")
+            ),
         ),
         stats=lambda: stats,
         background_compile=None,

@@ -8,7 +8,7 @@ import pytest
 from jinja2.exceptions import SecurityError, TemplateError
 
 from jaxinfer.tokenizer import TokenizerWrapper
-from tests.conftest import write_tiny_tokenizer
+from tools.tiny_tokenizer import write_tiny_tokenizer
 
 
 @pytest.fixture

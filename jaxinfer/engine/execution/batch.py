@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxinfer.sampling_params import SamplingParams
+
 
 def seed_words(seed: int) -> tuple[int, int]:
     """A request's 64-bit seed as SamplingMetadata.seeds' low and high 32-bit words."""
@@ -43,6 +45,30 @@ class SamplingMetadata:
     state_rows: np.ndarray  # i32[P], the request's row of the device's per-request state
     drafts: np.ndarray  # i32[P], the proposal the row's sample is checked against, else -1
     first_rows: np.ndarray  # i32[P], the first sample row of the row's request
+
+    def fill(
+        self,
+        rows: slice,
+        params: SamplingParams,
+        vocab_size: int,
+        has_bias: bool,
+        seed: int,
+        first_output_position: int,
+    ) -> None:
+        """Writes one request's parameters into `rows` (one per output position from
+        `first_output_position`): the one filler of sample rows, the model's (BatchBuilder)
+        and the draft model's."""
+        self.temperature[rows] = params.temperature
+        self.top_k[rows] = params.top_k_or_all(vocab_size)
+        self.top_p[rows] = params.top_p
+        self.min_p[rows] = params.min_p
+        self.repetition_penalty[rows] = params.repetition_penalty
+        self.presence_penalty[rows] = params.presence_penalty
+        self.frequency_penalty[rows] = params.frequency_penalty
+        self.has_bias[rows] = has_bias
+        self.seeds[rows] = seed_words(seed)
+        count = len(range(*rows.indices(len(self.temperature))))
+        self.output_positions[rows] = first_output_position + np.arange(count)
 
     @classmethod
     def neutral(cls, num_reqs: int, padding_row: int = 0) -> SamplingMetadata:

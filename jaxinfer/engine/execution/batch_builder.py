@@ -13,7 +13,6 @@ from jaxinfer.engine.execution.batch import (
     RowValues,
     SamplingMetadata,
     StepInputs,
-    seed_words,
 )
 from jaxinfer.engine.execution.row_table import RowTable
 from jaxinfer.engine.execution.step import (
@@ -193,18 +192,10 @@ class BatchBuilder:
         self, sampling: SamplingMetadata, first: int, state_row: int, item: ScheduledRequest
     ) -> None:
         """The request's sample rows: first, first + 1, ... (one per output position)."""
-        params = item.params
         rows = slice(first, first + item.num_sample_rows)
-        sampling.temperature[rows] = params.temperature
-        sampling.top_k[rows] = params.top_k_or_all(self.vocab_size)
-        sampling.top_p[rows] = params.top_p
-        sampling.min_p[rows] = params.min_p
-        sampling.repetition_penalty[rows] = params.repetition_penalty
-        sampling.presence_penalty[rows] = params.presence_penalty
-        sampling.frequency_penalty[rows] = params.frequency_penalty
-        sampling.has_bias[rows] = item.has_bias
-        sampling.seeds[rows] = seed_words(item.seed)
-        sampling.output_positions[rows] = item.output_position + np.arange(item.num_sample_rows)
+        sampling.fill(
+            rows, item.params, self.vocab_size, item.has_bias, item.seed, item.output_position
+        )
         sampling.keeps[rows] = item.samples
         sampling.state_rows[rows] = state_row
         sampling.first_rows[rows] = first

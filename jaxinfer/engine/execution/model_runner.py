@@ -31,7 +31,6 @@ from jaxinfer.engine.execution.step import HostStep, RowUpdates
 from jaxinfer.engine.sampling.constraints import bitmask_width
 from jaxinfer.engine.sampling.sampler import SamplerOutput, SamplerState, sample, token_logprobs
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
-from jaxinfer.layers import kv_cache as kv_formats
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
 from jaxinfer.models.inputs import BatchInputs
@@ -63,9 +62,8 @@ def allocate_kv_cache(
     partitioner: Partitioner,
     constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
 ) -> KVCache:
-    """The empty cache in config.cache.kv_cache_dtype's format (jaxinfer.layers.kv_cache):
-    values [L, 2, NB, BS, K, D] and, for int8, zero scales f32[L, 2, NB, BS, K] and the key
-    smoothing; an fp8 cache takes its fixed per-head scales f32[L, 2, K]."""
+    """The empty cache in config.cache.kv_format: values [L, 2, NB, BS, K, D] and the
+    format's scales (jaxinfer.layers.kv_cache)."""
     arch, cache = config.model.arch, config.cache
     shape = (
         arch.num_hidden_layers,
@@ -75,21 +73,7 @@ def allocate_kv_cache(
         arch.num_key_value_heads,
         arch.head_dim,
     )
-    kind = kv_formats.scale_kind(cache.kv_cache_dtype)
-    dtype = kv_formats.value_dtype(cache.kv_cache_dtype, config.model.dtype)
-    values = partitioner.zeros(shape, dtype, kv_formats.VALUE_AXES)
-    if kind is None:
-        return KVCache(values)
-    if kind == "int8":
-        scales = partitioner.zeros(shape[:-1], jnp.float32, kv_formats.SCALE_AXES[kind])
-        smoothing = constants.key_smoothing
-        if smoothing is not None and smoothing.shape != (shape[0], shape[4], shape[5]):
-            raise ValueError(f"key smoothing must be f32[L, K, D], got {smoothing.shape}")
-        return KVCache(values, scales, smoothing)
-    scales = constants.fp8_scales
-    if scales is None or scales.shape != (shape[0], 2, shape[4]):
-        raise ValueError(f"an {cache.kv_cache_dtype} KV cache needs scales f32[L, 2, K]")
-    return KVCache(values, scales)
+    return cache.kv_format.allocate(shape, partitioner, constants)
 
 
 def _scan_hidden(

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxinfer.config import EngineConfig, EngineOptions
 from jaxinfer.config.configure import configure
-from jaxinfer.engine.execution.batch import SamplingMetadata, seed_words
+from jaxinfer.engine.execution.batch import SamplingMetadata
 from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.sampling.logits_processors import first_argmax
 from jaxinfer.engine.sampling.sampler import request_keys, truncated
@@ -111,7 +111,10 @@ def draw_proposals(
     batch_invariant: bool,
 ) -> tuple[jax.Array, jax.Array]:  # (i32[R] proposals, draft_probs with this step's q)
     """Each row's proposal: its argmax when greedy, else a draw from q, which is kept at
-    draft_probs[row * K + step]."""
+    draft_probs[row * K + step]. q is the draft's distribution under the request's logit
+    bias, temperature, min-p, top-k and top-p; the penalties are left out (they need the
+    target sampler's per-request counts), which costs acceptance, never exactness: the
+    verification takes any q."""
     sampling = rows.sampling
     logits = logits.astype(jnp.float32)
     logits = logits + jnp.where(sampling.has_bias[:, None] > 0, bias[rows.rows], 0.0)
@@ -199,18 +202,18 @@ class DraftModel:
         rows.num_seqs[0] = len(requests)
         sampling = rows.sampling
         for i, (row, request, wanted) in enumerate(requests):
-            params = request.sampling_params
             rows.rows[i] = row
             rows.tokens[i] = request.all_token_ids[-1]
             rows.positions[i] = request.num_tokens - 1
             rows.limits[i] = wanted
-            sampling.temperature[i] = params.temperature
-            sampling.top_k[i] = params.top_k_or_all(self.vocab_size)
-            sampling.top_p[i] = params.top_p
-            sampling.min_p[i] = params.min_p
-            sampling.has_bias[i] = request.bias is not None
-            sampling.seeds[i] = seed_words(request.seed)
-            sampling.output_positions[i] = request.num_output_tokens
+            sampling.fill(
+                slice(i, i + 1),
+                request.sampling_params,
+                self.vocab_size,
+                request.bias is not None,
+                request.seed,
+                request.num_output_tokens,
+            )
         return rows
 
     def warmup(self, block_table: jax.Array, bias: jax.Array) -> None:

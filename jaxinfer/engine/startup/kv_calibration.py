@@ -56,10 +56,10 @@ def calibrate(
     partitioner: Partitioner,
     tokenizer: TokenizerWrapper,
 ) -> CacheConstants:
-    """The constants config.cache.kv_cache_dtype needs (none for "auto"), placed with the
-    cache's heads."""
-    kind = config.cache.kv_cache_dtype
-    if kind == "auto":
+    """The constants config.cache.kv_format needs (none unquantized), placed with the cache's
+    heads."""
+    kind = config.cache.kv_format.name
+    if not config.cache.kv_format.quantized:
         return CacheConstants()
     arch = config.model.arch
     checkpoint = None
@@ -90,7 +90,7 @@ def calibrate(
         float(scales[:, 1].min()),
         float(scales[:, 1].max()),
     )
-    return CacheConstants(fp8_scales=partitioner.place(scales, SCALE_AXES["fp8"]))
+    return CacheConstants(fp8_scales=partitioner.place(scales, SCALE_AXES["head"]))
 
 
 def key_smoothing(amax: jax.Array) -> jax.Array:  # f32[L, K, D]

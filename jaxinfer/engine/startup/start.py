@@ -86,7 +86,7 @@ def start_model(
         "KV cache: %d blocks of %d tokens in %s, %d tokens",
         cache.num_blocks - 1,
         cache.block_size,
-        cache.kv_cache_dtype,
+        cache.kv_format.name,
         cache.capacity_tokens(),
     )
     runner = ModelRunner(
@@ -148,7 +148,7 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "block_size": config.cache.block_size,
         "num_kv_blocks": config.cache.num_blocks,
-        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "kv_cache_dtype": config.cache.kv_format.name,
         "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "quantization": config.resolved.weight_format,

@@ -1,6 +1,6 @@
 """One process of a job driven through the Python API, for tests/server/test_multiprocess.py:
 
-    python -m tests.multiprocess_job SPEC.json
+    python -m tests.support.multiprocess_job SPEC.json
 
 SPEC (JSON): model, options (EngineOptions), prompts (lists of token ids), params
 (SamplingParams), output (a path), distributed ({coordinator_address, num_processes,
@@ -20,17 +20,16 @@ import os
 import sys
 from pathlib import Path
 
-from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import EngineOptions
+from jaxinfer import SamplingParams
 from jaxinfer.engine import lockstep
-from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.parallel.distributed import DistributedConfig, initialize
+from tests.support.engines import build_engine, build_llm
 
 
 def generate(spec: dict) -> None:
     import jax
 
-    llm = LLM(model=spec["model"], **spec["options"])
+    llm = build_llm(spec["model"], None, **spec["options"])
     outputs = llm.generate(spec["prompts"], SamplingParams(**spec["params"]), use_tqdm=False)
     results = []
     for output in outputs:
@@ -44,8 +43,7 @@ def generate(spec: dict) -> None:
 
 
 def diverge(spec: dict, distributed: DistributedConfig) -> None:
-    options = EngineOptions(model=spec["model"], check_schedule=True, **spec["options"])
-    engine = LLMEngine(options)
+    engine = build_engine(spec["model"], None, check_schedule=True, **spec["options"])
     out = Path(f"{spec['output']}.{distributed.process_id}")
     params = SamplingParams(**spec["params"])
     if distributed.process_id > 0:

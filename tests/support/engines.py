@@ -1,0 +1,78 @@
+"""Engines for tests: the named presets of engine options, the factory every test builds its
+engines with, and what tests read inside a runner (a layer's weights, a scheduled chunk)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Named engine options:
+# - "quick": four token buckets (1, 2, 4, 6), for tests that need any engine at all;
+# - "tiny": every prompt is chunked, and warm-up compiles few buckets;
+# - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step);
+# - "default": the default model's engine and server tests (model None: the default model).
+PRESETS = {
+    "quick": dict(
+        max_num_batched_tokens=6, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+    ),
+    "tiny": dict(
+        max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+    ),
+    "served": dict(
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        block_size=8,
+        num_kv_blocks=128,
+        max_model_len=128,
+    ),
+    "default": dict(
+        max_model_len=1024,
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+        cache_dir=str(Path.home() / ".cache" / "jaxinfer"),
+    ),
+}
+
+
+TINY_OPTIONS = PRESETS["tiny"]
+
+
+def engine_options(model, preset: str | None = "tiny", **overrides) -> dict:
+    """The options of every engine the tests build: `model` (a folder or a file; None for the
+    default model), a preset's options (None: the engine's defaults) and `overrides`."""
+    options = {**(PRESETS[preset] if preset else {}), **overrides}
+    if model is not None:
+        options["model"] = str(model)
+    return options
+
+
+def build_llm(model, preset: str | None = "tiny", *, kernels=None, **overrides):
+    """An LLM with engine_options(model, preset, **overrides)."""
+    from jaxinfer import LLM
+
+    return LLM(kernels=kernels, **engine_options(model, preset, **overrides))
+
+
+def build_engine(model, preset: str | None = "tiny", **overrides):
+    """An LLMEngine with engine_options(model, preset, **overrides)."""
+    from jaxinfer.config import EngineOptions
+    from jaxinfer.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineOptions(**engine_options(model, preset, **overrides)))
+
+
+def layer_weights(runner) -> dict:
+    """The runner's decoder-layer parameters: layer 0's (per-layer programs) or all of them
+    stacked [L, ...] (under a scan)."""
+    from flax import nnx
+
+    if runner.layer_execution == "per_layer":
+        return runner.layer_params[0]
+    return nnx.to_pure_dict(runner.state)["layers"]
+
+
+def scheduled(request, num_new: int, new_row: bool = False):
+    """What the scheduler sends for `request`'s next `num_new` tokens (jaxinfer.engine.execution.step.
+    prefill_chunk)."""
+    from jaxinfer.engine.execution.step import prefill_chunk
+
+    return prefill_chunk(request, num_new, new_row)

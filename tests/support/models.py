@@ -1,0 +1,108 @@
+"""Tiny random models saved by transformers (Llama, and each family this engine runs), with a
+byte-level tokenizer, for tests against HF's own outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from tools.tiny_tokenizer import write_tiny_tokenizer
+
+
+def make_tiny_model(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A random LlamaForCausalLM (or Qwen2) saved by transformers, with a byte-level tokenizer."""
+    import torch
+    import transformers
+
+    arch = overrides.pop("architecture", "llama")
+    config_kwargs = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config_kwargs.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config_kwargs))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_kwargs))
+    # Random init is small; scale weights up so logits are far from uniform and bugs show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    write_tiny_tokenizer(folder, config_kwargs["vocab_size"])
+    return folder
+
+
+def make_family_model(folder, family: str, seed: int = 0, **overrides):
+    """A random model of `family` saved by transformers, with a byte-level tokenizer; weights
+    scaled up (norms aside) so that logits are far from uniform and bugs show."""
+    model_class, config_class, kwargs = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**BASE, **kwargs, **overrides}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    write_tiny_tokenizer(folder, BASE["vocab_size"])
+    return folder
+
+
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+MOE = dict(num_experts_per_tok=2)
+
+
+FAMILIES = {
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(head_dim=16)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        dict(MOE, head_dim=16, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen2MoeConfig,
+        dict(MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
+    "mixtral": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        dict(MOE, num_local_experts=6, intermediate_size=48),
+    ),
+    "olmoe": (
+        transformers.OlmoeForCausalLM,
+        transformers.OlmoeConfig,
+        dict(MOE, num_experts=8, intermediate_size=32, clip_qkv=4.0),
+    ),
+    "mistral_sliding_window": (
+        transformers.MistralForCausalLM,
+        transformers.MistralConfig,
+        dict(sliding_window=16),
+    ),
+}

@@ -40,7 +40,7 @@ from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, dense_ffn
 from jaxinfer.layers.moe.experts import moe_ffn
 from jaxinfer.layers.native_kernels import KernelMatmul
-from jaxinfer.models.llama import as_weights, quantize_weights, random_params, to_layout
+from jaxinfer.models.params import as_weights, quantize_weights, random_params, to_layout
 from tools.device_rates import timed
 
 FLAGS = flags.FLAGS

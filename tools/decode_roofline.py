@@ -27,7 +27,8 @@ from jaxinfer.config.platform import Platform
 from jaxinfer.config.resolve import resolve
 from jaxinfer.layers.kernel_registry import default_registry
 from jaxinfer.layers.kv_cache import KVCache
-from jaxinfer.models.llama import build_llama, head_name, random_params
+from jaxinfer.models.llama import build_llama
+from jaxinfer.models.params import head_name, random_params
 from jaxinfer.models.shapes import shape
 from tools.decode import decode_batch, read_bytes
 from tools.device_rates import memory_bandwidth

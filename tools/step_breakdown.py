@@ -19,7 +19,7 @@ from jaxinfer import LLM
 from jaxinfer.engine.execution.batch import SamplingMetadata
 from jaxinfer.engine.sampling.sampler import sample
 from jaxinfer.layers.weights import is_weight
-from jaxinfer.models.llama import head_name
+from jaxinfer.models.params import head_name
 from tools.decode import decode_batch, read_bytes, uses_gguf_blocks
 from tools.device_rates import matmul_rate, memory_bandwidth, timed
 

@@ -23,7 +23,8 @@ from jaxinfer.layers.linear import OUT_IN
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
-from jaxinfer.models.llama import build_llama, random_params
+from jaxinfer.models.llama import build_llama
+from jaxinfer.models.params import random_params
 from jaxinfer.models.shapes import shape
 
 FORMATS = {

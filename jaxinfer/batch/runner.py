@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batch.output_file import usage_of
 from jaxinfer.batch.records import BatchItem, LineError, error_record, response_record
-from jaxinfer.server.serving import MAX_CLIENT_ID
+from jaxinfer.server.request_ids import MAX_CLIENT_ID
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.options import EngineOptions, quantization_of
-from jaxinfer.config.resolve import ResolvedOptions
+from jaxinfer.config.resolved import ResolvedOptions
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas

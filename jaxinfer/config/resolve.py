@@ -1,10 +1,9 @@
 """The one place where "auto" is settled: EngineOptions and the Platform (plus the model's
-shape and the kernel registry) in, a frozen ResolvedOptions and the ModelKernels out.
-
-On a GPU each Pallas kernel chosen is first probed on the model's shapes
-(jaxinfer.layers.kernel_probe): "auto" falls back to the reference where one fails, logging
-why; an explicit "pallas" that fails is a clear error. Every choice made from "auto" records why; `ResolvedOptions.describe()` is what the engine
-logs at start-up and the server returns at GET /v1/engine. Nothing downstream decides again.
+shape and the kernel registry) in, a frozen ResolvedOptions and the ModelKernels out. Every
+choice made from "auto" records why (`ResolvedOptions.describe()`, logged at start-up and
+returned at GET /v1/engine); nothing downstream decides again. On a GPU each Pallas kernel
+chosen is first probed on the model's shapes (jaxinfer.layers.kernel_probe): "auto" falls
+back to the reference where one fails, an explicit "pallas" that fails is an error.
 
 The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and one device
 (XLA cannot split a custom call over a mesh), and a C++ compiler to build them once:
@@ -14,30 +13,26 @@ The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and 
 - attention "cpu": ragged paged attention walking each request's blocks with an online
   softmax (head_dim a multiple of 8 up to 256, block_size up to 128).
 - GGUF blocks: beside the matmul kernel, the Q4_1 and Q8_0 blocks of the GGUF file the
-  float32 weights were dequantized from, multiplied directly for steps of 1-3 tokens
-  (bit-identical products from a quarter of the bytes; jaxinfer.layers.gguf_weights).
+  float32 weights were dequantized from, multiplied directly for steps of 1-3 tokens.
 
-batch_invariant (CPU): every product through the C++ matmul kernel in its fixed order (one FMA
-chain over K per output, for every row count; no XLA GEMM, no GGUF blocks), attention through
-the C++ kernel (each row's softmax walks its own positions in one order, whatever shares its
-item or step), norms through the "invariant" reference (jaxinfer.layers.invariant) and the
-sampler's sums as fixed trees. A choice outside INVARIANT_KERNELS is a clear error.
+batch_invariant (CPU): every product through the C++ matmul kernel in its fixed order, no XLA
+GEMM or GGUF blocks; attention through the C++ kernel; norms through the "invariant"
+reference and the sampler's sums as fixed trees (jaxinfer.config.invariant has the rules).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import jax.numpy as jnp
-
 from cpu_kernels.build import KernelBuildError
 from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.config.invariant import check_invariant_request
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
+from jaxinfer.config.resolved import Resolution, ResolvedOptions
 from jaxinfer.layers.kernel_probe import probe_kernel
 from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
 from jaxinfer.layers.kv_cache import KVCacheFormat
@@ -46,55 +41,6 @@ from jaxinfer.layers.native_kernels import KernelMatmul
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedOptions:
-    """Every choice EngineOptions left to the engine, settled."""
-
-    dtype: str
-    attention: str  # a KernelRegistry name ("cpu": the C++ kernel)
-    ffn: str
-    norm: str
-    grouped_matmul: str  # the MoE experts' product: "cpu" (C++, "out_in") or a registry name
-    weight_layout: str  # "in_out" or "out_in"
-    weight_format: str  # the projections' format: "dense" (in dtype) or the quantization
-    int4_matmul: str  # int4 weights' product: "cpu" (C++, "out_in") or a registry name
-    matmul: str  # "cpu" (the C++ kernel) or "xla"
-    gguf_blocks: bool  # keep the source GGUF file's blocks where they are exact
-    gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
-    layer_execution: str  # "scan" or "per_layer"
-    async_scheduling: bool
-    batch_invariant: bool  # every kernel reduces in an order fixed per token
-    speculative_free_tokens: int  # proposals may grow a step up to this many tokens
-    warmup: str  # "all" or "background" (token buckets compiled while serving)
-    compilation_cache_dir: str | None  # None: no persistent compilation cache
-    reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
-
-    @property
-    def jnp_dtype(self):
-        return DTYPES[self.dtype]
-
-    def describe(self) -> dict:
-        """{choice: {"value": ..., "reason": ...}} (a reason only where "auto" chose)."""
-        reasons = dict(self.reasons)
-        out = {}
-        for field in dataclasses.fields(self):
-            if field.name in ("reasons", "gguf_blocks_required"):
-                continue
-            entry = {"value": getattr(self, field.name)}
-            if field.name in reasons:
-                entry["reason"] = reasons[field.name]
-            out[field.name] = entry
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Resolution:
-    options: ResolvedOptions
-    kernels: ModelKernels  # the callables the model runs (static under jit)
 
 
 def _common_reasons(platform: Platform, tp: int, dtype: str) -> list[str]:
@@ -150,43 +96,6 @@ def _native(platform: Platform, name: str, option: str, value: str, reasons: lis
         return None, f"its build failed ({error})"
 
 
-# Implementations known to reduce in an order fixed per token (batch_invariant), by kind.
-INVARIANT_KERNELS = {
-    "attention": ("auto", "cpu", "pallas_interpret"),
-    "ffn": ("auto", "reference"),
-    "norm": ("auto", "invariant", "pallas", "pallas_interpret"),
-    "grouped_matmul": ("auto", "reference"),  # unused: "out_in" takes the C++ kernel's
-    "int4_matmul": ("auto", "reference"),  # unused: "out_in" takes the C++ kernel's
-}
-
-
-def _check_invariant_request(options: EngineOptions, cpu: bool) -> None:
-    """Clear errors for batch_invariant with a choice that cannot honour it."""
-    if not cpu:
-        raise ValueError(
-            "batch_invariant runs on CPU only for now: on a GPU the projections go through "
-            "XLA's dot (cuBLAS), whose reduction order follows the number of rows"
-        )
-    for kind, allowed in INVARIANT_KERNELS.items():
-        name = getattr(options, f"{kind}_impl")
-        if name not in allowed:
-            raise ValueError(
-                f"batch_invariant: {kind}_impl {name!r} is not known to reduce in a fixed "
-                f"order per token; use one of {list(allowed)}"
-            )
-    fixed = {
-        "matmul_impl": ("auto", "cpu"),
-        "weight_layout": ("auto", "out_in"),
-        "gguf_weights": ("auto", "off"),
-    }
-    for name, allowed in fixed.items():
-        if getattr(options, name) not in allowed:
-            raise ValueError(
-                f"batch_invariant needs {name} in {list(allowed)}, got {getattr(options, name)!r}"
-                " (the C++ matmul kernel in its fixed order computes every projection)"
-            )
-
-
 def resolve(
     options: EngineOptions,
     platform: Platform,
@@ -197,119 +106,21 @@ def resolve(
 ) -> Resolution:
     """Settles every "auto" of `options` for `platform` and a model of shape `arch`.
     gguf_source: the GGUF file the model folder was converted from, if it keeps one.
-    probe(kind, kernel, arch, dtype, block_size, kv_format): why a Pallas kernel cannot run on this GPU
-    at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes the
-    reference, an explicit "pallas" is an error."""
-    reasons: dict[str, str] = {}
-    tp = options.tensor_parallel_size
-    cpu = platform.backend == "cpu"
-    invariant = options.batch_invariant
-    if invariant:
-        _check_invariant_request(options, cpu)
-
-    dtype = options.dtype
-    if dtype == "auto":
-        dtype = "float32" if cpu else "bfloat16"
-        reasons["dtype"] = f"float32 on CPU, bfloat16 on accelerators ({platform.backend})"
-
-    def pick(kind: str, name: str) -> str:
-        asked = name
-        if name == "auto" and invariant and kind == "norm" and cpu:
-            reasons[kind] = "batch_invariant: the reference with one row per reduction"
-            return "invariant"
-        if name == "auto":
-            single_gpu = platform.backend == "gpu" and tp == 1
-            name = "pallas" if single_gpu else "reference"
-            reasons[kind] = (
-                "the Pallas kernels on one GPU"
-                if single_gpu
-                else f"the reference off a single GPU ({platform.backend}, tp={tp})"
-            )
-        if name == "pallas" and tp > 1:
-            raise ValueError(
-                f"{kind} kernel 'pallas' does not run under tensor parallelism yet "
-                f"(tensor_parallel_size={tp}): use 'reference' or 'auto'"
-            )
-        kernel = registry.get(kind, name)  # a clear error for unknown names
-        if name == "pallas" and platform.backend == "gpu":
-            kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
-            why_not = probe(kind, kernel, arch, dtype, options.block_size, kv_format)
-            if why_not is not None:
-                if asked != "auto":
-                    raise ValueError(f"{kind}_impl 'pallas' cannot run here: {why_not}")
-                logger.warning("the Pallas %s kernel is not used: %s", kind, why_not)
-                reasons[kind] = f"the reference: the Pallas kernel was probed and {why_not}"
-                return "reference"
-        return name
-
-    ffn = pick("ffn", options.ffn_impl)
-    norm = pick("norm", options.norm_impl)
-    if arch.moe is not None:
-        grouped = pick("grouped_matmul", options.grouped_matmul_impl)
-    else:  # no experts to run: nothing to choose or probe
-        grouped = (
-            "reference" if options.grouped_matmul_impl == "auto" else options.grouped_matmul_impl
-        )
-        registry.get("grouped_matmul", grouped)  # (a clear error for an unknown name)
-    if options.quantization == "int8" and arch.quantization is not None:
-        raise ValueError(
-            f"quantization 'int8': the checkpoint is saved as {arch.quantization}; leave "
-            "quantization unset (or int4, which quantizes the float weights left, the LM head)"
-        )
+    probe(kind, kernel, arch, dtype, block_size, kv_format): why a Pallas kernel cannot run on
+    this GPU at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes
+    the reference, an explicit "pallas" is an error."""
+    r = _Resolver(options, platform, arch, registry, gguf_source, probe)
+    ffn = r.pick("ffn", options.ffn_impl)
+    norm = r.pick("norm", options.norm_impl)
+    grouped = r.pick_if_used("grouped_matmul", options.grouped_matmul_impl, arch.moe is not None)
+    r.check_quantization()
     int4 = options.quantization == "int4" or arch.quantization is not None
-    if int4:
-        int4_kernel = pick("int4_matmul", options.int4_matmul_impl)
-    else:  # no int4 weights: nothing to choose or probe
-        int4_kernel = (
-            "reference" if options.int4_matmul_impl == "auto" else options.int4_matmul_impl
-        )
-        registry.get("int4_matmul", int4_kernel)  # (a clear error for an unknown name)
-    weight_format = "dense"
-    if arch.quantization is not None:
-        weight_format = str(arch.quantization)
-    elif options.quantization is not None:
-        weight_format = str(quantization_of(options))
-    reference_ffn = registry.get("ffn", ffn) is fused_ffn_reference
-    layout = options.weight_layout
-    if layout == "auto" and invariant:
-        layout = OUT_IN
-        reasons["weight_layout"] = "batch_invariant: the matmul kernel's layout"
-    if layout == "auto":
-        layout = OUT_IN if cpu and reference_ffn else IN_OUT
-        reasons["weight_layout"] = (
-            "W @ x^T runs faster on XLA:CPU with the reference FFN"
-            if layout == OUT_IN
-            else "the layout of the checkpoint and the FFN kernels"
-        )
-    if layout == OUT_IN and not reference_ffn:
-        raise ValueError(
-            f"weight_layout 'out_in' runs the reference FFN; ffn_impl {options.ffn_impl!r} takes "
-            "'in_out' weights: use weight_layout 'in_out' or 'auto'"
-        )
-
-    if layout == OUT_IN and options.grouped_matmul_impl not in ("auto", "reference"):
-        raise ValueError(
-            f"weight_layout 'out_in' runs the experts through the C++ grouped kernel or the "
-            f"reference; grouped_matmul_impl {options.grouped_matmul_impl!r} takes 'in_out' "
-            "weights: use weight_layout 'in_out' or 'auto'"
-        )
-
-    # the matmul kernel
-    matmul_fn = None
-    if options.matmul_impl != "xla":
-        why = _common_reasons(platform, tp, dtype)
-        if layout != OUT_IN:
-            why.append("it takes the 'out_in' weight layout")
-        asked = "cpu" if invariant else options.matmul_impl  # invariant: required
-        matmul_fn, why_not = _native(platform, "matmul", "matmul_impl", asked, why)
-        if options.matmul_impl == "auto":
-            reasons["matmul"] = "the C++ kernel runs here" if matmul_fn else why_not
-            if invariant:
-                reasons["matmul"] += " (batch_invariant: its fixed order for every row count)"
-    matmul = "cpu" if matmul_fn is not None else "xla"
+    int4_kernel = r.pick_if_used("int4_matmul", options.int4_matmul_impl, int4)
+    layout = r.weight_layout(ffn)
+    matmul_fn = r.matmul_kernel(layout)
     if matmul_fn is not None and int4:
         int4_kernel = "cpu"
-        reasons["int4_matmul"] = "the C++ matmul kernel's int4 product"
+        r.reasons["int4_matmul"] = "the C++ matmul kernel's int4 product"
     if options.int8_activations and (not int4 or matmul_fn is None):
         raise ValueError(
             "int8_activations applies to int4 weights in the C++ matmul kernel: "
@@ -318,123 +129,269 @@ def resolve(
     if matmul_fn is not None:  # the C++ library's grouped product, "out_in"
         grouped = "cpu"
         if options.grouped_matmul_impl == "auto" and arch.moe is not None:
-            reasons["grouped_matmul"] = "the C++ matmul kernel's grouped product"
+            r.reasons["grouped_matmul"] = "the C++ matmul kernel's grouped product"
     elif layout == OUT_IN:
         grouped = "reference"
-
-    # attention: the C++ kernel for "cpu", and for "auto" where it runs
-    attention_fn, why_not = None, ""
-    if options.attention_impl in ("auto", "cpu"):
-        why = _common_reasons(platform, tp, dtype)
-        if arch.head_dim % 8 or arch.head_dim > 256:
-            why.append(
-                f"it takes a head_dim that is a multiple of 8 up to 256, not {arch.head_dim}"
-            )
-        if options.block_size > 128:
-            why.append(f"it takes a block_size up to 128, not {options.block_size}")
-        asked = "cpu" if invariant else options.attention_impl  # invariant on CPU: required
-        attention_fn, why_not = _native(platform, "paged_attention", "attention_impl", asked, why)
-    if attention_fn is not None:
-        attention = "cpu"
-        if options.attention_impl == "auto":
-            reasons["attention"] = "the C++ kernel runs here"
-    else:
-        attention = pick("attention", options.attention_impl)
-        if why_not:
-            reasons["attention"] += f"; not the C++ kernel: {why_not}"
-
-    # GGUF blocks beside the matmul kernel
-    gguf_fn = None
-    if invariant and options.gguf_weights == "auto":
-        reasons["gguf_blocks"] = "off under batch_invariant: the block kernel's order is its own"
-    elif options.gguf_weights != "off":
-        why = []
-        if matmul_fn is None:
-            why.append("they work beside the matmul kernel, which is not in use (matmul_impl)")
-        if options.quantization is not None:
-            why.append(f"they take float32 weights, not {options.quantization}")
-        if gguf_source is None:
-            why.append("the model was not converted from a GGUF file (or its folder lost it)")
-        gguf_fn, why_not = _native(
-            platform, "gguf_matmul", "gguf_weights", options.gguf_weights, why
-        )
-        if options.gguf_weights == "auto":
-            reasons["gguf_blocks"] = (
-                f"{gguf_source.name} may hold exact blocks" if gguf_fn else why_not
-            )
-
-    layer_execution = options.layer_execution
-    if layer_execution == "auto":
-        if matmul_fn is not None:
-            layer_execution = "scan"
-            reasons["layer_execution"] = "the matmul kernel reads each layer's weights in place"
-        elif cpu:
-            layer_execution = "per_layer"
-            reasons["layer_execution"] = "on XLA:CPU the scan's weight slices are copies"
-        else:
-            layer_execution = "scan"
-            reasons["layer_execution"] = "one program per step"
-    async_scheduling = options.async_scheduling
-    if async_scheduling is None:
-        async_scheduling = not cpu
-        reasons["async_scheduling"] = (
-            "off on CPU, where the device is the host's own cores" if cpu else "on accelerators"
-        )
-    free_tokens = options.speculative_free_tokens
-    if free_tokens is None:
-        free_tokens = 8 if cpu else 64
-        reasons["speculative_free_tokens"] = (
-            "on CPU a step of more than a few tokens is bound by compute"
-            if cpu
-            else "an accelerator reads the weights longer than it computes in small steps "
-            "(an estimate, not measured)"
-        )
-    warmup = _warmup(options, platform, layer_execution, reasons)
-    cache_dir = None
-    if options.compilation_cache:
-        cache_dir = options.compilation_cache_dir or str(Path(options.cache_dir) / "xla")
-
+    attention, attention_fn = r.attention()
+    gguf_fn = r.gguf_kernel(matmul_fn)
+    layer_execution = r.layer_execution(matmul_fn)
     resolved = ResolvedOptions(
-        dtype=dtype,
+        dtype=r.dtype,
         attention=attention,
         ffn=ffn,
         norm=norm,
         grouped_matmul=grouped,
         weight_layout=layout,
-        weight_format=weight_format,
+        weight_format=r.weight_format(),
         int4_matmul=int4_kernel,
-        matmul=matmul,
+        matmul="cpu" if matmul_fn is not None else "xla",
         gguf_blocks=gguf_fn is not None,
         gguf_blocks_required=options.gguf_weights == "on",
         layer_execution=layer_execution,
-        async_scheduling=async_scheduling,
-        batch_invariant=invariant,
-        speculative_free_tokens=free_tokens,
-        warmup=warmup,
-        compilation_cache_dir=cache_dir,
-        reasons=tuple(sorted(reasons.items())),
+        async_scheduling=r.async_scheduling(),
+        batch_invariant=r.invariant,
+        speculative_free_tokens=r.speculative_free_tokens(),
+        warmup=_warmup(options, platform, layer_execution, r.reasons),
+        compilation_cache_dir=r.compilation_cache_dir(),
+        reasons=tuple(sorted(r.reasons.items())),
     )
-    if attention_fn is None:
-        attention_fn = registry.get("attention", attention)
-        if invariant:  # a Pallas kernel (INVARIANT_KERNELS): one BQ, no kv splits
-            attention_fn = functools.partial(attention_fn, batch_invariant=True)
-    kernels = ModelKernels(
-        attention=attention_fn,
-        ffn=registry.get("ffn", ffn),
-        add_rms_norm=registry.get("norm", norm),
-        grouped_matmul=registry.get("grouped_matmul", "reference" if grouped == "cpu" else grouped),
-        weight_layout=layout,
-        int4_matmul=registry.get(
-            "int4_matmul", "reference" if int4_kernel == "cpu" else int4_kernel
-        ),
-        matmul=None
-        if matmul_fn is None
-        else KernelMatmul(
-            matmul_fn,
-            gguf_kernel=gguf_fn,
-            fixed_order=invariant,
-            int8_activations=options.int8_activations,
-        ),
-        batch_invariant=invariant,
-    )
-    return Resolution(resolved, kernels)
+    return Resolution(resolved, r.kernels(resolved, attention_fn, matmul_fn, gguf_fn))
+
+
+class _Resolver:
+    """resolve()'s choices, one method per concern, sharing the options, the platform and the
+    reasons recorded so far."""
+
+    def __init__(self, options, platform, arch, registry, gguf_source, probe):
+        self.options, self.platform, self.arch = options, platform, arch
+        self.registry, self.gguf_source, self.probe = registry, gguf_source, probe
+        self.reasons: dict[str, str] = {}
+        self.tp = options.tensor_parallel_size
+        self.cpu = platform.backend == "cpu"
+        self.invariant = options.batch_invariant
+        if self.invariant:
+            check_invariant_request(options, self.cpu)
+        self.dtype = options.dtype
+        if self.dtype == "auto":
+            self.dtype = "float32" if self.cpu else "bfloat16"
+            self.reasons["dtype"] = f"float32 on CPU, bfloat16 on accelerators ({platform.backend})"
+
+    def pick(self, kind: str, name: str) -> str:
+        """A registry kernel of `kind`: "auto" settled; on a GPU a Pallas one probed."""
+        asked, tp, reasons = name, self.tp, self.reasons
+        if name == "auto" and self.invariant and kind == "norm" and self.cpu:
+            reasons[kind] = "batch_invariant: the reference with one row per reduction"
+            return "invariant"
+        if name == "auto":
+            single_gpu = self.platform.backend == "gpu" and tp == 1
+            name = "pallas" if single_gpu else "reference"
+            reasons[kind] = (
+                "the Pallas kernels on one GPU"
+                if single_gpu
+                else f"the reference off a single GPU ({self.platform.backend}, tp={tp})"
+            )
+        if name == "pallas" and tp > 1:
+            raise ValueError(
+                f"{kind} kernel 'pallas' does not run under tensor parallelism yet "
+                f"(tensor_parallel_size={tp}): use 'reference' or 'auto'"
+            )
+        kernel = self.registry.get(kind, name)  # a clear error for unknown names
+        if name == "pallas" and self.platform.backend == "gpu":
+            kv_format = KVCacheFormat.resolve(self.options.kv_cache_dtype, self.dtype)
+            why_not = self.probe(
+                kind, kernel, self.arch, self.dtype, self.options.block_size, kv_format
+            )
+            if why_not is not None:
+                if asked != "auto":
+                    raise ValueError(f"{kind}_impl 'pallas' cannot run here: {why_not}")
+                logger.warning("the Pallas %s kernel is not used: %s", kind, why_not)
+                reasons[kind] = f"the reference: the Pallas kernel was probed and {why_not}"
+                return "reference"
+        return name
+
+    def pick_if_used(self, kind: str, name: str, used: bool) -> str:
+        """pick() where the model has such products; else nothing to choose or probe ("auto"
+        is the reference), but an unknown name is still a clear error."""
+        if used:
+            return self.pick(kind, name)
+        name = "reference" if name == "auto" else name
+        self.registry.get(kind, name)
+        return name
+
+    def check_quantization(self) -> None:
+        if self.options.quantization == "int8" and self.arch.quantization is not None:
+            raise ValueError(
+                f"quantization 'int8': the checkpoint is saved as {self.arch.quantization}; "
+                "leave quantization unset (or int4, which quantizes the float weights left, "
+                "the LM head)"
+            )
+
+    def weight_format(self) -> str:
+        if self.arch.quantization is not None:
+            return str(self.arch.quantization)
+        if self.options.quantization is not None:
+            return str(quantization_of(self.options))
+        return "dense"
+
+    def weight_layout(self, ffn: str) -> str:
+        options, reasons = self.options, self.reasons
+        reference_ffn = self.registry.get("ffn", ffn) is fused_ffn_reference
+        layout = options.weight_layout
+        if layout == "auto" and self.invariant:
+            layout = OUT_IN
+            reasons["weight_layout"] = "batch_invariant: the matmul kernel's layout"
+        if layout == "auto":
+            layout = OUT_IN if self.cpu and reference_ffn else IN_OUT
+            reasons["weight_layout"] = (
+                "W @ x^T runs faster on XLA:CPU with the reference FFN"
+                if layout == OUT_IN
+                else "the layout of the checkpoint and the FFN kernels"
+            )
+        if layout == OUT_IN and not reference_ffn:
+            raise ValueError(
+                f"weight_layout 'out_in' runs the reference FFN; ffn_impl {options.ffn_impl!r} "
+                "takes 'in_out' weights: use weight_layout 'in_out' or 'auto'"
+            )
+        if layout == OUT_IN and options.grouped_matmul_impl not in ("auto", "reference"):
+            raise ValueError(
+                f"weight_layout 'out_in' runs the experts through the C++ grouped kernel or the "
+                f"reference; grouped_matmul_impl {options.grouped_matmul_impl!r} takes 'in_out' "
+                "weights: use weight_layout 'in_out' or 'auto'"
+            )
+        return layout
+
+    def matmul_kernel(self, layout: str):
+        """The C++ matmul kernel, or None (XLA's dot)."""
+        options = self.options
+        if options.matmul_impl == "xla":
+            return None
+        why = _common_reasons(self.platform, self.tp, self.dtype)
+        if layout != OUT_IN:
+            why.append("it takes the 'out_in' weight layout")
+        asked = "cpu" if self.invariant else options.matmul_impl  # invariant: required
+        matmul_fn, why_not = _native(self.platform, "matmul", "matmul_impl", asked, why)
+        if options.matmul_impl == "auto":
+            self.reasons["matmul"] = "the C++ kernel runs here" if matmul_fn else why_not
+            if self.invariant:
+                self.reasons["matmul"] += " (batch_invariant: its fixed order for every row count)"
+        return matmul_fn
+
+    def attention(self):
+        """(name, the C++ kernel or None): the C++ kernel for "cpu", and for "auto" where it
+        runs; else a registry kernel."""
+        options, arch = self.options, self.arch
+        attention_fn, why_not = None, ""
+        if options.attention_impl in ("auto", "cpu"):
+            why = _common_reasons(self.platform, self.tp, self.dtype)
+            if arch.head_dim % 8 or arch.head_dim > 256:
+                why.append(
+                    f"it takes a head_dim that is a multiple of 8 up to 256, not {arch.head_dim}"
+                )
+            if options.block_size > 128:
+                why.append(f"it takes a block_size up to 128, not {options.block_size}")
+            asked = "cpu" if self.invariant else options.attention_impl  # invariant: required
+            attention_fn, why_not = _native(
+                self.platform, "paged_attention", "attention_impl", asked, why
+            )
+        if attention_fn is not None:
+            if options.attention_impl == "auto":
+                self.reasons["attention"] = "the C++ kernel runs here"
+            return "cpu", attention_fn
+        attention = self.pick("attention", options.attention_impl)
+        if why_not:
+            self.reasons["attention"] += f"; not the C++ kernel: {why_not}"
+        return attention, None
+
+    def gguf_kernel(self, matmul_fn):
+        """The C++ GGUF block kernel beside the matmul kernel, or None."""
+        options = self.options
+        if self.invariant and options.gguf_weights == "auto":
+            self.reasons["gguf_blocks"] = (
+                "off under batch_invariant: the block kernel's order is its own"
+            )
+            return None
+        if options.gguf_weights == "off":
+            return None
+        why = []
+        if matmul_fn is None:
+            why.append("they work beside the matmul kernel, which is not in use (matmul_impl)")
+        if options.quantization is not None:
+            why.append(f"they take float32 weights, not {options.quantization}")
+        if self.gguf_source is None:
+            why.append("the model was not converted from a GGUF file (or its folder lost it)")
+        gguf_fn, why_not = _native(
+            self.platform, "gguf_matmul", "gguf_weights", options.gguf_weights, why
+        )
+        if options.gguf_weights == "auto":
+            self.reasons["gguf_blocks"] = (
+                f"{self.gguf_source.name} may hold exact blocks" if gguf_fn else why_not
+            )
+        return gguf_fn
+
+    def layer_execution(self, matmul_fn) -> str:
+        if self.options.layer_execution != "auto":
+            return self.options.layer_execution
+        if matmul_fn is not None:
+            execution, why = "scan", "the matmul kernel reads each layer's weights in place"
+        elif self.cpu:
+            execution, why = "per_layer", "on XLA:CPU the scan's weight slices are copies"
+        else:
+            execution, why = "scan", "one program per step"
+        self.reasons["layer_execution"] = why
+        return execution
+
+    def async_scheduling(self) -> bool:
+        if self.options.async_scheduling is not None:
+            return self.options.async_scheduling
+        self.reasons["async_scheduling"] = (
+            "off on CPU, where the device is the host's own cores"
+            if self.cpu
+            else "on accelerators"
+        )
+        return not self.cpu
+
+    def speculative_free_tokens(self) -> int:
+        if self.options.speculative_free_tokens is not None:
+            return self.options.speculative_free_tokens
+        self.reasons["speculative_free_tokens"] = (
+            "on CPU a step of more than a few tokens is bound by compute"
+            if self.cpu
+            else "an accelerator reads the weights longer than it computes in small steps "
+            "(an estimate, not measured)"
+        )
+        return 8 if self.cpu else 64
+
+    def compilation_cache_dir(self) -> str | None:
+        if not self.options.compilation_cache:
+            return None
+        return self.options.compilation_cache_dir or str(Path(self.options.cache_dir) / "xla")
+
+    def kernels(self, resolved: ResolvedOptions, attention_fn, matmul_fn, gguf_fn) -> ModelKernels:
+        """The callables the model runs, for the choices in `resolved`."""
+        registry, invariant = self.registry, self.invariant
+        if attention_fn is None:
+            attention_fn = registry.get("attention", resolved.attention)
+            if invariant:  # a Pallas kernel (INVARIANT_KERNELS): one BQ, no kv splits
+                attention_fn = functools.partial(attention_fn, batch_invariant=True)
+        grouped, int4_kernel = resolved.grouped_matmul, resolved.int4_matmul
+        return ModelKernels(
+            attention=attention_fn,
+            ffn=registry.get("ffn", resolved.ffn),
+            add_rms_norm=registry.get("norm", resolved.norm),
+            grouped_matmul=registry.get(
+                "grouped_matmul", "reference" if grouped == "cpu" else grouped
+            ),
+            weight_layout=resolved.weight_layout,
+            int4_matmul=registry.get(
+                "int4_matmul", "reference" if int4_kernel == "cpu" else int4_kernel
+            ),
+            matmul=None
+            if matmul_fn is None
+            else KernelMatmul(
+                matmul_fn,
+                gguf_kernel=gguf_fn,
+                fixed_order=invariant,
+                int8_activations=self.options.int8_activations,
+            ),
+            batch_invariant=invariant,
+        )

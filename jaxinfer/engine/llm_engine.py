@@ -15,7 +15,8 @@ from jaxinfer.engine.sampling.constraints import RequestConstraints
 from jaxinfer.engine.schedule_check import check_same_schedule
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import ParentRequest, Request, RequestStatus
-from jaxinfer.engine.scheduling.scheduler import Scheduler, SchedulerStats
+from jaxinfer.engine.scheduling.scheduler import Scheduler
+from jaxinfer.engine.scheduling.stats import SchedulerStats
 from jaxinfer.engine.speculation.ngram import make_proposer
 from jaxinfer.engine.speculation.propose import propose_ngrams, propose_with_draft
 from jaxinfer.engine.startup.start import describe, start_model

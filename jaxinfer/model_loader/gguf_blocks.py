@@ -23,7 +23,7 @@ from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
 from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
-from jaxinfer.models.llama import LAYER_PROJECTIONS
+from jaxinfer.models.params import LAYER_PROJECTIONS
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from pallas_kernels.int4_matmul.reference import pack as int4_pack
 

@@ -14,7 +14,8 @@ from jaxinfer.layers.linear import OUT_IN
 from jaxinfer.model_loader.gguf_blocks import INT4_TYPES, load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
-from jaxinfer.models.llama import PARAM_AXES, as_weights, build_llama, to_layout
+from jaxinfer.models.llama import build_llama
+from jaxinfer.models.params import PARAM_AXES, as_weights, to_layout
 from jaxinfer.parallel.sharding import Partitioner
 
 logger = logging.getLogger(__name__)

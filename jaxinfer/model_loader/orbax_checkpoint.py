@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxinfer.config import EngineOptions, model_arch
-from jaxinfer.config.resolve import DTYPES
+from jaxinfer.config.resolved import DTYPES
 from jaxinfer.model_loader.safetensors_loader import load_llama_params, replicate_kv
 from jaxinfer.parallel.sharding import Partitioner
 

@@ -3,7 +3,7 @@ and the client's own `X-Request-Id` echoed back (a label: the engine never sees 
 
 from __future__ import annotations
 
-from jaxinfer.server.serving import valid_client_id
+from jaxinfer.server.request_ids import valid_client_id
 
 
 class ResponseHeaders:

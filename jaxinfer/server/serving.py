@@ -9,19 +9,16 @@ that goes away at any point ends them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import fastapi
 import pydantic
 from fastapi.responses import StreamingResponse
 
-from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import streams as engine_streams
 from jaxinfer.server import tool_calls
 from jaxinfer.server.admission import SequenceLimiter, Ticket
 from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -34,6 +31,7 @@ from jaxinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from jaxinfer.server.request_ids import engine_id, response_id
 
 BAD_REQUEST = (ValueError, TypeError, pydantic.ValidationError)
 MAX_ERROR_CHARS = 1000  # of a template's error message in a response
@@ -129,7 +127,7 @@ class OpenAIServing:
                 )
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
-            finals = await _finals(held.streams)
+            finals = await engine_streams.finals(held.streams)
 
             def build() -> fastapi.Response:  # logprobs can be long: off the event loop
                 usage = Usage()
@@ -181,7 +179,7 @@ class OpenAIServing:
                 )
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
-            (final,) = await _finals(held.streams)
+            (final,) = await engine_streams.finals(held.streams)
 
             def build() -> fastapi.Response:
                 usage = Usage()
@@ -305,7 +303,7 @@ class OpenAIServing:
 
     async def _completion_chunks(self, request_id, created, streams, params, include_usage):
         usage = Usage()
-        async for prompt_index, output in _merge(streams):
+        async for prompt_index, output in engine_streams.merge(streams):
             usage.add(output)
             for c in output.outputs:
                 if not c.text and c.finish_reason is None:
@@ -377,64 +375,3 @@ class OpenAIServing:
                     )
         if include_usage:
             yield chunk([], usage=usage.body())
-
-
-async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of each stream (FINAL_ONLY requests report only that one)."""
-    try:
-        return list(await asyncio.gather(*(anext(stream) for stream in streams)))
-    except EngineDeadError as error:
-        raise APIError(503, str(error), "engine_dead") from None
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from every stream as they come."""
-    # Bounded: while the reader is slow, each request's outputs wait merged in its channel.
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-    done = object()
-
-    async def pump(index, stream):
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-            await queue.put((index, done))
-        except EngineDeadError as error:
-            await queue.put((index, error))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-                continue
-            if isinstance(item, EngineDeadError):
-                raise item
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-MAX_CLIENT_ID = 128
-
-
-def engine_id() -> str:
-    """A new admission's engine id: 128 random bits, never a client's choice. Under several
-    processes process 0 makes it and the others replay it (jaxinfer.engine.lockstep)."""
-    return secrets.token_hex(16)
-
-
-def response_id(prefix: str, client_id: str | None) -> str:
-    """The "id" of a response: the client's X-Request-Id when given (a label it chose: two
-    clients may send the same one at once; the engine never sees it), else a fresh one."""
-    if client_id is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
-    if not valid_client_id(client_id):
-        raise APIError(400, f"X-Request-Id must be 1 to {MAX_CLIENT_ID} printable characters")
-    return f"{prefix}-{client_id}"
-
-
-def valid_client_id(client_id: str) -> bool:
-    return 0 < len(client_id) <= MAX_CLIENT_ID and client_id.isprintable()

@@ -22,7 +22,7 @@ from jaxinfer.model_loader.gguf_tensors import read_tensors
 from jaxinfer.model_loader.load import kept_gguf_blocks
 from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
-from jaxinfer.models.llama import as_weights, to_layout
+from jaxinfer.models.params import as_weights, to_layout
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from tests.support.engines import build_llm, layer_weights
 from tests.support.gguf import NUM_KV_HEADS, write_gguf

@@ -16,7 +16,7 @@ from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.moe.experts import moe_ffn
 from jaxinfer.layers.weights import Int4
-from jaxinfer.models.llama import as_weights, quantize_weights, random_params, to_layout
+from jaxinfer.models.params import as_weights, quantize_weights, random_params, to_layout
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul as pallas_grouped
 
 CONFIG = LlamaConfig(

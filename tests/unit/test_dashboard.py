@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer.config.engine_config import CacheConfig
-from jaxinfer.engine.scheduling.scheduler import SchedulerStats, SpecStats
+from jaxinfer.engine.scheduling.stats import SchedulerStats, SpecStats
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.server.metrics import ServerMetrics
 

@@ -1,5 +1,5 @@
-"""The package's import graph: no module imports one that imports it back (type-only imports
-count), and no package reaches up to one built on it (the layers below)."""
+"""The package's shape: no module imports one that imports it back (type-only imports count),
+no package reaches up to one built on it (the layers below), and no file outgrows one job."""
 
 from __future__ import annotations
 
@@ -114,3 +114,13 @@ def test_the_checks_see_a_climb_and_a_circle():
     assert (
         "jaxinfer.engine.execution.step" in import_graph()["jaxinfer.engine.scheduling.scheduler"]
     )
+
+
+def test_every_file_has_one_job_and_at_most_400_lines():
+    """A file past 400 lines holds more than one concern: split it by concern."""
+    long = {
+        str(path.relative_to(PACKAGE.parent)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, long

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jaxinfer.engine.execution.batch import SamplingMetadata
 from jaxinfer.engine.execution.device_inputs import accepted_rows, record_sampled
 from jaxinfer.engine.sampling.sampler import SamplerState, process_logits
-from jaxinfer.engine.scheduling.scheduler import SpecStats
+from jaxinfer.engine.scheduling.stats import SpecStats
 from jaxinfer.engine.speculation.ngram import MAX_COOLDOWN, NgramIndex, SpecState
 from jaxinfer.layers.kv_cache import KVCacheFormat
 

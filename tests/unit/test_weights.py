@@ -10,7 +10,7 @@ import pytest
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, gated_ffn_out_in, lm_logits
 from jaxinfer.layers.weights import Dense, Int8, dense
-from jaxinfer.models.llama import as_weights, quantize_weights, to_layout, weight_axes
+from jaxinfer.models.params import as_weights, quantize_weights, to_layout, weight_axes
 from jaxinfer.models.shapes import shape
 
 E, I, V, K, G, D, L = 24, 40, 2048, 2, 3, 8, 3  # noqa: E741 (V: two int8 LM-head chunks)

@@ -1,13 +1,9 @@
-"""Owns the parameters and the KV cache on the device and runs the jitted step.
-
-Every token bucket (and each sampler variant for its request bucket) is compiled during
-warm-up; afterwards every step reuses a compiled program.
-"""
+"""Owns the parameters and the KV cache on the device and runs the jitted step: every program
+is compiled at warm-up (jaxinfer.engine.startup.warmup), then each step reuses one."""
 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Protocol
 
 import jax
@@ -39,8 +35,6 @@ from jaxinfer.parallel.dispatch import DispatchWindow, dispatch_window
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.sampling_params import MAX_LOGPROBS
-
-logger = logging.getLogger(__name__)
 
 
 class Draft(Protocol):

@@ -217,3 +217,40 @@ class RequestConstraints:
     def finished(self) -> bool:
         """The grammar is complete: nothing more may follow."""
         return self.matcher is not None and self.matcher.is_stopped()
+
+
+def step_bitmask(
+    request, output_position: int, drafts: tuple[int, ...], vocab_size: int
+) -> np.ndarray | None:
+    """The tokens the request's grammar (or multi-token bad words, or min_tokens) allows
+    at `output_position` and after each proposal (i32[1 + D, W]), or None where nothing is
+    constrained. The grammar advances over the proposals it accepts and is rolled back;
+    the row after the first proposal it forbids (which that row's sample then cannot
+    equal) and the rows past it allow everything."""
+    constraints = request.constraints
+    if constraints is None or not any(
+        constraints.active(output_position + j) for j in range(len(drafts) + 1)
+    ):
+        return None
+    if constraints.depends_on_tokens:
+        assert request.num_output_placeholders == 0, "a sampled token is still in flight"
+    values = np.full((len(drafts) + 1, bitmask_width(vocab_size)), -1, np.int32)
+    outputs = request.output_token_ids
+    consumed = 0
+    for j in range(len(drafts) + 1):
+        if constraints.active(output_position + j):
+            constraints.fill(values, j, outputs + list(drafts[:j]), output_position + j)
+        if j == len(drafts) or not _allows(values[j], drafts[j]):
+            break
+        if constraints.matcher is not None:
+            if constraints.matcher.is_stopped() or not constraints.matcher.consume_token(drafts[j]):
+                break
+            consumed += 1
+    if consumed:
+        constraints.matcher.rollback(consumed)
+    return values
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    """Whether a bitmask row (i32[W]) allows `token`."""
+    return bool((int(row.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)

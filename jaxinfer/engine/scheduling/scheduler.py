@@ -25,52 +25,15 @@ prefix cache, so a rejected proposal never is. Steps with proposals need the tok
 from __future__ import annotations
 
 import bisect
-import dataclasses
-
-import numpy as np
 
 from jaxinfer.config import SchedulerConfig
 from jaxinfer.engine.execution.step import RowInit, ScheduledRequest, SchedulerOutput, StepOutput
-from jaxinfer.engine.sampling.constraints import bitmask_width
+from jaxinfer.engine.sampling.constraints import step_bitmask
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request, RequestStatus
+from jaxinfer.engine.scheduling.stats import SchedulerStats, SpecStats
+from jaxinfer.engine.scheduling.stopping import sampled_enough, stop_status
 from jaxinfer.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot for logging and the server's metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of usable blocks held by requests
-    prefix_cache_queries: int  # tokens looked up in the prefix cache
-    prefix_cache_hits: int  # tokens found there
-    num_preemptions: int
-    num_generated_tokens: int  # sampled tokens kept, of every request (finished or not)
-    spec: SpecStats | None = None  # speculative decoding's counts (None when it is off)
-
-
-@dataclasses.dataclass
-class SpecStats:
-    """Counts of speculative decoding since the start."""
-
-    num_drafts: int = 0  # request steps that verified at least one proposal
-    num_draft_tokens: int = 0  # proposals verified
-    num_accepted_tokens: int = 0  # of which accepted
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # by index
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_proposed
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_proposed:
-            self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
-
-    def snapshot(self) -> SpecStats:
-        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
 
 class Scheduler:
@@ -143,7 +106,7 @@ class Scheduler:
             num_new = min(
                 request.num_tokens_with_placeholders - request.num_computed_tokens, budget
             )
-            if num_new <= 0 or self._sampled_enough(request):
+            if num_new <= 0 or sampled_enough(request, self.config.max_model_len):
                 index += 1  # its in-flight step finishes it, or there is nothing to compute
                 continue
             while not self.kv.allocate_blocks(request, num_new):
@@ -248,7 +211,7 @@ class Scheduler:
         used = sum(
             r.num_tokens_with_placeholders - r.num_computed_tokens
             for r in self.running
-            if not self._sampled_enough(r)
+            if not sampled_enough(r, self.config.max_model_len)
         )
         return max(self._proposal_room(min(used, self.config.max_num_batched_tokens)), 0)
 
@@ -273,14 +236,6 @@ class Scheduler:
             extra = min(self.config.spec_lookahead, self.config.max_model_len - end)
             if extra > 0:
                 self.kv.allocate_blocks(request, num_new + extra)
-
-    def _sampled_enough(self, request: Request) -> bool:
-        """True when the steps in flight already sample the request's last token."""
-        max_tokens = request.sampling_params.max_tokens
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        return (max_tokens is not None and num_outputs >= max_tokens) or (
-            request.num_tokens_with_placeholders >= self.config.max_model_len
-        )
 
     def _apply(self, request: Request, num_new: int, admitted: bool) -> ScheduledRequest:
         """Advances the request by a scheduled step (before the step runs) and describes the
@@ -312,7 +267,9 @@ class Scheduler:
             seed=request.seed,
             has_bias=request.bias is not None,
             prompt_token_ids=request.prompt_token_ids,
-            bitmask=self._bitmask(request, output_position, drafts) if samples else None,
+            bitmask=step_bitmask(request, output_position, drafts, self.vocab_size)
+            if samples
+            else None,
             row_init=row_init,
             draft_token_ids=drafts,
         )
@@ -320,39 +277,6 @@ class Scheduler:
         if samples:
             request.num_output_placeholders += 1
         return item
-
-    def _bitmask(
-        self, request: Request, output_position: int, drafts: tuple[int, ...]
-    ) -> np.ndarray | None:
-        """The tokens the request's grammar (or multi-token bad words, or min_tokens) allows
-        at `output_position` and after each proposal (i32[1 + D, W]), or None where nothing is
-        constrained. The grammar advances over the proposals it accepts and is rolled back;
-        the row after the first proposal it forbids (which that row's sample then cannot
-        equal) and the rows past it allow everything."""
-        constraints = request.constraints
-        if constraints is None or not any(
-            constraints.active(output_position + j) for j in range(len(drafts) + 1)
-        ):
-            return None
-        if constraints.depends_on_tokens:
-            assert request.num_output_placeholders == 0, "a sampled token is still in flight"
-        values = np.full((len(drafts) + 1, bitmask_width(self.vocab_size)), -1, np.int32)
-        outputs = request.output_token_ids
-        consumed = 0
-        for j in range(len(drafts) + 1):
-            if constraints.active(output_position + j):
-                constraints.fill(values, j, outputs + list(drafts[:j]), output_position + j)
-            if j == len(drafts) or not _allows(values[j], drafts[j]):
-                break
-            if constraints.matcher is not None:
-                if constraints.matcher.is_stopped() or not constraints.matcher.consume_token(
-                    drafts[j]
-                ):
-                    break
-                consumed += 1
-        if consumed:
-            constraints.matcher.rollback(consumed)
-        return values
 
     def _verify(self, request: Request, item: ScheduledRequest, sampled: list[int]) -> list[int]:
         """The tokens a step gives a request: its samples up to and including the first that
@@ -418,7 +342,7 @@ class Scheduler:
                     request.constraints.accept(token)
                 if step_output.logprobs[row][position] is not None:
                     request.logprobs.append(step_output.logprobs[row][position])
-                status = self._stop_status(request)
+                status = stop_status(request, self.config.max_model_len)
                 if status is not None:
                     break  # the tokens after a stop are dropped
             self.kv.cache_full_blocks(request)
@@ -427,28 +351,6 @@ class Scheduler:
                 self._finish(request, status)
                 finished.append(request)
         return updated, finished
-
-    def _stop_status(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
-        if request.num_output_tokens < params.min_tokens:
-            return self._length_status(request)
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if token in request.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if request.constraints is not None and request.constraints.finished:
-            return RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
-        return self._length_status(request)
-
-    def _length_status(self, request: Request) -> RequestStatus | None:
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and request.num_output_tokens >= max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def stop(self, request: Request, reason: str) -> None:
         """Ends a request on a stop found outside the scheduler (a stop string); one that
@@ -487,8 +389,3 @@ class Scheduler:
             self.running.remove(request)
             self._release(request)
         request.status = RequestStatus.FINISHED_ABORTED
-
-
-def _allows(row: np.ndarray, token: int) -> bool:
-    """Whether a bitmask row (i32[W]) allows `token`."""
-    return bool((int(row.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)

@@ -1,2 +1,2 @@
-"""Start-up: the compilation cache, warm-up progress, background compiles of rare buckets, and
-the quantized KV cache's calibration."""
+"""Start-up: loading, calibrating a quantized KV cache, warming up (and compiling the rest in
+the background), the compilation cache and the warm-up's progress."""

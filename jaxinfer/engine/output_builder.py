@@ -85,7 +85,7 @@ def step_output(scheduler_output: SchedulerOutput, sampled: SamplerOutput) -> St
             continue
         logprobs.append(
             [
-                top_logprobs(
+                logprob_entry(
                     host.top_ids[row],
                     host.top_logprobs[row],
                     wanted,
@@ -121,7 +121,7 @@ def record_prompt_logprobs(step: DispatchedStep, requests: dict[str, Request]) -
             if valid and position + j == len(request.prompt_logprobs):
                 row = offset + j
                 request.prompt_logprobs.append(
-                    top_logprobs(
+                    logprob_entry(
                         top_ids[row],
                         top_logprobs[row],
                         wanted,
@@ -132,7 +132,7 @@ def record_prompt_logprobs(step: DispatchedStep, requests: dict[str, Request]) -
         offset += count
 
 
-def top_logprobs(ids, logprobs, count: int, token: int, token_logprob) -> dict[int, float]:
+def logprob_entry(ids, logprobs, count: int, token: int, token_logprob) -> dict[int, float]:
     """The `count` most likely tokens' logprobs (rows of the sampler's top ids and logprobs)
     and the chosen token's, by token id."""
     top = dict(zip(ids[:count].tolist(), logprobs[:count].tolist(), strict=True))

@@ -138,6 +138,7 @@ def test_pallas_sweep_checks_every_configuration_against_the_reference(tmp_path)
     assert "fastest per case" in out
 
 
+@pytest.mark.engine  # a server on the tiny model, for a while
 def test_soak_runs_and_checks_a_server(tmp_path, tiny_model_dir):
     """tools/soak.py on the tiny model, for a few seconds (the engine options of
     test_server's SIGTERM test, whose compiled programs it reuses)."""

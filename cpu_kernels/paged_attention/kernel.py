@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention.kv_quant import check_scale_layout
-
 from cpu_kernels.build import KernelBuildError, build, load, register
+from pallas_kernels.ragged_paged_attention.kv_quant import check_scale_layout
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 TARGET = "jaxinfer_paged_attention"

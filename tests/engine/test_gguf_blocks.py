@@ -148,14 +148,14 @@ def test_engine_with_gguf_weights_gives_bit_identical_outputs(q4_gguf, cpu_kerne
 def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
     tiny_model_dir, model_cache_dir
 ):
-    options = dict(model=str(tiny_model_dir), cache_dir=str(model_cache_dir), gguf_weights="on")
+    options = dict(cache_dir=str(model_cache_dir), gguf_weights="on")
     with pytest.raises(ValueError, match=r"gguf_weights 'on' cannot be used here: .*matmul"):
-        build_llm(None, None, matmul_impl="xla", **options)
+        build_llm(tiny_model_dir, None, matmul_impl="xla", **options)
     if can_build():
         with pytest.raises(
             ValueError, match=r"gguf_weights 'on' cannot be used here: .*not converted from a GGUF"
         ):
-            build_llm(None, None, matmul_impl="cpu", **options)
+            build_llm(tiny_model_dir, None, matmul_impl="cpu", **options)
     with pytest.raises(ValueError, match="gguf_weights must be one of"):
         build_llm(tiny_model_dir, None, gguf_weights="yes")
 

@@ -168,8 +168,11 @@ def test_cpu_kernel_refuses_mismatched_scales(cpu_attention):
         cpu_attention(q, values, *rest, sm_scale=0.25)
     with pytest.raises(ValueError, match="kv_scale_layout"):  # scales without their layout
         cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=scales)
-    with pytest.raises(TypeError, match="per-token scales"):  # int8 read as per-head
+    with pytest.raises(ValueError, match="not per-head scales"):  # laid out otherwise
         cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=scales, kv_scale_layout="head")
+    per_head = jnp.ones((2, values.shape[-2]), jnp.float32)  # f32[2, K]: fp8's layout
+    with pytest.raises(TypeError, match="per-token scales"):  # int8 values read per head
+        cpu_attention(q, values, *rest, sm_scale=0.25, kv_scales=per_head, kv_scale_layout="head")
     with pytest.raises(Exception, match="kv_scales must be"):
         cpu_attention(
             q, values, *rest, sm_scale=0.25, kv_scales=scales[..., :1], kv_scale_layout="token"

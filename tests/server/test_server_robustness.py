@@ -146,11 +146,20 @@ def test_bad_words_are_bounded_and_prepared_off_the_engine_thread(
 
 def test_a_grammar_is_compiled_once_off_the_engine_thread_and_shared(server, healthy_after):
     compiler = server.engine.engine.input_processor.grammar_compiler
-    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "nonce": {"const": "n1"}}}
+    schema = {  # bounded, so that a sample can finish within max_tokens
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 4},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "nonce": {"const": "n1"},
+        },
+        "required": ["name", "age", "nonce"],
+        "additionalProperties": False,
+    }
     before = compiler.num_compiled
     body = {
         "messages": [{"role": "user", "content": "JSON please"}],
-        "max_tokens": 30,
+        "max_tokens": 64,
         "temperature": 1.0,
         "n": 8,
         "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},

@@ -1,8 +1,9 @@
 """Runs the test suite by marker (`make test`), or the fast lane alone (`make check`).
 
 Markers say what a test costs (pyproject.toml): `engine` (builds engines of its own on tiny
-models), `default_model`, `multiprocess`, `browser`; a test with none is fast (unit, kernel,
-and tiny-model engine, server and batch tests on one shared engine). A machine here has two
+models, or runs a tool end to end), `slow` (kernel sweeps), `default_model`, `multiprocess`,
+`browser`; a test with none is fast (unit, kernel, and tiny-model engine, server and batch
+tests on one shared engine). A machine here has two
 cores, and much of a test's time is compilation, which uses one. So the suite runs in stages,
 each using both cores: first the fast and the engine tests on two pytest-xdist workers, which
 take test files as they free up (so the slow files spread by what they cost, not by name);
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 
-FAST = "not (engine or default_model or multiprocess or browser)"
+FAST = "not (engine or slow or default_model or multiprocess or browser)"
 ON_TWO_WORKERS = ("-n", "2", "--dist", "loadfile")
 
 # Stages in turn; in each, pytest processes side by side, as (marker expression, arguments).

@@ -25,6 +25,8 @@ from pallas_kernels.int4_matmul.reference import (
 )
 from tests.support.gguf_q4_k import quantize_q4_k
 
+pytestmark = pytest.mark.slow
+
 
 def packed_by_definition(q: np.ndarray) -> np.ndarray:
     """u8[N, K] values -> u8[N, K / 2]: in each run of 32 values, byte j holds value j in its

@@ -11,6 +11,9 @@ import pytest
 
 from cpu_kernels.build import can_build
 
+# The tools run end to end, each a process that compiles (a model, kernels, a server).
+pytestmark = pytest.mark.engine
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -138,7 +141,6 @@ def test_pallas_sweep_checks_every_configuration_against_the_reference(tmp_path)
     assert "fastest per case" in out
 
 
-@pytest.mark.engine  # a server on the tiny model, for a while
 def test_soak_runs_and_checks_a_server(tmp_path, tiny_model_dir):
     """tools/soak.py on the tiny model, for a few seconds (the engine options of
     test_server's SIGTERM test, whose compiled programs it reuses)."""

@@ -16,7 +16,7 @@ from tests.support.engines import build_llm, layer_weights
 
 pytestmark = pytest.mark.engine
 
-INT8_ATOL = 0.5  # weight-only int8 against float32 on the common prefix (nats)
+INT8_ATOL = 0.05  # int8 against float32 on the common prefix (nats; 0.017 measured)
 
 PROMPTS = ["The quick brown fox", "def f(x):", "hello world, how are you"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)

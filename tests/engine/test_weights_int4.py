@@ -23,7 +23,7 @@ from tests.support.models import make_tiny_model
 
 pytestmark = pytest.mark.engine
 
-INT4_ATOL = 1.0  # int4 against float32 on the common prefix (nats)
+INT4_ATOL = 0.4  # int4 against float32 on the common prefix (nats; 0.25 measured)
 
 PROMPTS = ["The quick brown fox", "def f(x):", "hello world, how are you"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)

@@ -17,7 +17,7 @@ from tests.support.checks import check_logprobs_close
 from tests.support.engines import build_llm, layer_weights, scheduled
 from tools.quant_accuracy import agreement, token_streams
 
-HF_ATOL = 5e-4  # float32 against HF's float32 on the common prefix (nats; 3e-5 measured)
+HF_ATOL = 1e-3  # float32 against HF's float32 on the common prefix (nats; 3e-5 measured here)
 INT8_ATOL = 0.6  # weight-only int8 against float32 (0.40 measured)
 
 pytestmark = pytest.mark.default_model

@@ -109,9 +109,14 @@ class EngineConfig:
         return -(-self.model.max_model_len // self.cache.block_size)
 
 
-def token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """1, 2, 4, then powers of two and the midpoints between them (6, 8, 12, 16, 24, ...) up
-    to the budget, and the budget itself: a step pads by at most a third."""
+def token_buckets(
+    max_num_batched_tokens: int, chosen: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """The padded step sizes, ascending: the `chosen` ones (EngineOptions.token_buckets) and
+    the budget; by default 1, 2, 4, then powers of two and the midpoints between them (6, 8,
+    12, 16, 24, ...) up to the budget, and the budget itself: a step pads by at most a third."""
+    if chosen is not None:
+        return tuple(sorted({*chosen, max_num_batched_tokens}))
     buckets = {1, 2, 4}
     size = 4
     while size < max_num_batched_tokens:
@@ -195,7 +200,7 @@ def build_engine_config(
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,
             max_model_len=max_model_len,
-            token_buckets=token_buckets(options.max_num_batched_tokens),
+            token_buckets=token_buckets(options.max_num_batched_tokens, options.token_buckets),
             num_speculative_tokens=num_speculative,
             spec_free_tokens=resolved.speculative_free_tokens,
             spec_lookahead=num_speculative if options.speculative_method == "draft" else 0,

@@ -25,15 +25,16 @@ _DEFINE = {
     int: flags.DEFINE_integer,
     float: flags.DEFINE_float,
     bool: flags.DEFINE_bool,
+    tuple: flags.DEFINE_list,  # comma-separated; EngineOptions reads the items' numbers
 }
 
 
 def option_type(field: dataclasses.Field) -> type:
-    """The option's value type: str, int, float or bool (an Optional's inner type)."""
+    """The option's value type: str, int, float, bool or tuple (an Optional's inner type)."""
     hint = typing.get_type_hints(EngineOptions)[field.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    return hint
+    return typing.get_origin(hint) or hint
 
 
 def _help(field: dataclasses.Field) -> str:
@@ -127,7 +128,8 @@ def load_engine_options(
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """["key=value", ...] -> {option: typed value}; "none" unsets an optional option."""
+    """["key=value", ...] -> {option: typed value}; "none" unsets an optional option, and a
+    list option's items are separated by ":" (token_buckets=4:16)."""
     fields = {f.name: f for f in dataclasses.fields(EngineOptions)}
     out: dict[str, Any] = {}
     for item in items:
@@ -141,6 +143,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"{key} takes true or false, got {text!r}")
             out[key] = text.lower() in ("true", "1")
+        elif kind is tuple:
+            out[key] = tuple(text.split(":"))  # EngineOptions checks and converts the items
         else:
             try:
                 out[key] = kind(text)

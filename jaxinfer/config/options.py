@@ -54,6 +54,13 @@ class EngineOptions:
     max_num_batched_tokens: int = option(
         512, "Token budget of one step; longer prompts are chunked."
     )
+    token_buckets: tuple[int, ...] | None = option(
+        None,
+        "The step sizes (tokens) compiled, each once: a step is padded to the smallest that "
+        "holds it; max_num_batched_tokens is always one. Fewer buckets compile sooner and pad "
+        "more. Unset: 1, 2, 4, then powers of two and the midpoints between them (a step pads "
+        "by at most a third).",
+    )
     block_size: int = option(16, "Tokens per KV-cache block.", BLOCK_SIZES)
     num_kv_blocks: int | None = option(
         None,
@@ -252,6 +259,8 @@ class EngineOptions:
             )
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.token_buckets is not None:
+            self._check_token_buckets()
         if self.num_kv_blocks is not None and (
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
@@ -278,6 +287,26 @@ class EngineOptions:
                 raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+    def _check_token_buckets(self) -> None:
+        """token_buckets as a sorted tuple of distinct sizes, each in [1, the step budget]
+        (a TOML array or a flag's list arrives as a list, of strings from a flag)."""
+        value = self.token_buckets
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"token_buckets must be a list of step sizes, got {value!r}")
+        sizes = []
+        for size in value:
+            if isinstance(size, str) and size.strip().isdigit():
+                size = int(size)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"token_buckets must be positive integers, got {size!r}")
+            if size > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"token bucket {size} exceeds max_num_batched_tokens "
+                    f"({self.max_num_batched_tokens})"
+                )
+            sizes.append(size)
+        object.__setattr__(self, "token_buckets", tuple(sorted(set(sizes))))
 
 
 def quantization_of(options: EngineOptions) -> Quantization | None:

@@ -73,7 +73,9 @@ def test_buckets_compile_in_the_background_and_never_on_the_step_path(make_llm, 
         prompts(12), SamplingParams(temperature=0, max_tokens=6, logprobs=1), use_tqdm=False
     )
     with CompileThreads() as compiles:
-        engine = build_llm(tiny_model_dir, "tiny", warmup="background").engine
+        engine = build_llm(
+            tiny_model_dir, "tiny", warmup="background", token_buckets=(1, 2, 4, 8)
+        ).engine
         buckets = engine.config.scheduler.token_buckets
         assert engine.config.resolved.warmup == "background"
         assert engine.batch_builder.ready_buckets == (buckets[0], buckets[-1])

@@ -38,7 +38,7 @@ def async_engine(quick, offline):
 
 
 def test_offline_generation_is_chunked_and_complete(quick, offline):
-    assert quick.engine.config.scheduler.token_buckets == (1, 2, 4, 6)
+    assert quick.engine.config.scheduler.token_buckets == (2, 6)
     assert [len(tokens) for tokens in offline] == [10, 10]
     prompt_len = len(quick.tokenizer.encode(PROMPTS[1]))
     assert prompt_len > 6  # chunked over more than one step

@@ -5,20 +5,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# Named engine options:
-# - "quick": four token buckets (1, 2, 4, 6), for tests that need any engine at all;
-# - "tiny": every prompt is chunked, and warm-up compiles few buckets;
+# Named engine options, each compiling few token buckets (most of an engine's start-up here is
+# compiling a model step and two sampler programs per bucket):
+# - "quick": buckets 2 and 6, for tests that need any engine at all;
+# - "tiny": every prompt is chunked (16 tokens a step), buckets 4 and 16;
 # - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step);
 # - "default": the default model's engine and server tests (model None: the default model).
+# A test of the bucketing itself sets token_buckets=None (every default bucket) or its own.
 PRESETS = {
     "quick": dict(
-        max_num_batched_tokens=6, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+        max_num_batched_tokens=6,
+        token_buckets=(2, 6),
+        max_num_seqs=4,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=96,
     ),
     "tiny": dict(
-        max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64, max_model_len=96
+        max_num_batched_tokens=16,
+        token_buckets=(4, 16),
+        max_num_seqs=4,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=96,
     ),
     "served": dict(
         max_num_batched_tokens=64,
+        token_buckets=(8, 64),
         max_num_seqs=8,
         block_size=8,
         num_kv_blocks=128,
@@ -28,6 +41,7 @@ PRESETS = {
         max_model_len=1024,
         max_num_seqs=32,
         max_num_batched_tokens=128,
+        token_buckets=(8, 32, 128),
         cache_dir=str(Path.home() / ".cache" / "jaxinfer"),
     ),
 }

@@ -104,3 +104,40 @@ def test_overrides_are_parsed_with_the_options_types():
     for bad in ("max_num_seq=8", "max_num_seqs=eight", "async_scheduling=maybe", "dtype"):
         with pytest.raises(ValueError):
             parse_overrides([bad])
+
+
+def test_token_buckets_from_a_flag_a_file_and_an_override(tmp_path):
+    values = flags.FlagValues()
+    define_engine_flags(values)
+    values(["prog", "--token_buckets=16,4", "--max_num_batched_tokens=32"])
+    assert engine_options_from_flags(values).token_buckets == (4, 16)
+    path = tmp_path / "c.toml"
+    path.write_text("[engine]\nmax_num_batched_tokens = 32\ntoken_buckets = [8, 2, 8]\n")
+    assert load_engine_options(path).token_buckets == (2, 8)
+    assert parse_overrides(["token_buckets=4:16"]) == {"token_buckets": ("4", "16")}
+    assert EngineOptions(token_buckets=("4", "16")).token_buckets == (4, 16)
+    assert EngineOptions().token_buckets is None
+
+
+@pytest.mark.parametrize(
+    ("buckets", "message"),
+    [
+        ((), "list of step sizes"),
+        ("4,16", "list of step sizes"),
+        ((0, 4), "positive integers"),
+        (("four",), "positive integers"),
+        ((True,), "positive integers"),
+        ((4, 1024), "exceeds max_num_batched_tokens"),
+    ],
+)
+def test_bad_token_buckets_are_clear_errors(buckets, message):
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(token_buckets=buckets)
+
+
+def test_the_budget_is_always_a_token_bucket():
+    from jaxinfer.config import token_buckets
+
+    assert token_buckets(64, (4, 16)) == (4, 16, 64)
+    assert token_buckets(64, (64,)) == (64,)
+    assert token_buckets(16) == (1, 2, 4, 6, 8, 12, 16)

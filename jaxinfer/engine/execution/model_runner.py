@@ -107,13 +107,12 @@ def _sample_and_record(
     sampler_state: SamplerState,
     last_tokens: jax.Array,  # i32[S]
     *,
-    num_logprobs: int,
     batch_invariant: bool,
     num_speculative: int,
     draft_probs: jax.Array | None = None,  # f32[S * K, V], a draft model's q by request row
 ) -> tuple[SamplerOutput, jax.Array, SamplerState]:
     """The sampler, then each request's last kept token and the output counts kept for the
-    next step."""
+    next step (the samples' logprobs are a program of their own: ModelRunner.sampled_logprobs)."""
     if draft_probs is not None:
         draft_probs = verified_probs(draft_probs, sampling, num_speculative)  # [P, V]
     sampled = sample(
@@ -121,7 +120,7 @@ def _sample_and_record(
         sampling,
         sampler_state,
         sampling.state_rows,
-        num_logprobs=num_logprobs,
+        num_logprobs=0,
         batch_invariant=batch_invariant,
         num_speculative=num_speculative,
         draft_probs=draft_probs,
@@ -256,8 +255,12 @@ class ModelRunner:
                 batch_invariant=kernels.batch_invariant,
                 num_speculative=config.scheduler.num_speculative_tokens,
             ),
-            static_argnames=("num_logprobs",),
             donate_argnames=("sampler_state", "last_tokens"),
+        )
+        self.sampled_logprobs = jax.jit(
+            functools.partial(
+                token_logprobs, num_top=MAX_LOGPROBS, batch_invariant=kernels.batch_invariant
+            )
         )
 
     def forward(self, batch: BatchInputs) -> jax.Array:
@@ -362,9 +365,11 @@ class ModelRunner:
             step.sampling,
             self.sampler_state,
             self.last_tokens,
-            num_logprobs=step.flags.num_logprobs,
             draft_probs=draft_probs,
         )
+        if step.flags.num_logprobs:
+            logprobs = self.sampled_logprobs(logits, sampled.token_ids)
+            sampled = SamplerOutput(sampled.token_ids, *logprobs)
         prompt = step.prompt_logprobs
         if prompt is None:
             return sampled, []

@@ -43,7 +43,7 @@ def warmup(
     progress: Callable[[int, str], None] | None = None,
 ) -> float:
     """Compiles token buckets `buckets` (all, or the first few), the sampler of each
-    sample-row bucket (with and without logprobs) and every size of per-request row
+    sample-row bucket (and the logprobs of its samples) and every size of per-request row
     updates, by running all-padding steps from the batch builder; returns the seconds it
     took. progress(done, what) is called after each of its warmup_units(buckets): the token
     buckets, then the row updates (and the draft). The other buckets compile later with
@@ -52,13 +52,13 @@ def warmup(
     for index, num_tokens in enumerate(buckets):
         inputs, sampling = builder.padding_batch(num_tokens)
         num_samples = sampling.temperature.shape[0]
-        variants = [0] if num_samples in runner.sampled_buckets else [0, MAX_LOGPROBS]
+        # The samples' logprobs once per sample-row bucket (the sampler is the same program
+        # with or without them), the prompt's once per token bucket.
+        num_logprobs = 0 if num_samples in runner.sampled_buckets else MAX_LOGPROBS
         runner.sampled_buckets.add(num_samples)
         prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
-        for num_logprobs in variants:
-            step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
-            jax.block_until_ready(runner.execute(step))
-            prompt = None  # compiled for this token bucket
+        step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
+        jax.block_until_ready(runner.execute(step))
         if progress is not None:
             progress(index + 1, f"{num_tokens} tokens")
     for num_rows in builder.update_buckets:
@@ -101,7 +101,7 @@ def compile_bucket(
 ) -> None:
     """Compiles the programs of token bucket `num_tokens` without running them (safe on
     another thread while the engine steps): the model step, the sampler of its sample-row
-    bucket (with and without logprobs, unless compiled already) and the row selection of
+    bucket and its samples' logprobs (unless compiled already) and the row selection of
     prompt logprobs. A step of this bucket then finds them all in JAX's caches."""
     inputs, sampling = builder.padding_batch(num_tokens)
     step = runner.scan_step.lower(
@@ -112,23 +112,23 @@ def compile_bucket(
         specs.last_tokens,
         inputs,
     )
-    compiled = step.compile()
-    outputs = jax.tree.map(
-        lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-        step.out_info,
-        compiled.output_shardings,
-    )
-    _, hidden, logits = outputs
+    _, hidden, logits = output_specs(step)
     num_samples = sampling.temperature.shape[0]
     if num_samples not in runner.sampled_buckets:
-        for num_logprobs in (0, MAX_LOGPROBS):
-            runner.sample_program.lower(
-                logits,
-                sampling,
-                specs.sampler_state,
-                specs.last_tokens,
-                num_logprobs=num_logprobs,
-                draft_probs=None,
-            ).compile()
+        sample = runner.sample_program.lower(
+            logits, sampling, specs.sampler_state, specs.last_tokens, draft_probs=None
+        )
+        sampled, _, _ = output_specs(sample)
+        runner.sampled_logprobs.lower(logits, sampled.token_ids).compile()
         runner.sampled_buckets.add(num_samples)
     runner.select_rows.lower(hidden, np.zeros(PROMPT_LOGPROB_ROWS, np.int32)).compile()
+
+
+def output_specs(lowered: jax.stages.Lowered) -> Any:
+    """Compiles a lowered program; its outputs as ShapeDtypeStructs, with their shardings."""
+    compiled = lowered.compile()
+    return jax.tree.map(
+        lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+        lowered.out_info,
+        compiled.output_shardings,
+    )

@@ -15,9 +15,15 @@ from tests.support.engines import build_llm
 pytestmark = pytest.mark.engine
 
 # max_num_seqs 64: batches of up to 64 requests; 128 tokens a step, so 64 prompts arrive in
-# chunks and the fixed request's prompt shares steps with decodes and other chunks.
+# chunks and the fixed request's prompt shares steps with decodes and other chunks. Steps of
+# 1, 16 and 128 tokens (1, 16 and 64 requests): a request alone decodes one token at a time.
 WIDE = dict(
-    max_num_seqs=64, max_num_batched_tokens=128, block_size=8, num_kv_blocks=1024, max_model_len=96
+    max_num_seqs=64,
+    max_num_batched_tokens=128,
+    token_buckets=(1, 16),
+    block_size=8,
+    num_kv_blocks=1024,
+    max_model_len=96,
 )
 FIXED_PROMPT = [7, 3, *range(40, 80)]  # 42 tokens
 FIXED = SamplingParams(temperature=0, max_tokens=16, logprobs=3, prompt_logprobs=3)
@@ -137,6 +143,7 @@ def test_default_model_bit_identical(model_cache_dir):
         max_model_len=256,
         max_num_seqs=16,
         max_num_batched_tokens=64,
+        token_buckets=(1, 16),
         batch_invariant=True,
     )
     prompt = "Explain in one sentence why the sky is blue."

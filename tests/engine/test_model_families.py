@@ -117,15 +117,7 @@ def test_engine_generates_hugging_faces_tokens(family, family_folder):
     from jaxinfer import SamplingParams
 
     folder = family_folder(family)
-    llm = build_llm(
-        folder,
-        None,
-        max_num_batched_tokens=16,
-        max_num_seqs=4,
-        block_size=8,
-        num_kv_blocks=64,
-        max_model_len=96,
-    )
+    llm = build_llm(folder, "tiny")
     kv = llm.engine.kv_cache_manager
     freed = []  # blocks freed behind the window, per call
     free_outside_window = kv.free_outside_window

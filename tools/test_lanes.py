@@ -4,14 +4,16 @@ Markers say what a test costs (pyproject.toml): `engine` (builds engines of its 
 models, or runs a tool end to end), `slow` (kernel sweeps), `default_model`, `multiprocess`,
 `browser`; a test with none is fast (unit, kernel, and tiny-model engine, server and batch
 tests on one shared engine). A machine here has two
-cores, and much of a test's time is compilation, which uses one. So the suite runs in stages,
-each using both cores: first the fast and the engine tests on two pytest-xdist workers, which
-take test files as they free up (so the slow files spread by what they cost, not by name);
-then the default model's tests beside the multi-process and browser ones. Each pytest process
-keeps the engines its tests build, whose compiled programs hold thousands of memory maps: one
-process for everything would pass vm.max_map_count (65530), where XLA's compiler crashes, so
-no process runs more than half the engine tests. Every process shares one compilation cache
-for the run (tests/conftest.py): a program compiled by one is loaded by the others.
+cores, and much of a test's time is compilation, which uses one. So the lanes run side by side:
+the fast and the engine tests on two pytest-xdist workers, which take test files as they free
+up (so the slow files spread by what they cost, not by name), beside the default model's tests
+and the multi-process and browser ones, each lane one process running one long chain of tests.
+Four processes share the two cores until the two single-process lanes end; run one after the
+other, a core would idle at each lane's tail. Each pytest process keeps the engines its tests
+build, whose compiled programs hold thousands of memory maps: one process for everything would
+pass vm.max_map_count (65530), where XLA's compiler crashes, so no process runs more than half
+the engine tests. Every process shares one compilation cache for the run (tests/conftest.py):
+a program compiled by one is loaded by the others.
 
     python -m tools.test_lanes [--check] [extra pytest arguments]
 
@@ -32,8 +34,8 @@ ON_TWO_WORKERS = ("-n", "2", "--dist", "loadfile")
 
 # Stages in turn; in each, pytest processes side by side, as (marker expression, arguments).
 STAGES = (
-    (("not (default_model or multiprocess or browser)", ("tests", *ON_TWO_WORKERS)),),
     (
+        ("not (default_model or multiprocess or browser)", ("tests", *ON_TWO_WORKERS)),
         ("default_model and not multiprocess", ("tests",)),
         ("multiprocess or browser", ("tests",)),
     ),

@@ -124,13 +124,14 @@ def test_default_engine_keeps_the_gguf_blocks(llm):
 
 def test_int8_greedy_stays_logprob_close_to_float32(llm, prompts, model_cache_dir):
     """Weight-only int8 against the float32 engine, by the rule float32 meets against HF."""
-    # 5 token buckets to compile; prompts are chunked
+    # steps of 1, 4 and 8 tokens; prompts are chunked
     int8 = build_llm(
         None,
         None,
         cache_dir=str(model_cache_dir),
         quantization="int8",
         max_num_batched_tokens=8,
+        token_buckets=(1, 4),
         max_num_seqs=4,
         max_model_len=128,
     )
@@ -160,6 +161,7 @@ def test_int4_top1_agreement_with_float32(llm, model_cache_dir):
         cache_dir=str(model_cache_dir),
         quantization="int4",
         max_num_batched_tokens=128,
+        token_buckets=(1, 32),  # one-token steps take the GGUF blocks
         max_num_seqs=4,
         max_model_len=320,
     )

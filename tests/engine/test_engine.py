@@ -22,6 +22,7 @@ def llm(tiny_model_dir):
         tiny_model_dir,
         None,
         max_num_batched_tokens=32,
+        token_buckets=(2, 8),
         max_num_seqs=8,
         block_size=8,
         num_kv_blocks=96,
@@ -199,6 +200,7 @@ def test_request_larger_than_pool_is_refused(tiny_model_dir):
         num_kv_blocks=5,
         block_size=8,
         max_num_batched_tokens=16,
+        token_buckets=(2,),
         max_num_seqs=4,
         max_model_len=256,
     )
@@ -274,6 +276,7 @@ def test_scan_and_per_layer_execution_agree(llm, tiny_model_dir):
         layer_execution="per_layer" if default == "scan" else "scan",
         async_scheduling=True,
         max_num_batched_tokens=32,
+        token_buckets=(2, 8),
         max_num_seqs=8,
         block_size=8,
         num_kv_blocks=96,

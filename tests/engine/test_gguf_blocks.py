@@ -126,6 +126,7 @@ def test_engine_with_gguf_weights_gives_bit_identical_outputs(q4_gguf, cpu_kerne
     path, _ = q4_gguf
     options = dict(
         max_num_batched_tokens=8,
+        token_buckets=(1, 2),  # steps of 1-2 tokens read the blocks, of 8 the weights
         max_num_seqs=3,
         block_size=8,
         num_kv_blocks=32,
@@ -184,6 +185,7 @@ def test_int4_takes_q4_k_and_q4_0_blocks_as_they_are(k_gguf, cpu_kernel_dir):
     assert sorted(kept["layers"]) == sorted(PROJECTIONS) and rejected == []
     options = dict(
         max_num_batched_tokens=8,
+        token_buckets=(1, 2),
         max_num_seqs=2,
         block_size=8,
         num_kv_blocks=32,

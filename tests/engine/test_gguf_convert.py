@@ -73,6 +73,7 @@ def test_gguf_path_generates_like_the_original_folder(tiny_gguf, tmp_path):
     # attention, so the engines do not build the C++ kernels into it.
     options = dict(
         max_num_batched_tokens=16,
+        token_buckets=(2,),
         max_num_seqs=2,  # one prompt: fewer sampler programs to compile
         block_size=8,
         num_kv_blocks=32,

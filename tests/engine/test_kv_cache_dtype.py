@@ -233,7 +233,9 @@ def test_fp8_scales_are_calibrated_or_read_from_the_checkpoint(tmp_path):
 
 # -- the engine with an int8 cache: scheduling and parallelism keep the tokens ----------------
 
-COMMON = dict(block_size=8, max_model_len=128, max_num_seqs=8, kv_cache_dtype="int8")
+COMMON = dict(
+    block_size=8, max_model_len=128, max_num_seqs=8, kv_cache_dtype="int8", token_buckets=(2,)
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
 
 

@@ -12,7 +12,8 @@ from tests.support.prompts import SHARED_PREFIX, prompts
 
 pytestmark = pytest.mark.engine
 
-COMMON = dict(block_size=8, max_model_len=128, max_num_seqs=8)
+# steps padded to 2, 8 or the budget
+COMMON = dict(block_size=8, max_model_len=128, max_num_seqs=8, token_buckets=(2, 8))
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

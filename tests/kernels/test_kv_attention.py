@@ -45,8 +45,9 @@ QUANTIZATION_ERROR = {"int8": 0.05, "fp8_e4m3": 0.3, "fp8_e5m2": 0.6}
 def quantized(args, kind):
     """(args over the quantized cache, args over its dequantized float cache, its scales)."""
     q, kv, *rest = args
-    values, scales = quantize_cache(kv.astype(jnp.float32), kind)
-    restored = dequantize_cache(values, scales, SCALE_LAYOUTS[kind]).astype(kv.dtype)
+    values, scales = jax.jit(quantize_cache, static_argnums=1)(kv.astype(jnp.float32), kind)
+    dequantize = jax.jit(dequantize_cache, static_argnums=2)
+    restored = dequantize(values, scales, SCALE_LAYOUTS[kind]).astype(kv.dtype)
     return (q, values, *rest), (q, restored, *rest), scales
 
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.multiprocess
 ENGINE_FLAGS = (
     "--max_num_seqs=2",
     "--max_num_batched_tokens=16",
-    "--token_buckets=4",  # and 16: two programs to compile per process
+    "--token_buckets=2",  # and 16: two programs to compile per process
     "--block_size=8",
     "--num_kv_blocks=96",
     "--max_model_len=128",
@@ -315,7 +315,7 @@ def test_default_model_across_three_processes_matches_one(model_cache_dir, cache
         "tensor_parallel_size": 3,
         "max_num_seqs": 2,
         "max_num_batched_tokens": 16,
-        "token_buckets": [4],
+        "token_buckets": [2],
         "max_model_len": 128,
         "num_kv_blocks": 64,
     }
@@ -349,7 +349,7 @@ def test_check_schedule_stops_both_processes_at_a_divergence(tiny_model_dir, cac
             "tensor_parallel_size": 2,
             "max_num_seqs": 2,
             "max_num_batched_tokens": 16,
-            "token_buckets": [4],
+            "token_buckets": [2],
             "block_size": 8,
             "num_kv_blocks": 96,
             "max_model_len": 128,

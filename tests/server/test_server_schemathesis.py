@@ -16,15 +16,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def api_schema(tiny_model_dir):
-    engine = build_engine(
-        tiny_model_dir,
-        None,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        block_size=8,
-        num_kv_blocks=128,
-        max_model_len=128,
-    )
+    engine = build_engine(tiny_model_dir, "served")
     url, server = serve(build_app(AsyncEngine(engine), ServerConfig(served_model_name="tiny")))
     yield schemathesis.openapi.from_url(f"{url}/openapi.json")
     server.should_exit = True

@@ -8,9 +8,11 @@ from pathlib import Path
 # Named engine options, each compiling few token buckets (most of an engine's start-up here is
 # compiling a model step and two sampler programs per bucket):
 # - "quick": buckets 2 and 6, for tests that need any engine at all;
-# - "tiny": every prompt is chunked (16 tokens a step), buckets 4 and 16;
+# - "tiny": every prompt is chunked (16 tokens a step), buckets 2 and 16 (steps of one or two
+#   tokens take the kernels' few-row paths);
 # - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step);
-# - "default": the default model's engine and server tests (model None: the default model).
+# - "default": the default model's engine and server tests (model None: the default model),
+#   buckets 1, 2, 16, 32 and 128.
 # A test of the bucketing itself sets token_buckets=None (every default bucket) or its own.
 PRESETS = {
     "quick": dict(
@@ -23,7 +25,7 @@ PRESETS = {
     ),
     "tiny": dict(
         max_num_batched_tokens=16,
-        token_buckets=(4, 16),
+        token_buckets=(2, 16),
         max_num_seqs=4,
         block_size=8,
         num_kv_blocks=64,
@@ -41,7 +43,7 @@ PRESETS = {
         max_model_len=1024,
         max_num_seqs=32,
         max_num_batched_tokens=128,
-        token_buckets=(8, 32, 128),
+        token_buckets=(1, 2, 16, 32),  # steps of 1-2 tokens read the GGUF blocks
         cache_dir=str(Path.home() / ".cache" / "jaxinfer"),
     ),
 }

@@ -50,6 +50,7 @@ class Harness:
             block_size=BLOCK_SIZE,
             num_kv_blocks=NUM_BLOCKS,
             max_num_batched_tokens=128,
+            token_buckets=(2, 16, 64),  # and 128: few programs, the kernels' few-row paths
             max_num_seqs=8,
             tensor_parallel_size=tensor_parallel_size,
             expert_parallel=expert_parallel,

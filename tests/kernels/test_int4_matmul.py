@@ -5,6 +5,8 @@ in float64, at every row count 1-64."""
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -224,12 +226,13 @@ def test_cpu_kernel_refuses_bad_shapes(cpu_matmul):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pallas_kernel_in_interpret_mode(dtype):
     rng = np.random.default_rng(5)
+    kernel = jax.jit(functools.partial(pallas_int4_matmul, interpret=True))  # one compile each
     for n, k, size in [(64, 256, 32), (48, 384, 128), (32, 128, 64)]:
         qs, scale, bias = random_int4(rng, n, k, size, np.float16, np.float32)
         args = [jnp.asarray(a) for a in (qs, scale, bias)]
         for rows in (1, 5, 17):
             x = rng.standard_normal((rows, k)).astype(np.float32)
-            got = pallas_int4_matmul(jnp.asarray(x, dtype), *args, interpret=True)
+            got = kernel(jnp.asarray(x, dtype), *args)
             assert got.dtype == dtype and got.shape == (rows, n)
             want = expected(np.asarray(jnp.asarray(x, dtype), np.float32), qs, scale, bias)
             close(got, want, 2e-6 if dtype == jnp.float32 else 2e-2)

@@ -77,8 +77,8 @@ def test_attention_reads_one_layer_of_the_whole_cache():
         [4, 1], [20, 33], group=4, head_dim=64, block_size=16, dtype=jnp.float32
     )
     stacked = jnp.stack([kv * 0.5, kv, kv * 2.0])  # [L, 2, NB, BS, K, D]
-    out = ragged_paged_attention(
-        q, stacked, *rest, sm_scale=0.1, layer=jnp.int32(2), interpret=INTERPRET
+    out = jit(ragged_paged_attention, sm_scale=0.1, interpret=INTERPRET)(
+        q, stacked, *rest, layer=jnp.int32(2)
     )
     expected = reference(ragged_paged_attention_reference, sm_scale=0.1)(q, kv * 2.0, *rest)
     assert_close(out, expected, jnp.float32)
@@ -91,7 +91,7 @@ def test_fused_ffn_matches_reference(num_tokens, hidden, intermediate, dtype):
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
     gate_up = jnp.asarray(rng.standard_normal((hidden, 2, intermediate)) / hidden**0.5, dtype)
     down = jnp.asarray(rng.standard_normal((intermediate, hidden)) / intermediate**0.5, dtype)
-    out = fused_ffn(x, gate_up, down, interpret=INTERPRET)
+    out = jit(fused_ffn, interpret=INTERPRET)(x, gate_up, down)
     expected = reference(fused_ffn_reference)(x, gate_up, down)
     scale = float(jnp.abs(expected.astype(jnp.float32)).max())
     assert out.shape == expected.shape and out.dtype == dtype
@@ -112,7 +112,7 @@ def test_add_rms_norm_matches_reference(num_tokens, hidden, dtype):
     rng = np.random.default_rng(2)
     x, residual = (jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype) for _ in "ab")
     weight = jnp.asarray(rng.standard_normal(hidden), dtype)
-    normed, summed = add_rms_norm(x, residual, weight, eps=1e-5, interpret=INTERPRET)
+    normed, summed = jit(add_rms_norm, eps=1e-5, interpret=INTERPRET)(x, residual, weight)
     # (no matmul; op by op, as the kernel rounds bf16 between its steps)
     expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, eps=1e-5)
     assert_close(summed, expected_summed, dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from scipy import stats
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.execution.batch import SamplingMetadata
+from jaxinfer.engine.sampling import logits_processors
 from jaxinfer.engine.sampling.constraints import (
     BadWords,
     RequestConstraints,
@@ -20,16 +22,17 @@ from jaxinfer.engine.sampling.constraints import (
     clear_bits,
     stop_mask,
 )
-from jaxinfer.engine.sampling.logits_processors import (
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-    first_argmax,
-    unpack_bitmask,
-)
+from jaxinfer.engine.sampling.logits_processors import unpack_bitmask
 from jaxinfer.engine.sampling.sampler import SamplerState, sample
 
 RNG = np.random.default_rng(0)
+
+# The processors jitted, as the sampler runs them (op by op, each of their conds and loops
+# would compile on its own).
+apply_min_p, apply_penalties, apply_top_k_top_p, first_argmax = (
+    jax.jit(getattr(logits_processors, name))
+    for name in ("apply_min_p", "apply_penalties", "apply_top_k_top_p", "first_argmax")
+)
 
 
 def numpy_penalties(logits, counts, prompt_mask, rep, pres, freq):

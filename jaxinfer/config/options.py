@@ -56,10 +56,10 @@ class EngineOptions:
     )
     token_buckets: tuple[int, ...] | None = option(
         None,
-        "The step sizes (tokens) compiled, each once: a step is padded to the smallest that "
-        "holds it; max_num_batched_tokens is always one. Fewer buckets compile sooner and pad "
-        "more. Unset: 1, 2, 4, then powers of two and the midpoints between them (a step pads "
-        "by at most a third).",
+        "The step sizes (tokens) compiled, each once (flag: 1,8,64; TOML: [1, 8, 64]): a step "
+        "is padded to the smallest that holds it; max_num_batched_tokens is always one. Fewer "
+        "buckets compile sooner and pad more. Unset: 1, 2, 4, then powers of two and the "
+        "midpoints between them (a step pads by at most a third).",
     )
     block_size: int = option(16, "Tokens per KV-cache block.", BLOCK_SIZES)
     num_kv_blocks: int | None = option(

@@ -349,8 +349,8 @@ def test_second_start_loads_every_program_from_the_compilation_cache(tiny_model_
         "from jaxinfer.config import EngineOptions\n"
         "from jaxinfer.engine.llm_engine import LLMEngine\n"
         "e = LLMEngine(EngineOptions(model=sys.argv[1], compilation_cache_dir=sys.argv[2],"
-        " max_num_batched_tokens=16, max_num_seqs=4, block_size=8, num_kv_blocks=64,"
-        " max_model_len=96))\n"
+        " max_num_batched_tokens=16, token_buckets=(2,), max_num_seqs=4, block_size=8,"
+        " num_kv_blocks=64, max_model_len=96))\n"
         "print('COUNTS', e.warmup_programs, e.warmup_cache_hits)\n"
     )
 

@@ -84,11 +84,11 @@ def bench_sampler(vocab: int) -> None:
     times = {}
     for name, md in variants.items():
         md = jax.device_put(md)
-        jax.block_until_ready(sample(logits, md, state, slots, num_logprobs=0))
+        jax.block_until_ready(sample(logits, md, state, slots))
         samples = []
         for _ in range(FLAGS.repeats):
             start = time.perf_counter()
-            jax.block_until_ready(sample(logits, md, state, slots, num_logprobs=0))
+            jax.block_until_ready(sample(logits, md, state, slots))
             samples.append(time.perf_counter() - start)
         times[name] = float(np.median(samples))
     base = times["all greedy"]

@@ -93,7 +93,7 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
     row_logits = logits()
     sampling = jax.device_put(SamplingMetadata.neutral(batch))
     slots = jnp.arange(batch, dtype=jnp.int32)
-    sampler = jax.jit(lambda x: sample(x, sampling, runner.sampler_state, slots, num_logprobs=0))
+    sampler = jax.jit(lambda x: sample(x, sampling, runner.sampler_state, slots))
 
     blocks = uses_gguf_blocks(kernels, batch)
     layer_weights = sum(read_bytes(p, blocks) for p in layers)

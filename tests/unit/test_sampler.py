@@ -23,7 +23,7 @@ from jaxinfer.engine.sampling.constraints import (
     stop_mask,
 )
 from jaxinfer.engine.sampling.logits_processors import unpack_bitmask
-from jaxinfer.engine.sampling.sampler import SamplerState, sample
+from jaxinfer.engine.sampling.sampler import SamplerState, sample, token_logprobs
 
 RNG = np.random.default_rng(0)
 
@@ -192,7 +192,7 @@ def draws(logits_row: np.ndarray, count: int, **values) -> np.ndarray:
     vocab = logits_row.shape[0]
     logits = jnp.asarray(np.tile(logits_row, (count, 1)))
     md = metadata(count, **values)
-    out = sample(logits, md, empty_state(1, vocab), jnp.zeros(count, jnp.int32), num_logprobs=0)
+    out = sample(logits, md, empty_state(1, vocab), jnp.zeros(count, jnp.int32))
     return np.asarray(out.token_ids)
 
 
@@ -231,7 +231,7 @@ def test_greedy_takes_argmax_of_processed_logits_and_seeds_are_row_independent()
     bias[2, 7] = 100.0
     state = SamplerState(state.output_counts, state.prompt_mask, jnp.asarray(bias), state.bitmask)
     md = metadata(4, has_bias=[0, 0, 1, 0])
-    out = sample(logits, md, state, jnp.asarray([0, 1, 2, 3]), num_logprobs=0)
+    out = sample(logits, md, state, jnp.asarray([0, 1, 2, 3]))
     expected = np.argmax(np.asarray(logits), axis=-1)
     expected[2] = 7
     np.testing.assert_array_equal(np.asarray(out.token_ids), expected)
@@ -242,7 +242,6 @@ def test_greedy_takes_argmax_of_processed_logits_and_seeds_are_row_independent()
         metadata(1, temperature=0.9, seeds=[[42, 0]], output_positions=[3]),
         state,
         jnp.asarray([0]),
-        num_logprobs=0,
     )
     mixed = sample(
         logits[jnp.asarray([0, 0, 0, 0])],
@@ -255,7 +254,6 @@ def test_greedy_takes_argmax_of_processed_logits_and_seeds_are_row_independent()
         ),
         state,
         jnp.asarray([0, 1, 2, 3]),
-        num_logprobs=0,
     )
     assert int(alone.token_ids[0]) == int(mixed.token_ids[1])
 
@@ -290,7 +288,8 @@ def test_the_extremes_of_the_ranges_keep_every_mask(temperature, repetition_pena
         min_p=0.05,
         seeds=np.stack([np.arange(rows), np.zeros(rows)], axis=1),
     )
-    out = sample(jnp.asarray(logits), md, state, jnp.arange(rows, dtype=jnp.int32), num_logprobs=2)
+    out = sample(jnp.asarray(logits), md, state, jnp.arange(rows, dtype=jnp.int32))
     tokens = np.asarray(out.token_ids)
     assert set(tokens.tolist()) <= {3, 40}, tokens
-    assert np.all(np.isfinite(np.asarray(out.sampled_logprobs)))
+    sampled_logprobs, _, _ = token_logprobs(jnp.asarray(logits), out.token_ids, 2)
+    assert np.all(np.isfinite(np.asarray(sampled_logprobs)))

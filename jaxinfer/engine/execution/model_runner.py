@@ -112,7 +112,7 @@ def _sample_and_record(
     draft_probs: jax.Array | None = None,  # f32[S * K, V], a draft model's q by request row
 ) -> tuple[SamplerOutput, jax.Array, SamplerState]:
     """The sampler, then each request's last kept token and the output counts kept for the
-    next step (the samples' logprobs are a program of their own: ModelRunner.sampled_logprobs)."""
+    next step (the samples' logprobs, where asked for: ModelRunner.sampled_logprobs)."""
     if draft_probs is not None:
         draft_probs = verified_probs(draft_probs, sampling, num_speculative)  # [P, V]
     sampled = sample(
@@ -120,7 +120,6 @@ def _sample_and_record(
         sampling,
         sampler_state,
         sampling.state_rows,
-        num_logprobs=0,
         batch_invariant=batch_invariant,
         num_speculative=num_speculative,
         draft_probs=draft_probs,

@@ -193,19 +193,19 @@ def truncated(
     return scaled
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "batch_invariant", "num_speculative"))
+@functools.partial(jax.jit, static_argnames=("batch_invariant", "num_speculative"))
 def sample(
     logits: jax.Array,  # f32[R, V]
     metadata: SamplingMetadata,
     state: SamplerState,
     rows: jax.Array,  # i32[R], each row's request row in `state`
     *,
-    num_logprobs: int,
     batch_invariant: bool = False,
     num_speculative: int = 0,
     draft_probs: jax.Array | None = None,
 ) -> SamplerOutput:
-    """`batch_invariant`: every float sum over a row as a fixed tree (jaxinfer.layers.invariant),
+    """The rows' tokens (their logprobs, where asked for, are token_logprobs' program of its
+    own, so the sampler compiles once per row count). `batch_invariant`: every float sum over a row as a fixed tree (jaxinfer.layers.invariant),
     so a row's result does not depend on the other rows. `num_speculative`: the most proposals
     a request verifies in a step (D). `draft_probs` (f32[R, V]): the distributions a draft
     model drew the rows' proposals from; random rows then verify them by rejection sampling.
@@ -230,10 +230,7 @@ def sample(
     uses_bias, uses_penalties, uses_bitmask = _stages_used(metadata)
     plain = jnp.all(is_greedy) & ~(uses_bias | uses_penalties | uses_bitmask)
     token_ids = jax.lax.cond(plain, first_argmax, processed_ids, logits)
-    if not num_logprobs:
-        return SamplerOutput(token_ids, None, None, None)
-    logprobs = token_logprobs(logits, token_ids, num_logprobs, batch_invariant)
-    return SamplerOutput(token_ids, *logprobs)
+    return SamplerOutput(token_ids, None, None, None)
 
 
 def token_logprobs(

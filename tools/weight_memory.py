@@ -23,6 +23,7 @@ from jaxinfer.layers.linear import OUT_IN
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.families.hf_config import read_config
 from jaxinfer.models.llama import build_llama
 from jaxinfer.models.params import random_params
 from jaxinfer.models.shapes import shape
@@ -48,7 +49,7 @@ def resident_bytes(config: LlamaConfig, params: dict, quantization) -> tuple[int
 def main(argv):
     del argv
     folder = resolve_model(None, EngineOptions().cache_dir)
-    default = LlamaConfig.from_file(folder / "config.json")
+    default = read_config(folder / "config.json")
     big = shape("llama3_8b")
     one_layer = dataclasses.replace(big, num_hidden_layers=1)
     models = [

@@ -12,6 +12,7 @@ from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolved import ResolvedOptions
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.quantization import Quantization
+from jaxinfer.models.families.hf_config import read_config
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
 
@@ -129,7 +130,7 @@ def token_buckets(
 def model_arch(options: EngineOptions, model_path: Path) -> LlamaConfig:
     """The model's shape as the engine runs it: under tensor parallelism each KV head is
     copied so that every device holds one."""
-    arch = LlamaConfig.from_file(model_path / "config.json")
+    arch = read_config(model_path / "config.json")
     tp = options.tensor_parallel_size
     check_tp_size(arch, tp)
     replicas = kv_replicas(arch, tp)
@@ -160,7 +161,7 @@ def check_expert_split(arch: LlamaConfig, tp: int, expert_parallel: bool) -> Non
 def build_engine_config(
     options: EngineOptions, resolved: ResolvedOptions, model_path: Path
 ) -> EngineConfig:
-    arch = LlamaConfig.from_file(model_path / "config.json")
+    arch = read_config(model_path / "config.json")
     tp = options.tensor_parallel_size
     check_tp_size(arch, tp)
     replicas = kv_replicas(arch, tp)

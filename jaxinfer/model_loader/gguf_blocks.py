@@ -23,6 +23,7 @@ from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
 from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
+from jaxinfer.models.families import family_for_architecture
 from jaxinfer.models.params import LAYER_PROJECTIONS
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from pallas_kernels.int4_matmul.reference import pack as int4_pack
@@ -168,14 +169,15 @@ def load_gguf_blocks(path: Path, config: LlamaConfig, int4: bool = False) -> dic
     (Q4_1, Q8_0), or with `int4` the types that are int4 groups of 32 (INT4_TYPES; a weight
     may mix them across layers)."""
     tensors = read_tensors(path)
+    permuted = family_for_architecture(config.architecture).gguf_qk_permuted
 
     def get(name: str) -> BlockWeight | None:
         return _blocks(tensors[name], int4) if name in tensors else None
 
     def q_rows(layer: int, part: str, heads: int) -> BlockWeight | None:
         w = get(f"blk.{layer}.attn_{part}.weight")
-        if w is None:
-            return None
+        if w is None or not permuted:
+            return w
         return BlockWeight(w.fmt, unpermute_qk(w.qs, heads), unpermute_qk(w.scales, heads))
 
     qkv_order = _qkv_order(config)

@@ -1,8 +1,11 @@
-"""Converts a llama.cpp GGUF file into a Hugging Face-style folder.
+"""Converts a llama.cpp GGUF file into a Hugging Face-style folder, for any family the registry
+(jaxinfer.models.families) finds by the file's `general.architecture`.
 
-Writes config.json, model.safetensors (float32), tokenizer.json, tokenizer_config.json and
-generation_config.json. Quantized tensors (Q4_1, Q8_0, ...) are dequantized with the `gguf`
-package, and llama.cpp's row permutation of the Q and K projections is undone.
+Writes config.json, the weights as float32 safetensors (in shards of at most 2 GiB, with an
+index, past that), tokenizer.json, tokenizer_config.json (the file's chat template) and
+generation_config.json (its stop tokens). Quantized tensors are dequantized with the `gguf`
+package; llama.cpp's row permutation of Q and K is undone where the family's converter made
+it; experts stored packed are joined as transformers packs them.
 """
 
 from __future__ import annotations
@@ -13,64 +16,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-# Control tokens that llama.cpp also treats as end of generation when the vocabulary has them.
-END_OF_GENERATION_TOKENS = (
-    "<|im_end|>",
-    "<|endoftext|>",
-    "<|eot_id|>",
-    "<|end_of_text|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "</s>",
-)
+from jaxinfer.model_loader.gguf_tokenizer import generation_fields, write_json, write_tokenizer
+from jaxinfer.models.families import family_for_gguf
+from jaxinfer.models.families.family import GGUFMetadata, ModelFamily
 
-# llama.cpp pre-tokenizer names -> the equivalent `tokenizers` pre-tokenizer.
-_PRE_TOKENIZERS = {
-    "smollm": lambda: pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    ),
-    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-}
-
-_TOKEN_TYPE_CONTROL = 3
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "attn_q": "self_attn.q_proj.weight",
-    "attn_k": "self_attn.k_proj.weight",
-    "attn_v": "self_attn.v_proj.weight",
-    "attn_output": "self_attn.o_proj.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "ffn_gate": "mlp.gate_proj.weight",
-    "ffn_up": "mlp.up_proj.weight",
-    "ffn_down": "mlp.down_proj.weight",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-class _Fields:
-    def __init__(self, reader: gguf.GGUFReader, path: Path):
-        self._reader, self._path = reader, path
-
-    def get(self, key: str, default=None):
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str):
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"{self._path}: GGUF metadata has no {key!r}")
-        return value
+SHARD_BYTES = 2 << 30
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -83,10 +34,20 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _dequantize(tensor) -> np.ndarray:
+def read_metadata(reader: gguf.GGUFReader, path: Path) -> GGUFMetadata:
+    return GGUFMetadata({k: f.contents() for k, f in reader.fields.items()}, str(path))
+
+
+def _dequantize(tensor, path: Path) -> np.ndarray:
     """float32 [rows, cols] in Hugging Face's [out, in] order (GGUF lists dims fastest first)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"{path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a block "
+            "type that cannot be read"
+        ) from None
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
@@ -97,120 +58,92 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:
         raise ValueError(f"{gguf_path}: not a readable GGUF file ({e})") from None
-    fields = _Fields(reader, gguf_path)
-    arch = fields.require("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (llama)")
-
-    num_heads = int(fields.require("llama.attention.head_count"))
-    num_kv_heads = int(fields.get("llama.attention.head_count_kv", num_heads))
-    hidden = int(fields.require("llama.embedding_length"))
+    meta = read_metadata(reader, gguf_path)
+    family = family_for_gguf(meta)
+    kind = meta.require("tokenizer.ggml.model")
+    if kind not in family.gguf_tokenizers:
+        raise ValueError(
+            f"{gguf_path}: a {family.name} file with a {kind!r} tokenizer is not supported "
+            f"({', '.join(family.gguf_tokenizers)})"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{gguf_path}: GGUF rope frequency factors are not supported")
+    if "token_embd.weight" not in names:
+        raise ValueError(f"{gguf_path}: the file has no token_embd.weight")
+    config = family.hf_config_from_gguf(meta)
+    tokens = generation_fields(meta)
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    config.update(
+        vocab_size=int(embed.shape[-1]),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=tokens["bos_token_id"],
+        eos_token_id=tokens["eos_token_id"],
+    )
+    _write_weights(_hf_tensors(reader, family, config, gguf_path), out_dir)
+    write_json(out_dir / "config.json", config)
+    write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": tokens["bos_token_id"], "eos_token_id": tokens["stop_token_ids"]},
+    )
+    write_tokenizer(meta, out_dir, config["max_position_embeddings"])
 
-    tensors = {}
+
+def _hf_tensors(reader, family: ModelFamily, config: dict, path: Path):
+    """(Hugging Face name, float32 array) of every tensor, in the file's order; a packed
+    expert gate waits for its up projection (and the other way round) to be joined."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    waiting: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        hf_name = _hf_tensor_name(tensor.name, gguf_path)
-        weight = _dequantize(tensor)
-        if tensor.name.endswith("attn_q.weight"):
-            weight = unpermute_qk(weight, num_heads)
-        elif tensor.name.endswith("attn_k.weight"):
-            weight = unpermute_qk(weight, num_kv_heads)
-        tensors[hf_name] = np.ascontiguousarray(weight)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        name = family.hf_tensor_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: unexpected GGUF tensor {tensor.name!r} for {family.name}")
+        value = family.hf_tensor_from_gguf(name, _dequantize(tensor, path))
+        if family.gguf_qk_permuted and name.endswith("q_proj.weight"):
+            value = unpermute_qk(value, heads)
+        elif family.gguf_qk_permuted and name.endswith("k_proj.weight"):
+            value = unpermute_qk(value, kv_heads)
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            value = value.reshape(1, -1)  # [1, E]
+        for part, other in (("gate_proj", "up_proj"), ("up_proj", "gate_proj")):
+            if name.endswith(f"experts.{part}.weight"):  # [X, I, E] each
+                pair = name.replace(part, other)
+                if pair not in waiting:
+                    waiting[name] = value
+                    break
+                gate_up = [value, waiting.pop(pair)][:: 1 if part == "gate_proj" else -1]
+                yield name.replace(f"{part}.weight", "gate_up_proj"), np.concatenate(gate_up, 1)
+                break
+        else:
+            if name.endswith("experts.down_proj.weight"):
+                name = name.removesuffix(".weight")
+            yield name, np.ascontiguousarray(value)
+    if waiting:
+        raise ValueError(f"{path}: expert tensors without their pair: {sorted(waiting)}")
 
-    tokens = fields.require("tokenizer.ggml.tokens")
-    token_types = fields.require("tokenizer.ggml.token_type")
-    bos_id = fields.get("tokenizer.ggml.bos_token_id")
-    eos_id = fields.get("tokenizer.ggml.eos_token_id")
-    eog_ids = _end_of_generation_ids(fields, tokens, token_types, eos_id)
 
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": len(tokens),
-        "hidden_size": hidden,
-        "intermediate_size": int(fields.require("llama.feed_forward_length")),
-        "num_hidden_layers": int(fields.require("llama.block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": int(fields.get("llama.rope.dimension_count", hidden // num_heads)),
-        "rms_norm_eps": float(fields.require("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(fields.require("llama.context_length")),
-        "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": "float32",
+def _write_weights(tensors, out_dir: Path) -> None:
+    """model.safetensors, or shards of at most SHARD_BYTES and their index."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors:
+        if size and size + value.nbytes > SHARD_BYTES:
+            _save(shards[-1], out_dir / f"model-{len(shards):05d}.safetensors")
+            shards[-1] = {k: None for k in shards[-1]}  # names kept for the index
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    if len(shards) == 1:
+        _save(shards[0], out_dir / "model.safetensors")
+        return
+    _save(shards[-1], out_dir / f"model-{len(shards):05d}.safetensors")
+    weight_map = {
+        name: f"model-{i + 1:05d}.safetensors" for i, shard in enumerate(shards) for name in shard
     }
-    _write_json(out_dir / "config.json", config)
-    _write_json(
-        out_dir / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eog_ids}
-    )
-
-    tokenizer = _build_tokenizer(fields, tokens, token_types, gguf_path)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(
-        out_dir / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": tokens[bos_id] if bos_id is not None else None,
-            "eos_token": tokens[eos_id] if eos_id is not None else None,
-            "add_bos_token": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-            "add_eos_token": bool(fields.get("tokenizer.ggml.add_eos_token", False)),
-            "chat_template": fields.get("tokenizer.chat_template"),
-            "model_max_length": config["max_position_embeddings"],
-        },
-    )
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
-def _hf_tensor_name(name: str, path: Path) -> str:
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
-
-
-def _end_of_generation_ids(fields, tokens, token_types, eos_id) -> list[int]:
-    ids = [] if eos_id is None else [int(eos_id)]
-    eot = fields.get("tokenizer.ggml.eot_token_id")
-    if eot is not None:
-        ids.append(int(eot))
-    for i, (text, kind) in enumerate(zip(tokens, token_types, strict=True)):
-        if kind == _TOKEN_TYPE_CONTROL and text in END_OF_GENERATION_TOKENS:
-            ids.append(i)
-    return sorted(set(ids))
-
-
-def _build_tokenizer(fields, tokens, token_types, path: Path) -> Tokenizer:
-    kind = fields.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)")
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise ValueError(
-            f"{path}: pre-tokenizer {pre!r} is not supported ({', '.join(_PRE_TOKENIZERS)})"
-        )
-    vocab = {text: i for i, text in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in fields.require("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(text, special=True, normalized=False)
-            for text, kind in zip(tokens, token_types, strict=True)
-            if kind == _TOKEN_TYPE_CONTROL
-        ]
-    )
-    return tokenizer
-
-
-def _write_json(path: Path, value) -> None:
-    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.weights import mapped
 from jaxinfer.model_loader.quantized_checkpoint import read_linear
+from jaxinfer.models.families import family_for_architecture
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -190,14 +191,6 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     }
 
 
-# Per-expert tensor names of each MoE family (legacy layout): the block's prefix, then the
-# gate, up and down projections of expert e.
-_EXPERT_NAMES = {
-    "MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
-}
-_DEFAULT_EXPERT_NAMES = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
-
-
 def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
     """The router and the experts of every layer, stacked ("in_out"): router [L, E, X],
     experts_gate_up [L, X, E, 2, I], experts_down [L, X, I, E], and Qwen2-MoE's shared
@@ -207,7 +200,7 @@ def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
     Mixtral's `block_sparse_moe.` renamed `mlp.`)."""
     cfg, moe = config, config.moe
     E, X, I = cfg.hidden_size, moe.num_experts, moe.intermediate_size  # noqa: E741
-    block, (gate, up, down) = _EXPERT_NAMES.get(cfg.architecture, _DEFAULT_EXPERT_NAMES)
+    block, (gate, up, down) = family_for_architecture(cfg.architecture).expert_names
 
     def get(name, shape):
         return reader.get(name, shape, dtype)

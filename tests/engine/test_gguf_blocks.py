@@ -12,7 +12,6 @@ import pytest
 
 from cpu_kernels.build import can_build
 from jaxinfer import SamplingParams
-from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.layers.linear import OUT_IN
@@ -22,6 +21,7 @@ from jaxinfer.model_loader.gguf_tensors import read_tensors
 from jaxinfer.model_loader.load import kept_gguf_blocks
 from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.families.hf_config import read_config
 from jaxinfer.models.params import as_weights, to_layout
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from tests.support.engines import build_llm, layer_weights
@@ -81,7 +81,7 @@ def k_gguf(tmp_path_factory):
 
 
 def converted(folder):
-    config = LlamaConfig.from_file(folder / "config.json")
+    config = read_config(folder / "config.json")
     params = load_llama_params(folder, config, np.float32)
     return config, to_layout(as_weights(config, params), OUT_IN)
 

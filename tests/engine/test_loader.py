@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.safetensors_loader import checkpoint_files, load_llama_params
+from jaxinfer.models.families.hf_config import config_from_dict, read_config
 from tests.support.models import make_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -39,7 +39,7 @@ def test_sharded_checkpoint_loads_like_single_file(single_file, tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(checkpoint_files(tmp_path)) > 2
-    config = LlamaConfig.from_file(single_file / "config.json")
+    config = read_config(single_file / "config.json")
     sharded = flat(load_llama_params(tmp_path, config, np.float32))
     single = flat(load_llama_params(single_file, config, np.float32))
     assert sharded.keys() == single.keys()
@@ -52,7 +52,7 @@ def test_bfloat16_checkpoint_loads_into_float32_and_back(single_file, tmp_path):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(single_file, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path)
-    config = LlamaConfig.from_file(tmp_path / "config.json")
+    config = read_config(tmp_path / "config.json")
     as_f32 = flat(load_llama_params(tmp_path, config, np.float32))
     as_bf16 = flat(load_llama_params(tmp_path, config, np.dtype(jnp.bfloat16)))
     reference = flat(load_llama_params(single_file, config, np.float32))
@@ -68,7 +68,7 @@ def test_shape_mismatch_names_file_tensor_and_expected_shape(single_file, tmp_pa
     weights = load_file(str(tmp_path / "model.safetensors"))
     weights["model.layers.1.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
     save_file(weights, str(tmp_path / "model.safetensors"))
-    config = LlamaConfig.from_file(tmp_path / "config.json")
+    config = read_config(tmp_path / "config.json")
     with pytest.raises(ValueError, match=r"model\.safetensors.*up_proj.*\(3, 3\).*\(112, 64\)"):
         load_llama_params(tmp_path, config, np.float32)
 
@@ -77,7 +77,7 @@ def test_missing_tensor_and_missing_files(single_file, tmp_path):
     weights = load_file(str(single_file / "model.safetensors"))
     del weights["model.norm.weight"]
     save_file(weights, str(tmp_path / "model.safetensors"))
-    config = LlamaConfig.from_file(single_file / "config.json")
+    config = read_config(single_file / "config.json")
     with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         load_llama_params(tmp_path, config, np.float32)
     empty = tmp_path / "empty"
@@ -90,7 +90,7 @@ def test_missing_tensor_and_missing_files(single_file, tmp_path):
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
         load_llama_params(empty, config, np.float32)
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        LlamaConfig.from_file(empty / "config.json")
+        read_config(empty / "config.json")
 
 
 @pytest.mark.parametrize(
@@ -121,24 +121,24 @@ def test_unsupported_configs_are_refused(single_file, change, message):
     config = json.loads((single_file / "config.json").read_text())
     config.update(change)
     with pytest.raises(ValueError, match=message):
-        LlamaConfig.from_dict(config)
+        config_from_dict(config)
 
 
 def test_family_fields_are_read(single_file):
     """Each family's own fields (the architectures' parity with HF is tested in
     test_model_families.py)."""
     base = json.loads((single_file / "config.json").read_text())
-    mistral = LlamaConfig.from_dict(
+    mistral = config_from_dict(
         {**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
     )
     assert mistral.sliding_window == 4096 and mistral.moe is None
-    assert LlamaConfig.from_dict(base).sliding_window is None  # Llama: no window
-    mixtral = LlamaConfig.from_dict(
+    assert config_from_dict(base).sliding_window is None  # Llama: no window
+    mixtral = config_from_dict(
         {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8}
     )
     assert mixtral.moe.router.renormalize and mixtral.moe.top_k == 2
     assert mixtral.moe.intermediate_size == base["intermediate_size"]
-    qwen3_moe = LlamaConfig.from_dict(
+    qwen3_moe = config_from_dict(
         {
             **base,
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -151,7 +151,7 @@ def test_family_fields_are_read(single_file):
     assert (qwen3_moe.moe.num_experts, qwen3_moe.moe.top_k) == (16, 4)
     assert qwen3_moe.moe.intermediate_size == 24 and not qwen3_moe.moe.router.renormalize
     assert qwen3_moe.qk_norm == "head" and qwen3_moe.dense_intermediate_size == 0
-    olmoe = LlamaConfig.from_dict(
+    olmoe = config_from_dict(
         {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 8, "clip_qkv": 8.0}
     )
     assert olmoe.qk_norm == "all" and olmoe.clip_qkv == 8.0

@@ -175,12 +175,12 @@ def _pack_experts(source, target, prefix: str, names: tuple[str, str, str]):
     ],
 )
 def test_packed_expert_layout_loads_the_same_model(family, prefix, names, family_folder, tmp_path):
-    from jaxinfer.arch_config import LlamaConfig
     from jaxinfer.model_loader.safetensors_loader import load_llama_params
+    from jaxinfer.models.families.hf_config import read_config
 
     source = family_folder(family)
     _pack_experts(source, tmp_path / "packed", prefix, names)
-    config = LlamaConfig.from_file(source / "config.json")
+    config = read_config(source / "config.json")
     per_expert = load_llama_params(source, config, np.float32)
     packed = load_llama_params(tmp_path / "packed", config, np.float32)
     for name in ("router", "experts_gate_up", "experts_down"):

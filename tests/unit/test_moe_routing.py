@@ -17,8 +17,9 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from jaxinfer.arch_config import LlamaConfig, RouterConfig
+from jaxinfer.arch_config import RouterConfig
 from jaxinfer.layers.moe.routing import route
+from jaxinfer.models.families.hf_config import config_from_dict
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 32, 16, 4, 96
 BASE = dict(
@@ -77,7 +78,7 @@ def _router_config(config) -> RouterConfig:
             topk_groups=config.topk_group,
         )
     fields = dict(config.to_dict(), architectures=[ARCHITECTURES[type(config)]])
-    return LlamaConfig.from_dict(fields).moe.router
+    return config_from_dict(fields).moe.router
 
 
 ARCHITECTURES = {

@@ -103,8 +103,21 @@ class LlamaConfig:
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: over each "head", or "all"
     clip_qkv: float | None = None  # q, k and v clipped to [-c, c] (OLMoE)
     sliding_window: int | None = None  # each token sees itself and the W - 1 tokens before
+    # Which layers slide (Gemma 3's local layers; the others see every token); None: all of
+    # them when sliding_window is set.
+    sliding_layers: tuple[bool, ...] | None = None
+    rope_local_theta: float | None = None  # the sliding layers' own RoPE base (Gemma 3)
     moe: MoeConfig | None = None  # every layer's FFN is a mixture of experts
     quantization: CheckpointQuantization | None = None  # saved with 4-bit weights (AWQ, GPTQ)
+    hidden_act: str = "silu"  # the FFN's gate: "silu" or "gelu_tanh" (Gemma)
+    embedding_scale: float | None = None  # the embeddings times this (Gemma: sqrt(E))
+    attention_scale: float | None = None  # q.k scale; None: head_dim ** -0.5
+    # Gemma's four norms per layer: an RMSNorm of the attention's and of the FFN's output
+    # before each is added to the residual stream (beside the two before them).
+    sandwich_norms: bool = False
+    # Every RMSNorm multiplies by (norm_offset + w), w as checkpoints store it (Gemma: 1);
+    # the loader adds it, so the model's norms multiply by their weights alone.
+    norm_offset: float = 0.0
 
     @property
     def dense_intermediate_size(self) -> int:
@@ -114,6 +127,12 @@ class LlamaConfig:
         return self.moe.shared_intermediate_size
 
     def __post_init__(self):
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} must be silu or gelu_tanh")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
+            raise ValueError(
+                f"{len(self.sliding_layers)} layer types for {self.num_hidden_layers} layers"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -123,3 +142,15 @@ class LlamaConfig:
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def sm_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
+
+    @property
+    def released_window(self) -> int | None:
+        """The window behind which a request's KV blocks can be freed: the sliding window
+        when every layer slides, else None (a global layer reads every block)."""
+        if self.sliding_layers is not None and not all(self.sliding_layers):
+            return None
+        return self.sliding_window

@@ -53,7 +53,7 @@ class LLMEngine:
             self.config.cache.block_size,
             self.config.cache.num_blocks,
             self.config.cache.enable_prefix_caching,
-            sliding_window=arch.sliding_window,
+            sliding_window=arch.released_window,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, arch.vocab_size)
         self.proposer = self.draft or make_proposer(self.config.speculative)

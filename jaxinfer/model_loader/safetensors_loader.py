@@ -144,11 +144,15 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
                 *(transposed(linear(p + f"self_attn.{x}_proj.", shapes[x])) for x in "qkv")
             )
 
+        def norm(name, shape):  # as the model multiplies by it (jaxinfer.arch_config)
+            w = get(name, shape)
+            return w + np.asarray(cfg.norm_offset, dtype) if cfg.norm_offset else w
+
         layers = {
-            "input_norm": stacked(lambda p: get(p + "input_layernorm.weight", (E,))),
-            "post_attention_norm": stacked(
-                lambda p: get(p + "post_attention_layernorm.weight", (E,))
-            ),
+            ours: stacked(lambda p, theirs=theirs: norm(p + theirs + ".weight", (E,)))
+            for ours, theirs in family_for_architecture(cfg.architecture).layer_norms.items()
+        }
+        layers |= {
             "qkv_proj": stacked(qkv),
             "o_proj": stacked(lambda p: transposed(linear(p + "self_attn.o_proj.", (E, q)))),
         }
@@ -170,10 +174,10 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
             q_width = q if cfg.qk_norm == "all" else D
 
             def k_norm(p):  # each KV head's part copied with the head
-                w = get(p + "self_attn.k_norm.weight", (k_heads * D,)).reshape(k_heads, D)
+                w = norm(p + "self_attn.k_norm.weight", (k_heads * D,)).reshape(k_heads, D)
                 return np.repeat(w, kv_replicas if k_heads > 1 else 1, axis=0).reshape(-1)
 
-            layers["q_norm"] = stacked(lambda p: get(p + "self_attn.q_norm.weight", (q_width,)))
+            layers["q_norm"] = stacked(lambda p: norm(p + "self_attn.q_norm.weight", (q_width,)))
             layers["k_norm"] = stacked(k_norm)
         if cfg.moe is not None:
             layers.update(load_moe_layers(reader, cfg, dtype))
@@ -182,7 +186,7 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
         params = {
             "embed": get("model.embed_tokens.weight", (V, E)),
             "layers": layers,
-            "norm": get("model.norm.weight", (E,)),
+            "norm": norm("model.norm.weight", (E,)),
         }
         if not cfg.tie_word_embeddings:
             params["lm_head"] = get("lm_head.weight", (V, E)).T

@@ -51,9 +51,9 @@ class LlamaForCausalLM(nnx.Module):
         for name, value in params.items():
             if name == "layers":
                 self.layers = _Params(value)
-            elif name == "rope_cache":
+            elif name in ("rope_cache", "rope_cache_local"):
                 # Static (not a Param): rebuilt from the config, never loaded.
-                self.rope_cache = nnx.Variable(value)  # f32[max_positions, 2, D / 2]
+                setattr(self, name, nnx.Variable(value))  # f32[max_positions, 2, D / 2]
             else:
                 setattr(self, name, nnx.Param(value))
 
@@ -81,8 +81,25 @@ class LlamaForCausalLM(nnx.Module):
         kernels: ModelKernels = REFERENCE_KERNELS,
         partitioner: Partitioner | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E] before the final norm)
+        kv_cache, hidden, _ = self._layers(kv_cache, batch, kernels, partitioner, collect=False)
+        return kv_cache, hidden
+
+    def residual_streams(
+        self,
+        kv_cache: KVCache,  # [L, 2, NB, BS, K, D] values (and scales)
+        batch: BatchInputs,
+        *,
+        kernels: ModelKernels = REFERENCE_KERNELS,
+        partitioner: Partitioner | None = None,
+    ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, [L, T, E])
+        """The residual stream after each layer (Hugging Face's hidden_states[1:], but for
+        the last, which HF gives after the final norm): for layer-by-layer parity."""
+        kv_cache, _, streams = self._layers(kv_cache, batch, kernels, partitioner, collect=True)
+        return kv_cache, streams
+
+    def _layers(self, kv_cache, batch, kernels, partitioner, collect: bool):
         params = nnx.to_pure_dict(nnx.state(self))
-        hidden, residual, cos_sin = embed_tokens(params, batch)
+        hidden, residual, cos_sin = embed_tokens(self.config, params, batch)
         layers = params["layers"]
         # A matmul kernel reads each layer's projections out of the stacked [L, ...] weights
         # in place; XLA's ops take the scan's slices.
@@ -107,15 +124,15 @@ class LlamaForCausalLM(nnx.Module):
                 kernels=kernels,
                 partitioner=partitioner,
             )
-            return (hidden, residual, kv_cache, layer + 1), None
+            return (hidden, residual, kv_cache, layer + 1), hidden + residual if collect else None
 
-        (hidden, residual, kv_cache, _), _ = jax.lax.scan(
+        (hidden, residual, kv_cache, _), streams = jax.lax.scan(
             layer_step,
             (hidden, residual, kv_cache, jnp.int32(0)),
             None if in_place else layers,
             length=self.config.num_hidden_layers,
         )
-        return kv_cache, hidden + residual
+        return kv_cache, hidden + residual, streams
 
 
 class _Params(nnx.Module):
@@ -124,12 +141,20 @@ class _Params(nnx.Module):
             setattr(self, name, nnx.Param(value))
 
 
-def embed_tokens(params: dict, batch: BatchInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(hidden [T, E], residual [T, E] zeros, cos_sin f32[T, 2, D / 2]) of the step's tokens:
-    the residual stream before the first layer is hidden + residual."""
+def embed_tokens(
+    config: LlamaConfig, params: dict, batch: BatchInputs
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(hidden [T, E], residual [T, E] zeros, cos_sin) of the step's tokens: the residual
+    stream before the first layer is hidden + residual; cos_sin f32[T, 2, D / 2], or with a
+    RoPE of the sliding layers' own f32[2, T, 2, D / 2] (the global layers', the local's)."""
     dtype = params["norm"].dtype
     hidden = params["embed"].rows(batch.token_ids, dtype)
-    return hidden, jnp.zeros_like(hidden), params["rope_cache"][batch.positions]
+    if config.embedding_scale is not None:
+        hidden = hidden * jnp.asarray(config.embedding_scale, dtype)
+    cos_sin = params["rope_cache"][batch.positions]
+    if "rope_cache_local" in params:
+        cos_sin = jnp.stack([cos_sin, params["rope_cache_local"][batch.positions]])
+    return hidden, jnp.zeros_like(hidden), cos_sin
 
 
 def decoder_layer(
@@ -140,7 +165,7 @@ def decoder_layer(
     kv_cache: KVCache,  # [L, 2, NB, BS, K, D] values (and scales)
     layer: jax.Array,  # i32[], this layer's index in the cache
     batch: BatchInputs,
-    cos_sin: jax.Array,  # f32[T, 2, D / 2]
+    cos_sin: jax.Array,  # f32[T, 2, D / 2], or [2, T, 2, D / 2] (embed_tokens)
     *,
     kernels: ModelKernels,
     partitioner: Partitioner | None = None,
@@ -149,6 +174,10 @@ def decoder_layer(
     cfg = config
     num_tokens = hidden.shape[0]
     group = cfg.num_attention_heads // cfg.num_key_value_heads
+    # a model whose layers differ (Gemma 3's local and global): this layer's kind
+    sliding = None if cfg.sliding_layers is None else jnp.asarray(cfg.sliding_layers)[layer]
+    if cfg.rope_local_theta is not None:
+        cos_sin = jnp.where(sliding, cos_sin[1], cos_sin[0])
 
     def constrain(x, axes):
         return x if partitioner is None else partitioner.constrain(x, axes)
@@ -170,20 +199,32 @@ def decoder_layer(
         q = constrain(apply_rotary(q, cos_sin), ("tokens", "q_heads", "head_dim"))
         k = apply_rotary(k, cos_sin)
         kv_cache = kv_cache.write(layer, k, v, batch.slot_mapping)
-        attn = kernels.attention(
-            kv_cache.queries(q, layer),
-            kv_cache.values,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            batch.num_seqs,
-            sm_scale=cfg.head_dim**-0.5,
-            sliding_window=cfg.sliding_window,
-            layer=layer,
-            **kv_cache.attention_kwargs(),
-        )  # [T, H, D]
+        queries = kv_cache.queries(q, layer)
+
+        def attention(window):
+            return kernels.attention(
+                queries,
+                kv_cache.values,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+                batch.num_seqs,
+                sm_scale=cfg.sm_scale,
+                sliding_window=window,
+                layer=layer,
+                **kv_cache.attention_kwargs(),
+            )  # [T, H, D]
+
+        if sliding is None:
+            attn = attention(cfg.sliding_window)
+        else:  # one kernel call runs: the window's or the whole context's
+            attn = jax.lax.cond(
+                sliding, lambda: attention(cfg.sliding_window), lambda: attention(None)
+            )
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
         hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], kernels)
+        if cfg.sandwich_norms:
+            hidden = kernels.rms_norm(hidden, p["attention_output_norm"], cfg.rms_norm_eps)
         hidden = constrain(hidden, ("tokens", "embed"))
     with jax.named_scope("mlp"):
         x, residual = kernels.add_rms_norm(
@@ -192,7 +233,9 @@ def decoder_layer(
         if cfg.moe is not None:
             hidden = moe_ffn(cfg, p, x, kernels, partitioner)
         else:
-            hidden = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels)
+            hidden = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels, cfg.hidden_act)
+        if cfg.sandwich_norms:
+            hidden = kernels.rms_norm(hidden, p["ffn_output_norm"], cfg.rms_norm_eps)
         hidden = constrain(hidden, ("tokens", "embed"))
     return hidden, residual, kv_cache
 
@@ -256,7 +299,7 @@ def build_llama(
     the default device. gguf_blocks: GGUF blocks to keep beside their "out_in" weights
     (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree); int4_blocks: 4-bit blocks to
     take as the int4 weights themselves (the same tree, with_q4_blocks)."""
-    values = as_weights(config, {k: v for k, v in params.items() if k != "rope_cache"})
+    values = as_weights(config, {k: v for k, v in params.items() if not k.startswith("rope_")})
     if quantization is not None:
         values = quantize_weights(config, values, quantization)
     if int4_blocks:
@@ -270,6 +313,11 @@ def build_llama(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )
     axes["rope_cache"] = PARAM_AXES["rope_cache"]
+    if config.rope_local_theta is not None:  # the sliding layers' (unscaled)
+        values["rope_cache_local"] = cos_sin_cache(
+            config.max_position_embeddings, config.head_dim, config.rope_local_theta, None
+        )
+        axes["rope_cache_local"] = PARAM_AXES["rope_cache"]
     if partitioner is None:
         placed = jax.tree.map(jnp.asarray, values)
     else:

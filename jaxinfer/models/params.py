@@ -32,6 +32,8 @@ PARAM_AXES = {
     "layers": {
         "input_norm": ("layers", "embed"),
         "post_attention_norm": ("layers", "embed"),
+        "attention_output_norm": ("layers", "embed"),  # sandwich norms (Gemma)
+        "ffn_output_norm": ("layers", "embed"),
         "qkv_proj": ("layers", "embed", "kv_heads", "qkv", "head_dim"),
         "qkv_bias": ("layers", "kv_heads", "qkv", "head_dim"),
         "o_proj": ("layers", "q_heads_x_dim", "embed"),

@@ -31,7 +31,17 @@ def default_block_t(num_tokens: int) -> int:
     return 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
 
 
-def _gate_up_kernel(x_ref, w_ref, h_ref, *, block_t, block_i, block_k, intermediate):
+def _activation(gate: jax.Array, name: str) -> jax.Array:
+    """The gate's activation in float32, written out (the reference's ACTIVATIONS)."""
+    if name == "silu":
+        return gate / (1.0 + jnp.exp(-gate))
+    if name == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi)
+        return 0.5 * gate * (1.0 + jnp.tanh(inner))
+    raise ValueError(f"activation {name!r} is not one of silu, gelu_tanh")
+
+
+def _gate_up_kernel(x_ref, w_ref, h_ref, *, block_t, block_i, block_k, intermediate, activation):
     # x_ref [Tp, E], w_ref [E, 2I], h_ref [Tp, I]
     t, i = pl.program_id(0), pl.program_id(1)
     ds = pl.ds
@@ -60,7 +70,7 @@ def _gate_up_kernel(x_ref, w_ref, h_ref, *, block_t, block_i, block_k, intermedi
 
     zeros = jnp.zeros((block_t, block_i), jnp.float32)
     gate, up = jax.lax.fori_loop(0, hidden // block_k, body, (zeros, zeros))
-    h = gate / (1.0 + jnp.exp(-gate)) * up  # silu(gate) * up, in float32
+    h = _activation(gate, activation) * up  # in float32
     h_ref[rows, ds(i * block_i, block_i)] = h.astype(h_ref.dtype)
 
 
@@ -68,6 +78,7 @@ def gate_up_activation(
     x: jax.Array,  # [T, E]
     gate_up: jax.Array,  # [E, 2, I]
     *,
+    activation: str = "silu",
     interpret: bool = False,
     block_t: int | None = None,
     block_i: int | None = None,
@@ -93,6 +104,7 @@ def gate_up_activation(
         block_i=block_i,
         block_k=block_k,
         intermediate=intermediate,
+        activation=activation,
     )
     h = gpu_lowering.call(
         kernel,
@@ -110,14 +122,16 @@ def fused_ffn(
     gate_up: jax.Array,  # [E, 2, I]
     down: jax.Array,  # [I, E]
     *,
+    activation: str = "silu",
     interpret: bool = False,
     batch_invariant: bool = False,
     **tiles,
 ) -> jax.Array:  # [T, E]
-    """The Pallas kernel with the reference's signature: down(silu(x @ W_gate) * (x @ W_up)).
+    """The Pallas kernel with the reference's signature: down(act(x @ W_gate) * (x @ W_up)).
     `batch_invariant`: tiles independent of T, the down projection through the Pallas matmul."""
     if not batch_invariant:
-        return gate_up_activation(x, gate_up, interpret=interpret, **tiles) @ down
+        h = gate_up_activation(x, gate_up, activation=activation, interpret=interpret, **tiles)
+        return h @ down
     tiles.setdefault("block_t", BLOCK_T)
-    h = gate_up_activation(x, gate_up, interpret=interpret, **tiles)
+    h = gate_up_activation(x, gate_up, activation=activation, interpret=interpret, **tiles)
     return matmul(h, down, interpret=interpret)

@@ -1,10 +1,11 @@
-"""Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE and sliding-window Mistral against Hugging Face
+"""Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, sliding-window Mistral and Gemma 3 (local and
+global layers, sandwich norms, GELU-tanh, a scaled embedding) against Hugging Face
 transformers on tiny random models (written by transformers, no downloads).
 
 Per family: logits within 1e-5 relative in float32 for a prompt in one step, in chunks over
 shuffled blocks and inside a mixed batch (the CPU default: the C++ matmul, grouped-matmul and
 attention kernels under the layer scan; the MoE families also through the references in the
-"in_out" layout); greedy generations through the engine equal HF's generate; a checkpoint
+"in_out" layout, as is Gemma 3); greedy generations through the engine equal HF's generate; a checkpoint
 whose experts are packed (`experts.gate_up_proj`, the layout of recent transformers) loads to
 the same model as one tensor per expert; and a MoE model split over 4 and 8 virtual CPU
 devices, by tensor parallelism within the experts or by expert parallelism, generates the
@@ -48,7 +49,7 @@ def family_folder(tmp_path_factory):
 
 
 EXECUTIONS = {"cpu": ("scan", "out_in"), "reference": ("scan", "in_out")}
-CASES = [(f, "cpu") for f in FAMILIES] + [(f, "reference") for f in MOE_FAMILIES]
+CASES = [(f, "cpu") for f in FAMILIES] + [(f, "reference") for f in (*MOE_FAMILIES, "gemma3")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{e}" for f, e in CASES])

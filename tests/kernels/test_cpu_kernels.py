@@ -210,3 +210,12 @@ def test_attention_reads_one_layer_of_the_whole_cache(attention):
     )
     expected = ragged_paged_attention_reference(q, kv * 2.0, *rest, sm_scale=0.1)
     assert_close(out, expected, F32)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_attention_at_gemma3_head_size(attention, sliding_window):
+    """Gemma 3's 256-wide heads (its local layers with a window, its global ones without)."""
+    args = attention_batch([1, 1, 9], [40, 17, 60], group=4, head_dim=256, block_size=16, dtype=F32)
+    kwargs = dict(sm_scale=256**-0.5, sliding_window=sliding_window)
+    out = jit(attention, **kwargs)(*args)
+    assert_close(out, jit(ragged_paged_attention_reference, **kwargs)(*args), F32)

@@ -100,6 +100,27 @@ def test_fused_ffn_matches_reference(num_tokens, hidden, intermediate, dtype):
     )
 
 
+def test_fused_ffn_gelu_tanh_gate_matches_reference():
+    """Gemma's gate (HF's gelu_pytorch_tanh), written out in the kernel."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((37, 64)), jnp.float32)
+    gate_up = jnp.asarray(rng.standard_normal((64, 2, 112)) / 8, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((112, 64)) / 112**0.5, jnp.float32)
+    out = jit(fused_ffn, interpret=INTERPRET, activation="gelu_tanh")(x, gate_up, down)
+    expected = reference(fused_ffn_reference, activation="gelu_tanh")(x, gate_up, down)
+    silu = reference(fused_ffn_reference)(x, gate_up, down)
+    assert_close(out, expected, jnp.float32)
+    assert not np.allclose(expected, silu, rtol=1e-2)  # the activation made a difference
+
+
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_attention_at_gemma3_head_size(sliding_window):
+    args = attention_batch([1, 9], [24, 30], group=4, head_dim=256, block_size=16, dtype=F32)
+    kwargs = dict(sm_scale=256**-0.5, sliding_window=sliding_window)
+    out = jit(ragged_paged_attention, interpret=INTERPRET, **kwargs)(*args)
+    assert_close(out, reference(ragged_paged_attention_reference, **kwargs)(*args), F32)
+
+
 def test_fused_ffn_refuses_shapes_it_cannot_tile():
     x = jnp.zeros((4, 60))
     with pytest.raises(ValueError, match="E=60"):
@@ -154,6 +175,7 @@ def _attention_lowering(num_tokens, num_heads, num_kv_heads, head_dim, dtype, **
         dict(num_tokens=8, num_heads=32, num_kv_heads=8, head_dim=128),  # Llama-3-8B, splits
         dict(num_tokens=256, num_heads=32, num_kv_heads=8, head_dim=128, sliding_window=64),
         dict(num_tokens=32, num_heads=9, num_kv_heads=3, head_dim=64, dtype=jnp.float32),
+        dict(num_tokens=64, num_heads=4, num_kv_heads=1, head_dim=256, sliding_window=512),
     ],
 )
 def test_attention_lowers_for_the_gpu(shape):

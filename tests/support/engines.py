@@ -12,7 +12,8 @@ from pathlib import Path
 #   tokens take the kernels' few-row paths);
 # - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step);
 # - "default": the default model's engine and server tests (model None: the default model),
-#   buckets 1, 2, 16, 32 and 128.
+#   buckets 1, 2, 16, 32 and 128;
+# - "real": the real models' (a preset's name as the model), buckets 8 and 512.
 # A test of the bucketing itself sets token_buckets=None (every default bucket) or its own.
 PRESETS = {
     "quick": dict(
@@ -45,6 +46,16 @@ PRESETS = {
         max_num_batched_tokens=128,
         token_buckets=(1, 2, 16, 32),  # steps of 1-2 tokens read the GGUF blocks
         cache_dir=str(Path.home() / ".cache" / "jaxinfer"),
+    ),
+    # The real models' (tests/engine/test_real_models.py): eight chat prompts prefilled in one
+    # step, then decoded together.
+    "real": dict(
+        max_model_len=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        token_buckets=(8,),
+        block_size=16,
+        num_kv_blocks=96,
     ),
 }
 

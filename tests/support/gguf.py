@@ -25,6 +25,7 @@ GGUF_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": (gguf.MODEL_ARCH.QWEN2MOE, False),
     "Qwen3MoeForCausalLM": (gguf.MODEL_ARCH.QWEN3MOE, False),
     "OlmoeForCausalLM": (gguf.MODEL_ARCH.OLMOE, False),
+    "Gemma3ForCausalLM": (gguf.MODEL_ARCH.GEMMA3, False),
 }
 
 
@@ -53,7 +54,11 @@ def write_gguf(hf_folder, path, quantized=None) -> dict[str, np.ndarray]:
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    theta = (
+        config.get("rope_theta") or rope.get("rope_theta") or rope["full_attention"]["rope_theta"]
+    )
+    writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_dimension_count(head_dim)
     experts = config.get("num_local_experts") or config.get("num_experts")
@@ -66,6 +71,8 @@ def write_gguf(hf_folder, path, quantized=None) -> dict[str, np.ndarray]:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if config.get("clip_qkv"):
         writer.add_clamp_kqv(config["clip_qkv"])
+    if arch == gguf.MODEL_ARCH.GEMMA3 and config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
     special = {t["content"] for t in tokenizer["added_tokens"]}
     writer.add_tokenizer_model("gpt2")
@@ -90,6 +97,8 @@ def write_gguf(hf_folder, path, quantized=None) -> dict[str, np.ndarray]:
         target = gguf_name(names, name)
         if name.endswith("shared_expert_gate.weight"):
             stored = stored.reshape(-1)  # llama.cpp's [E]
+        if arch == gguf.MODEL_ARCH.GEMMA3 and name.endswith("norm.weight"):
+            stored = stored + np.float32(1)  # llama.cpp stores Gemma's norms as 1 + w
         if qtype is not None:
             if qtype == gguf.GGMLQuantizationType.Q4_K:  # gguf cannot quantize it
                 packed = quantize_q4_k(stored)

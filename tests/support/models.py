@@ -56,6 +56,8 @@ def make_family_model(folder, family: str, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.mul_(4.0)
+            elif family in NOISY_NORMS:  # initialized to zeros: (1 + w) would hide w
+                param.add_(0.2 * torch.randn_like(param))
     model.eval().save_pretrained(folder, safe_serialization=True)
     write_tiny_tokenizer(folder, BASE["vocab_size"])
     return folder
@@ -76,6 +78,7 @@ BASE = dict(
 
 
 MOE = dict(num_experts_per_tok=2)
+NOISY_NORMS = ("gemma3",)
 
 
 FAMILIES = {
@@ -99,6 +102,24 @@ FAMILIES = {
         transformers.OlmoeForCausalLM,
         transformers.OlmoeConfig,
         dict(MOE, num_experts=8, intermediate_size=32, clip_qkv=4.0),
+    ),
+    # local and global layers (the window crossed in the tests), q.k scaled by its own scalar
+    "gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        ),
     ),
     "mistral_sliding_window": (
         transformers.MistralForCausalLM,

@@ -32,6 +32,7 @@ FAMILIES = {
     "qwen3_moe": True,
     "mixtral": False,
     "olmoe": False,
+    "gemma3": True,
 }
 
 
@@ -40,6 +41,10 @@ def _hf_folder(family, folder):
         return make_tiny_model(folder, num_key_value_heads=2)
     if family == "qwen2":
         return make_tiny_model(folder, architecture="qwen2", num_key_value_heads=1)
+    if family == "gemma3":  # what a GGUF file can say: llama.cpp's pattern and scale
+        return make_family_model(
+            folder, family, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32
+        )
     return make_family_model(folder, family)
 
 

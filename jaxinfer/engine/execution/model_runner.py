@@ -214,7 +214,7 @@ class ModelRunner:
             ]
             del stacked
             self.layer_ids = [part.place(np.int32(i), ()) for i in range(arch.num_hidden_layers)]
-            self._embed = jax.jit(embed_tokens)
+            self._embed = jax.jit(functools.partial(embed_tokens, arch))
             self._layer = jax.jit(
                 functools.partial(decoder_layer, arch, kernels=kernels, partitioner=part),
                 donate_argnames=("kv_cache",),

@@ -5,6 +5,7 @@ Face architecture (config.json's `architectures`) or its GGUF architecture
 from __future__ import annotations
 
 from jaxinfer.models.families import (
+    gemma3,
     llama,
     mistral,
     mixtral,
@@ -17,7 +18,8 @@ from jaxinfer.models.families import (
 from jaxinfer.models.families.family import GGUFMetadata, ModelFamily
 
 FAMILIES: tuple[ModelFamily, ...] = tuple(
-    module.FAMILY for module in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe)
+    module.FAMILY
+    for module in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, gemma3)
 )
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxinfer.arch_config import RopeScaling
+
 # GGUF tensor names (llama.cpp's) -> Hugging Face's, shared by the Llama-style families.
 GGUF_GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -82,6 +84,12 @@ class ModelFamily:
     # Per-expert tensor names in safetensors (the layout of older transformers): the MoE
     # block's prefix, then the gate, up and down projections' names.
     expert_names: tuple[str, tuple[str, str, str]] = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+    # A layer's norms: the model's parameter -> the checkpoint's name in the layer. Llama's
+    # post_attention_layernorm is the norm before the FFN.
+    layer_norms: dict[str, str] = {  # noqa: RUF012 (read only)
+        "input_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+    }
 
     def config_fields(self, cfg: dict[str, Any], source: str) -> dict[str, Any]:
         """The family's own LlamaConfig fields from its config.json (the shared ones are read
@@ -162,3 +170,25 @@ def _rope_scaling_from_gguf(meta: GGUFMetadata) -> dict[str, Any]:
     if kind == "linear":
         return {"rope_scaling": {"rope_type": "linear", "factor": meta.arch("rope.scaling.factor")}}
     raise ValueError(f"{meta.source}: GGUF rope scaling {kind!r} is not supported (linear)")
+
+
+def rope_scaling(scaling: dict[str, Any] | None, source: str) -> RopeScaling | None:
+    """A config's rope_scaling (or rope_parameters), None for the default RoPE."""
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return None
+    if rope_type == "llama3":
+        return RopeScaling(
+            rope_type="llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings", 8192)
+            ),
+        )
+    if rope_type == "linear":
+        return RopeScaling(rope_type="linear", factor=float(scaling["factor"]))
+    raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported")

@@ -11,9 +11,9 @@ from jaxinfer.arch_config import (
     CHECKPOINT_QUANTIZATIONS,
     CheckpointQuantization,
     LlamaConfig,
-    RopeScaling,
 )
 from jaxinfer.models.families import family_for_architecture
+from jaxinfer.models.families.family import rope_scaling
 
 
 def read_config(path: Path) -> LlamaConfig:
@@ -53,7 +53,7 @@ def config_from_dict(cfg: dict[str, Any], source: str = "config.json") -> LlamaC
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", False),
-        rope_scaling=_rope_scaling(cfg, source),
+        rope_scaling=rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"), source),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         quantization=_checkpoint_quantization(cfg, source),
@@ -97,25 +97,3 @@ def _checkpoint_quantization(cfg: dict[str, Any], source: str) -> CheckpointQuan
 def _rope_theta(cfg: dict[str, Any]) -> float:
     params = cfg.get("rope_parameters") or {}
     return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(cfg: dict[str, Any], source: str) -> RopeScaling | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling:
-        return None
-    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type == "default":
-        return None
-    if rope_type == "llama3":
-        return RopeScaling(
-            rope_type="llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                scaling.get("original_max_position_embeddings", 8192)
-            ),
-        )
-    if rope_type == "linear":
-        return RopeScaling(rope_type="linear", factor=float(scaling["factor"]))
-    raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported")

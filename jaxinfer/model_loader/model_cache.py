@@ -108,13 +108,23 @@ def _lock(target: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# Files from this size on are hashed again only when their modification time is not the one
+# the manifest recorded (a model's gigabytes are not re-read at every start); smaller ones,
+# always.
+REHASH_BELOW = 64 << 20
+
+
 def is_complete(folder: Path) -> bool:
     """True when every file in the folder's manifest is present with its size and hash."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         for name, entry in manifest["files"].items():
             path = folder / name
-            if path.stat().st_size != entry["size"] or file_sha256(path) != entry["sha256"]:
+            stat = path.stat()
+            if stat.st_size != entry["size"]:
+                return False
+            unchanged = stat.st_size >= REHASH_BELOW and stat.st_mtime_ns == entry.get("mtime_ns")
+            if not unchanged and file_sha256(path) != entry["sha256"]:
                 return False
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -127,7 +137,11 @@ def _build_atomically(target: Path, build) -> None:
     try:
         build(staging)
         files = {
-            p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
+            p.name: {
+                "size": p.stat().st_size,
+                "sha256": file_sha256(p),
+                "mtime_ns": p.stat().st_mtime_ns,
+            }
             for p in sorted(staging.iterdir())
             if p.is_file()
         }

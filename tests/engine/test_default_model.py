@@ -16,6 +16,7 @@ from jaxinfer.model_loader.model_cache import resolve_model
 from tests.support.checks import check_logprobs_close
 from tests.support.engines import build_llm, layer_weights, scheduled
 from tools.quant_accuracy import agreement, token_streams
+from tools.real_model_prompts import hf_greedy
 
 HF_ATOL = 1e-3  # float32 against HF's float32 on the common prefix (nats; 3e-5 measured here)
 INT8_ATOL = 0.6  # weight-only int8 against float32 (0.40 measured)
@@ -68,27 +69,6 @@ def first_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     finally:
         engine.batch_builder.rows.release(request.request_id)
         engine.abort_request(request.request_id)
-
-
-def hf_greedy(
-    model, prompt: list[int], max_tokens: int
-) -> tuple[list[int], list[dict[int, float]]]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = []
-    for step_logits in out.logits:
-        lp = torch.log_softmax(step_logits[0].float(), dim=-1)
-        values, ids = lp.topk(5)
-        logprobs.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
-    return tokens, logprobs
 
 
 def test_first_step_logits_match_hf(llm, hf_model, prompts):

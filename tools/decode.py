@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxinfer.layers.weights import GGUFBlocks, is_weight
 from jaxinfer.models.inputs import BatchInputs
 
 
@@ -36,20 +35,7 @@ def _nbytes(a) -> int:
     return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
 
 
-def read_bytes(tree, blocks: bool = False) -> int:
-    """Bytes a step reads of a parameter tree (or one weight): every array once, except that a
-    weight with GGUF blocks is read as its blocks where `blocks` (steps of a few rows), as its
-    float weight otherwise (never both)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree, is_leaf=is_weight):
-        if isinstance(leaf, GGUFBlocks):
-            total += _nbytes(leaf.qs) + _nbytes(leaf.scales) if blocks else _nbytes(leaf.w)
-        else:
-            total += sum(_nbytes(a) for a in jax.tree.leaves(leaf))
-    return total
-
-
-def uses_gguf_blocks(kernels, rows: int) -> bool:
-    """Whether a step of `rows` tokens multiplies GGUF blocks where weights have them."""
-    matmul = kernels.matmul
-    return getattr(matmul, "gguf_kernel", None) is not None and rows <= matmul.max_block_rows
+def read_bytes(tree) -> int:
+    """Bytes a step reads of a parameter tree (or one weight): every array once (a GGUF block
+    weight's blocks as they are)."""
+    return sum(_nbytes(a) for a in jax.tree.leaves(tree))

@@ -20,7 +20,7 @@ from jaxinfer.engine.execution.batch import SamplingMetadata
 from jaxinfer.engine.sampling.sampler import sample
 from jaxinfer.layers.weights import is_weight
 from jaxinfer.models.params import head_name
-from tools.decode import decode_batch, read_bytes, uses_gguf_blocks
+from tools.decode import decode_batch, read_bytes
 from tools.device_rates import matmul_rate, memory_bandwidth, timed
 
 
@@ -95,12 +95,11 @@ def measure(llm: LLM, batch: int, context: int, repeats: int = 10) -> list[Part]
     slots = jnp.arange(batch, dtype=jnp.int32)
     sampler = jax.jit(lambda x: sample(x, sampling, runner.sampler_state, slots))
 
-    blocks = uses_gguf_blocks(kernels, batch)
-    layer_weights = sum(read_bytes(p, blocks) for p in layers)
+    layer_weights = sum(read_bytes(p) for p in layers)
     matmul_params = sum(
         w.size for p in layers for w in p.values() if is_weight(w)
     )  # per token: 2 FLOPs each
-    head_bytes = read_bytes(runner.top_params[head_name(arch)], blocks)
+    head_bytes = read_bytes(runner.top_params[head_name(arch)])
     kv_bytes = batch * context * arch.num_hidden_layers * 2 * kv_heads * head_dim * itemsize
     attn_flops = 4 * batch * context * arch.num_attention_heads * head_dim * arch.num_hidden_layers
     layers_time = timed(all_layers, repeats=repeats)

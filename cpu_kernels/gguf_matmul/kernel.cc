@@ -1,23 +1,38 @@
-// y[M, N] = x[M, K] . W[N, K]^T for weights kept in llama.cpp's block formats, for XLA:CPU
-// through the XLA FFI (AVX2 + FMA). K is split into blocks of 32 values:
-// - Q4_1: W[n, 32 b + j] = d[n, b] * q + m[n, b], q the 4-bit value j of the block (bytes
-//   `qs` hold values j and j + 16 in their low and high nibbles);
-// - Q8_0: W[n, 32 b + j] = d[n, b] * q, q the int8 value j.
-// Each block is dequantized in registers to exactly the float32 values the gguf package gives
-// (a float32 multiply, then for Q4_1 an add: d is a float16 value, so d * q is exact in float32
-// and a fused multiply-add rounds the same once), and summed the way the
-// float32 kernel (cpu_kernels/matmul) sums a weight row streamed against up to 3 rows of x:
-// four accumulators per row of x over steps of 32 values, added pairwise at the end. So for
-// those rows the products are bit-identical to the float32 kernel's on the dequantized weights,
-// while reading 0.75 (Q4_1) or 1.125 (Q8_0) bytes per weight instead of 4: a decode step of
-// a few tokens is bound by reading the weights.
-// More rows of x are taken 3 at a time (each block is then dequantized once per 3 rows).
+// y[M, N] = x[M, K] . W[N, K]^T for weights kept in llama.cpp's block formats exactly as a GGUF
+// file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: reference.py has the
+// layouts), for XLA:CPU through the XLA FFI (AVX2 + FMA + F16C).
 //
-// Weights may be one layer of stacked weights [L, N, ...], read in place at index `layer`.
+// A weight is one layer's bytes `data[layer]` (u8[L, B]: the layers of a weight kind stacked,
+// each padded to the longest) and a table of segments `table[layer]` (i32[L, S, 3]: format,
+// rows, byte offset in the layer): runs of whole rows in one format, in output order. A fused
+// projection whose parts differ in format (Q4_K_M keeps some V rows in Q6_K beside Q4_K Q and
+// K) is one weight of several segments; a layer scan passes the whole stack and the index, so
+// nothing is sliced or copied per layer.
+//
+// Two ways to take the activations:
+// - exact: each group of 32 weights is dequantized in registers to exactly the float32
+//   values gguf's own dequantizer gives (every product of a float16 scale and a small integer
+//   is exact in float32; where gguf rounds a product, this rounds the same product once), then
+//   multiplied with float32 x by FMAs, up to 3 rows of x per pass over the weight row;
+// - int8 activations (llama.cpp's): x is rounded to int8 once per call, per 32 values for the
+//   32-value formats (Q8_0-style: a float scale and the block's sum) and per 256 values for
+//   the k-quants (Q8_K-style: a float scale and sums per 16), and each group is an integer dot
+//   product (vpmaddubsw of unsigned weight values by signed x, vpmaddwd by the group's integer
+//   scale); a k-quant's sums stay integer over its 256 values, its minimums are the x sums
+//   times the weight's minimums. Up to 4 rows of x per pass over the weight row.
+// In both, a weight row is read from memory once per call and from L1 for further passes, so
+// one row of x (a decode step) is bound by reading the blocks and many rows (prefill, a large
+// batch) by the multiply-adds. Claims of output rows are shared out over XLA's intra-op
+// threads (common.h).
+//
+// GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled;
+// hence the unroll pragmas.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,204 +41,643 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-// Claims of output columns: a quarter of the weight (each thread streams long contiguous
-// runs), at least 16 columns; 64 columns for a large weight (an LM head), as the float32 kernel.
-constexpr int64_t kMinClaim = 16, kClaims = 4, kLargeClaim = 64, kLargeColumns = 16384;
+// Formats by their GGML type numbers (gguf.GGMLQuantizationType).
+enum Format : int32_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+};
 
-enum class Format { kQ4_1, kQ8_0 };
+template <int F>
+constexpr bool kSuper = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // 256 values a block
+template <int F>
+constexpr int64_t kValues = kSuper<F> ? 256 : 32;
+template <int F>
+constexpr int64_t kBytes = F == kQ4_0   ? 18
+                           : F == kQ4_1 ? 20
+                           : F == kQ5_0 ? 22
+                           : F == kQ5_1 ? 24
+                           : F == kQ8_0 ? 34
+                           : F == kQ4_K ? 144
+                           : F == kQ5_K ? 176
+                                        : 210;
 
-struct Problem {
+int64_t BlockValues(int32_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K ? 256 : 32; }
+int64_t BlockBytes(int32_t f) {
+  switch (f) {
+    case kQ4_0: return kBytes<kQ4_0>;
+    case kQ4_1: return kBytes<kQ4_1>;
+    case kQ5_0: return kBytes<kQ5_0>;
+    case kQ5_1: return kBytes<kQ5_1>;
+    case kQ8_0: return kBytes<kQ8_0>;
+    case kQ4_K: return kBytes<kQ4_K>;
+    case kQ5_K: return kBytes<kQ5_K>;
+    case kQ6_K: return kBytes<kQ6_K>;
+    default: return 0;
+  }
+}
+
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 bytes of nibbles (value j in the low nibble of byte j, value j + 16 in its high nibble)
+// -> 32 values, in order.
+inline __m256i Nibbles(const uint8_t* qs) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                          _mm_and_si128(bytes, mask));
+}
+
+// Bit j of 4 bytes -> byte j = 0x10 where set (the fifth bit of Q5_0 / Q5_1 value j).
+inline __m256i FifthBits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// Q4_K / Q5_K: the 8 groups' 6-bit scales (bytes 0-7) and minimums (bytes 8-15) of the 12
+// packed bytes (llama.cpp's get_scale_min_k4, four groups at a time).
+inline void KScales(const uint8_t* packed, uint8_t (&out)[16]) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  const uint32_t mins = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  u[2] = mins;
+  u[0] &= kLow6;
+  std::memcpy(out, u, 16);
+}
+
+// One block (or superblock) of a weight row, decoded for its groups of 32:
+// - v(g): the group's 32 values as bytes, unsigned (0 .. 63), but for Q8_0 signed;
+// - exact: value = fma(q, scale, offset) with q = v - bias (bias: 8, 16, 32 or 0), scale
+//   per half of 16 values (equal halves but for Q6_K);
+// - integer: weight = d * sc(g) * v + mn terms (see the int8 paths).
+template <int F>
+struct Block {
+  const uint8_t* p;
+  float d = 0, dmin = 0;
+  uint8_t k_scales[16];  // Q4_K / Q5_K: sc[8], m[8]
+  __m256i high;  // Q5_0 / Q5_1 fifth bits; Q5_K: the 32 qh bytes
+
+  explicit Block(const uint8_t* block) : p(block) {
+    if constexpr (F == kQ4_0 || F == kQ5_0 || F == kQ8_0) {
+      d = Half(p);
+    } else if constexpr (F == kQ4_1 || F == kQ5_1) {
+      d = Half(p);
+      dmin = Half(p + 2);  // m
+    } else if constexpr (F == kQ4_K || F == kQ5_K) {
+      d = Half(p);
+      dmin = Half(p + 2);
+      KScales(p + 4, k_scales);
+    } else {
+      d = Half(p + 208);
+    }
+    if constexpr (F == kQ5_0) high = FifthBits(p + 2);
+    if constexpr (F == kQ5_1) high = FifthBits(p + 4);
+    if constexpr (F == kQ5_K) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  }
+
+  __m256i v(int g) const {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    if constexpr (F == kQ4_0) return Nibbles(p + 2);
+    if constexpr (F == kQ4_1) return Nibbles(p + 4);
+    if constexpr (F == kQ5_0) return _mm256_or_si256(Nibbles(p + 6), high);
+    if constexpr (F == kQ5_1) return _mm256_or_si256(Nibbles(p + 8), high);
+    if constexpr (F == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    if constexpr (F == kQ4_K || F == kQ5_K) {
+      // 4 chunks of 32 bytes: group 2c in the low nibbles of chunk c, group 2c + 1 in the high.
+      const uint8_t* chunk = p + (F == kQ4_K ? 16 : 48) + 32 * (g >> 1);
+      __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+      if (g & 1) bytes = _mm256_srli_epi16(bytes, 4);
+      __m256i q = _mm256_and_si256(bytes, mask);
+      if constexpr (F == kQ5_K) {
+        const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(high, g), _mm256_set1_epi8(1));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+      }
+      return q;
+    }
+    if constexpr (F == kQ6_K) {
+      // group g = 4 h + i: low 4 bits from ql[64 h + 32 (i & 1) + l] (nibble i >> 1), high 2
+      // bits from qh[32 h + l] (bits 2 i, 2 i + 1).
+      const int h = g >> 2, i = g & 3;
+      __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (i & 1)));
+      if (i >> 1) low = _mm256_srli_epi16(low, 4);
+      __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+      top = _mm256_and_si256(_mm256_srli_epi16(top, 2 * i), _mm256_set1_epi8(3));
+      return _mm256_or_si256(_mm256_and_si256(low, mask), _mm256_slli_epi16(top, 4));
+    }
+  }
+
+  // exact: q = v - bias, and the scale of half h (0, 1) and the offset of group g.
+  static constexpr int kBias = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32 : 0;
+  float scale(int g, int h) const {
+    if constexpr (F == kQ4_K || F == kQ5_K) return d * static_cast<float>(k_scales[g]);
+    if constexpr (F == kQ6_K) return d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * g + h]));
+    return d;
+  }
+  float offset(int g) const {
+    if constexpr (F == kQ4_K || F == kQ5_K) return -(dmin * static_cast<float>(k_scales[8 + g]));
+    if constexpr (F == kQ4_1 || F == kQ5_1) return dmin;
+    return -0.0f;  // adds nothing, not even the sign of a zero product (d (q - bias) = -0.0)
+  }
+};
+
+// The 32 exact weights of group g in 4 vectors of 8.
+template <int F>
+__attribute__((always_inline)) inline void Dequantize(const Block<F>& b, int g, __m256 (&w)[4]) {
+  __m256i q = b.v(g);
+  if constexpr (Block<F>::kBias != 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(Block<F>::kBias));
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m256 offset = _mm256_set1_ps(b.offset(g));
+  const __m256 s0 = _mm256_set1_ps(b.scale(g, 0)), s1 = _mm256_set1_ps(b.scale(g, 1));
+  w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s0, offset);
+  w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), s0,
+                         offset);
+  w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s1, offset);
+  w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), s1,
+                         offset);
+}
+
+// ---------------------------------------------------------------------------------------------
+// x rounded to int8 (the int8-activation mode), once per call.
+
+struct QuantizedX {
+  // Per 32 values (32-value formats): q, the scale, and scale * (sum of q).
+  std::vector<int8_t> q32;
+  std::vector<float> d32, s32;
+  // Per 256 values (k-quants): q, the scale, and the sums of q per 16 values.
+  std::vector<int8_t> q256;
+  std::vector<float> d256;
+  std::vector<int16_t> sums16;
+};
+
+// Rounds n values (a multiple of 32) to int8 with one scale: q = round(x / d), d = max|x| / 127.
+// Writes q and the sums of each 16 values; returns d.
+inline float RoundBlock(const float* x, int64_t n, int8_t* q, int16_t* sums16) {
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.0f);
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256i v[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), inverse));
+    }
+    if (sums16 != nullptr) {
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const __m256i s = _mm256_add_epi32(v[2 * j], v[2 * j + 1]);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        sums16[(i >> 4) + j] = static_cast<int16_t>(_mm_cvtsi128_si32(t));
+      }
+    }
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), packed);
+  }
+  return d;
+}
+
+void QuantizeRow(const float* x, int64_t k, bool blocks32, bool blocks256, int64_t row,
+                 QuantizedX& out) {
+  if (blocks32) {
+    int16_t sums[2];
+    for (int64_t b = 0; b < k / 32; ++b) {
+      const int64_t at = row * k + 32 * b;
+      const float d = RoundBlock(x + 32 * b, 32, out.q32.data() + at, sums);
+      out.d32[at / 32] = d;
+      out.s32[at / 32] = d * static_cast<float>(sums[0] + sums[1]);
+    }
+  }
+  if (blocks256) {
+    for (int64_t b = 0; b < k / 256; ++b) {
+      const int64_t at = row * k + 256 * b;
+      out.d256[at / 256] = RoundBlock(x + 256 * b, 256, out.q256.data() + at,
+                                      out.sums16.data() + at / 16);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight row `w` (K / values blocks) times MR rows of x from row m0, into y[m0 .. m0+MR, col].
+
+struct Rows {
   const float* x;  // [M, K]
-  const uint8_t* qs;  // Q4_1: [N, K / 2] nibbles; Q8_0: [N, K] int8
-  const float* scales;  // Q4_1: [N, K / 32, 2] (d, m); Q8_0: [N, K / 32] (d)
+  const QuantizedX* qx;
   float* y;  // [M, N]
   int64_t m, n, k;
 };
 
-// The 32 weights of one block, exactly dequantized, in 4 vectors of 8 (values 8q .. 8q + 7).
-template <Format F>
-__attribute__((always_inline)) inline void Dequantize(const uint8_t* qs, const float* scales,
-                                                      __m256 (&w)[4]) {
-  if constexpr (F == Format::kQ4_1) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);  // values 0 .. 15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // values 16 .. 31
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    const __m256 d = _mm256_broadcast_ss(scales), m = _mm256_broadcast_ss(scales + 1);
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) w[q] = _mm256_fmadd_ps(w[q], d, m);
-  } else {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
-    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    const __m256 d = _mm256_broadcast_ss(scales);
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) w[q] = _mm256_mul_ps(w[q], d);
-  }
-}
-
-// Values 8q .. 8q + 7 of one block alone, read from memory: for 2 rows of x, whose 8
-// accumulators and a whole dequantized block made GCC spill accumulators (30-layer FFN scan:
-// 0.48-0.55x the float32 kernel's time this way against 0.77x). For 3 rows this way was
-// slower still (0.96x against 0.70-0.79x): the whole block stays.
-template <Format F>
-__attribute__((always_inline)) inline __m256 DequantizeVector(const uint8_t* qs,
-                                                              const float* scales, int q) {
-  if constexpr (F == Format::kQ4_1) {
-    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * (q & 1)));
-    if (q >= 2) bytes = _mm_srli_epi16(bytes, 4);
-    const __m128i values = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(values)),
-                           _mm256_broadcast_ss(scales), _mm256_broadcast_ss(scales + 1));
-  } else {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-                         _mm256_broadcast_ss(scales));
-  }
-}
-
-template <Format F>
-constexpr int64_t kBlockBytes = F == Format::kQ4_1 ? kBlock / 2 : kBlock;
-template <Format F>
-constexpr int64_t kBlockScales = F == Format::kQ4_1 ? 2 : 1;
-
-// Rows [m0, m0 + MR) of x times weight row `col`.
-template <Format F, int MR>
-void StreamRow(const Problem& p, int64_t col, int64_t m0) {
+template <int F, int MR>
+void ExactRows(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
   __m256 acc[MR][4];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_ps();
-  const int64_t blocks = p.k / kBlock;
-  const uint8_t* qs = p.qs + col * blocks * kBlockBytes<F>;
-  const float* scales = p.scales + col * blocks * kBlockScales<F>;
-  const float* x = p.x + m0 * p.k;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = qs + b * kBlockBytes<F>;
-    const float* block_scales = scales + b * kBlockScales<F>;
-    __m256 w[4];
-    if constexpr (MR != 2) Dequantize<F>(block, block_scales, w);
+  const float* x = r.x + m0 * r.k;
+  for (int64_t b = 0; b < r.k / kValues<F>; ++b) {
+    const Block<F> block(w + b * kBytes<F>);
+    for (int g = 0; g < kValues<F> / 32; ++g) {
+      __m256 wv[4];
+      Dequantize<F>(block, g, wv);
+      const float* xg = x + b * kValues<F> + 32 * g;
 #pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      if constexpr (MR == 2) w[q] = DequantizeVector<F>(block, block_scales, q);
+      for (int q = 0; q < 4; ++q)
 #pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i)
-        acc[i][q] =
-            _mm256_fmadd_ps(_mm256_loadu_ps(x + i * p.k + b * kBlock + 8 * q), w[q], acc[i][q]);
+        for (int i = 0; i < MR; ++i)
+          acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + i * r.k + 8 * q), wv[q], acc[i][q]);
     }
   }
   for (int i = 0; i < MR; ++i) {
-    p.y[(m0 + i) * p.n + col] = jaxinfer::Sum(_mm256_add_ps(
+    r.y[(m0 + i) * r.n + col] = jaxinfer::Sum(_mm256_add_ps(
         _mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3])));
   }
 }
 
-template <Format F>
-void Column(const Problem& p, int64_t col) {
-  int64_t m0 = 0;
-  for (; m0 + 3 <= p.m; m0 += 3) StreamRow<F, 3>(p, col, m0);
-  if (p.m - m0 == 2) StreamRow<F, 2>(p, col, m0);
-  if (p.m - m0 == 1) StreamRow<F, 1>(p, col, m0);
+// The 16 int16 sums of unsigned weight bytes v by signed x bytes, in pairs.
+inline __m256i Products(__m256i v, const int8_t* x) {
+  return _mm256_maddubs_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
 
-template <Format F>
-ffi::Error Run(ffi::ThreadPool& pool, const Problem& p) {
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
-  const int64_t columns =
-      p.n >= kLargeColumns ? kLargeClaim : std::max(kMinClaim, (p.n + kClaims - 1) / kClaims);
-  jaxinfer::ParallelFor(pool, (p.n + columns - 1) / columns, [&p, columns](int64_t t) {
-    const int64_t stop = std::min(p.n, (t + 1) * columns);
-    for (int64_t col = t * columns; col < stop; ++col) Column<F>(p, col);
+// A block's integer scales as int16 vectors, one per group, lined up with vpmaddubsw's 16
+// pair sums (values 0-15 in the low 128 bits, 16-31 in the high), and the weights of the sums
+// of x per 16 values that its minimums take.
+template <int F>
+struct IntegerScales {
+  __m256i group[kValues<F> / 32];
+  __m256i mins;  // int16[16] against x's sums per 16 (k-quants)
+  float min_d;  // the minimums' float factor (k-quants)
+  float mn;  // 32-value formats: w = d v + mn (mn: m, or -8 d, -16 d); Q8_0: none
+
+  explicit IntegerScales(const Block<F>& block) {
+    if constexpr (F == kQ6_K) {
+      const __m256i s = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.p + 192)));  // sc[0 .. 15]
+      mins = s;
+      min_d = -32.0f * block.d;
+      // group g: sc[2 g] (low half), sc[2 g + 1] (high half)
+      const __m256i low = _mm256_permute2x128_si256(s, s, 0x00);  // sc 0-7 in both halves
+      const __m256i high = _mm256_permute2x128_si256(s, s, 0x11);  // sc 8-15
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const int word = (2 * g) & 7;
+        const __m256i pick = _mm256_setr_epi8(
+            2 * word, 2 * word + 1, 2 * word, 2 * word + 1, 2 * word, 2 * word + 1, 2 * word,
+            2 * word + 1, 2 * word, 2 * word + 1, 2 * word, 2 * word + 1, 2 * word, 2 * word + 1,
+            2 * word, 2 * word + 1, 2 * word + 2, 2 * word + 3, 2 * word + 2, 2 * word + 3,
+            2 * word + 2, 2 * word + 3, 2 * word + 2, 2 * word + 3, 2 * word + 2, 2 * word + 3,
+            2 * word + 2, 2 * word + 3, 2 * word + 2, 2 * word + 3, 2 * word + 2, 2 * word + 3);
+        group[g] = _mm256_shuffle_epi8(g < 4 ? low : high, pick);
+      }
+    } else if constexpr (kSuper<F>) {
+      const __m256i sc = _mm256_broadcastsi128_si256(
+          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.k_scales))));
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {  // word g of sc, everywhere
+        group[g] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * g)));
+      }
+      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block.k_scales + 8));
+      mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+      min_d = -block.dmin;
+    } else {
+      group[0] = _mm256_set1_epi16(1);
+      mn = F == kQ4_1 || F == kQ5_1 ? block.dmin
+           : F == kQ4_0             ? -8.0f * block.d
+           : F == kQ5_0             ? -16.0f * block.d
+                                    : 0.0f;
+    }
+  }
+};
+
+// Rows of x per pass over a weight row: each block is decoded once per chunk.
+constexpr int kChunk = 16;
+
+// Rows [i0, i0 + MR) of the chunk from row m0 against one decoded block b.
+template <int F, int MR>
+__attribute__((always_inline)) inline void IntegerTile(const Rows& r, const Block<F>& block,
+                                                       const __m256i (&v)[kValues<F> / 32],
+                                                       const IntegerScales<F>& s, int64_t b,
+                                                       int64_t m0, int i0, __m256* acc,
+                                                       float* mins) {
+  const QuantizedX& qx = *r.qx;
+  if constexpr (!kSuper<F>) {
+    // d dx (v . qx) + mn dx sum(qx); Q8_0's signed weights: |w| . sign(qx, w)
+    __m256i v_abs = v[0];
+    if constexpr (F == kQ8_0) v_abs = _mm256_sign_epi8(v[0], v[0]);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (m0 + i0 + i) * r.k + 32 * b;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.q32.data() + at));
+      const __m256i p = _mm256_maddubs_epi16(v_abs, F == kQ8_0 ? _mm256_sign_epi8(xv, v[0]) : xv);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, s.group[0]));
+      acc[i0 + i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(block.d * qx.d32[at / 32]), acc[i0 + i]);
+      if constexpr (F != kQ8_0) mins[i0 + i] += s.mn * qx.s32[at / 32];
+    }
+  } else {
+    __m256i isum[MR];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    const int8_t* x0 = qx.q256.data() + (m0 + i0) * r.k + 256 * b;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * r.k + 32 * g));
+        isum[i] = _mm256_add_epi32(isum[i],
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(v[g], xv), s.group[g]));
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = m0 + i0 + i;
+      const float dx = qx.d256[(row * r.k) / 256 + b];
+      const __m256i sums = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(qx.sums16.data() + (row * r.k) / 16 + 16 * b));
+      const __m256 min_dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s.mins, sums));
+      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(block.d * dx),
+                                 acc[i0 + i]);
+      acc[i0 + i] = _mm256_fmadd_ps(min_dot, _mm256_set1_ps(s.min_d * dx), a);
+    }
+  }
+}
+
+template <int F>
+void IntegerColumn(const Rows& r, const uint8_t* w, int64_t col) {
+  for (int64_t m0 = 0; m0 < r.m; m0 += kChunk) {
+    const int rows = static_cast<int>(std::min<int64_t>(kChunk, r.m - m0));
+    __m256 acc[kChunk];
+    float mins[kChunk];
+    for (int i = 0; i < rows; ++i) {
+      acc[i] = _mm256_setzero_ps();
+      mins[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < r.k / kValues<F>; ++b) {
+      const Block<F> block(w + b * kBytes<F>);
+      __m256i v[kValues<F> / 32];
+#pragma GCC unroll 8
+      for (int g = 0; g < kValues<F> / 32; ++g) v[g] = block.v(g);
+      const IntegerScales<F> s(block);
+      int i = 0;
+      for (; i + 4 <= rows; i += 4) IntegerTile<F, 4>(r, block, v, s, b, m0, i, acc, mins);
+      switch (rows - i) {
+        case 3: IntegerTile<F, 3>(r, block, v, s, b, m0, i, acc, mins); break;
+        case 2: IntegerTile<F, 2>(r, block, v, s, b, m0, i, acc, mins); break;
+        case 1: IntegerTile<F, 1>(r, block, v, s, b, m0, i, acc, mins); break;
+      }
+    }
+    for (int i = 0; i < rows; ++i) r.y[(m0 + i) * r.n + col] = jaxinfer::Sum(acc[i]) + mins[i];
+  }
+}
+
+template <int F>
+void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer) {
+  int64_t m0 = 0;
+  if (integer) return IntegerColumn<F>(r, w, col);
+  for (; m0 + 3 <= r.m; m0 += 3) ExactRows<F, 3>(r, w, col, m0);
+  if (r.m - m0 == 2) ExactRows<F, 2>(r, w, col, m0);
+  if (r.m - m0 == 1) ExactRows<F, 1>(r, w, col, m0);
+}
+
+// Output rows [first, stop) of one segment (format f, rows of `row_bytes` from `data`).
+template <int F>
+void SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
+                 int64_t stop, int64_t out_first, bool integer) {
+  for (int64_t row = first; row < stop; ++row) {
+    Column<F>(r, data + row * row_bytes, out_first + row, integer);
+  }
+}
+
+void RunSegment(int32_t f, const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
+                int64_t stop, int64_t out_first, bool integer) {
+  switch (f) {
+    case kQ4_0: return SegmentRows<kQ4_0>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ4_1: return SegmentRows<kQ4_1>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ5_0: return SegmentRows<kQ5_0>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ5_1: return SegmentRows<kQ5_1>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ8_0: return SegmentRows<kQ8_0>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ4_K: return SegmentRows<kQ4_K>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ5_K: return SegmentRows<kQ5_K>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ6_K: return SegmentRows<kQ6_K>(r, data, row_bytes, first, stop, out_first, integer);
+  }
+}
+
+struct Segment {
+  int32_t format;
+  int64_t rows, out_first, row_bytes;
+  const uint8_t* data;
+};
+
+// The layer's segments, checked against the layer's bytes and the output rows N.
+ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32>& table,
+                    int64_t layer, int64_t k, int64_t n, std::vector<Segment>& out) {
+  const auto data_dims = data.dimensions();
+  const auto table_dims = table.dimensions();
+  if (data_dims.size() != 2 || table_dims.size() != 3 || table_dims[2] != 3 ||
+      table_dims[0] != data_dims[0]) {
+    return ffi::Error::InvalidArgument("gguf_matmul: data u8[L, B] and table i32[L, S, 3]");
+  }
+  if (layer < 0 || layer >= data_dims[0]) {
+    return ffi::Error::InvalidArgument("gguf_matmul: layer out of range");
+  }
+  const int64_t layer_bytes = data_dims[1];
+  const uint8_t* base = data.typed_data() + layer * layer_bytes;
+  const int32_t* t = table.typed_data() + layer * table_dims[1] * 3;
+  int64_t rows = 0;
+  for (int64_t s = 0; s < table_dims[1]; ++s) {
+    const int32_t f = t[3 * s], count = t[3 * s + 1], offset = t[3 * s + 2];
+    if (count == 0) continue;
+    const int64_t bytes = BlockBytes(f);
+    if (bytes == 0 || count < 0 || k % BlockValues(f) != 0) {
+      return ffi::Error::InvalidArgument(
+          "gguf_matmul: a segment's format is not a supported block format, or K is not a "
+          "multiple of its block");
+    }
+    const int64_t row_bytes = k / BlockValues(f) * bytes;
+    if (offset < 0 || offset + count * row_bytes > layer_bytes) {
+      return ffi::Error::InvalidArgument("gguf_matmul: a segment lies outside the layer's bytes");
+    }
+    out.push_back({f, count, rows, row_bytes, base + offset});
+    rows += count;
+  }
+  if (rows != n) {
+    return ffi::Error::InvalidArgument("gguf_matmul: the segments' rows do not sum to N");
+  }
+  return ffi::Error::Success();
+}
+
+// Claims of output rows: a quarter of a segment's rows per thread-sized share (long runs for
+// the prefetchers), at least 8, at most 64 (an LM head).
+constexpr int64_t kMinClaim = 8, kMaxClaim = 64;
+
+ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
+                      ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> y, bool int8_activations) {
+  const auto x_dims = x.dimensions();
+  const auto y_dims = y->dimensions();
+  if (x_dims.size() != 2 || y_dims.size() != 2 || y_dims[0] != x_dims[0]) {
+    return ffi::Error::InvalidArgument("gguf_matmul: x [M, K] and y [M, N]");
+  }
+  const int64_t m = x_dims[0], k = x_dims[1], n = y_dims[1];
+  std::vector<Segment> segments;
+  if (ffi::Error error = Segments(data, table, layer.typed_data()[0], k, n, segments);
+      error.failure()) {
+    return error;
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  QuantizedX qx;
+  if (int8_activations) {
+    bool blocks32 = false, blocks256 = false;
+    for (const Segment& s : segments) (BlockValues(s.format) == 256 ? blocks256 : blocks32) = true;
+    if (blocks32) {
+      qx.q32.resize(m * k);
+      qx.d32.resize(m * k / 32);
+      qx.s32.resize(m * k / 32);
+    }
+    if (blocks256) {
+      qx.q256.resize(m * k);
+      qx.d256.resize(m * k / 256);
+      qx.sums16.resize(m * k / 16);
+    }
+    const float* xs = x.typed_data();
+    jaxinfer::ParallelFor(pool, m, [&](int64_t row) {
+      QuantizeRow(xs + row * k, k, blocks32, blocks256, row, qx);
+    });
+  }
+  const Rows rows{x.typed_data(), &qx, y->typed_data(), m, n, k};
+  struct Claim {
+    const Segment* segment;
+    int64_t first, stop;
+  };
+  std::vector<Claim> claims;
+  for (const Segment& s : segments) {
+    const int64_t size = std::clamp<int64_t>((s.rows + 3) / 4, kMinClaim, kMaxClaim);
+    for (int64_t first = 0; first < s.rows; first += size) {
+      claims.push_back({&s, first, std::min(s.rows, first + size)});
+    }
+  }
+  jaxinfer::ParallelFor(pool, static_cast<int64_t>(claims.size()), [&](int64_t c) {
+    const Claim& claim = claims[c];
+    const Segment& s = *claim.segment;
+    RunSegment(s.format, rows, s.data, s.row_bytes, claim.first, claim.stop, s.out_first,
+               int8_activations);
   });
   return ffi::Error::Success();
 }
 
-// Checks the shapes (x [M, K], y [M, N] of y_count values, weights holding L >= 1 stacked layers of N rows) and
-// points p at layer `layer`'s blocks.
-template <Format F, typename QBuffer>
-ffi::Error Shape(Problem& p, const ffi::Buffer<ffi::F32>& x, const QBuffer& qs,
-                 const ffi::Buffer<ffi::F32>& scales, int64_t y_count, int64_t layer) {
-  const auto x_dims = x.dimensions();
-  if (x_dims.size() != 2) return ffi::Error::InvalidArgument("gguf_matmul: x must be [M, K]");
-  p.m = x_dims[0];
-  p.k = x_dims[1];
-  if (p.k % kBlock != 0) {
-    return ffi::Error::InvalidArgument("gguf_matmul: K must be a multiple of 32");
+// out[T, K] = the exact float32 rows ids[T] of the weight (an embedding table's lookup).
+template <int F>
+void DequantizeRow(const uint8_t* w, int64_t k, float* out) {
+  for (int64_t b = 0; b < k / kValues<F>; ++b) {
+    const Block<F> block(w + b * kBytes<F>);
+    for (int g = 0; g < kValues<F> / 32; ++g) {
+      __m256 v[4];
+      Dequantize<F>(block, g, v);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) _mm256_storeu_ps(out + b * kValues<F> + 32 * g + 8 * q, v[q]);
+    }
   }
-  p.n = p.m == 0 ? 0 : y_count / p.m;
-  if (p.m == 0 || p.n == 0 || p.k == 0) return ffi::Error::Success();
-  const int64_t blocks = p.n * (p.k / kBlock);  // one layer's
-  const int64_t layers = static_cast<int64_t>(qs.element_count()) / (blocks * kBlockBytes<F>);
-  if (y_count != p.m * p.n || layers < 1 ||
-      static_cast<int64_t>(qs.element_count()) != layers * blocks * kBlockBytes<F> ||
-      static_cast<int64_t>(scales.element_count()) != layers * blocks * kBlockScales<F>) {
-    return ffi::Error::InvalidArgument("gguf_matmul: weight blocks do not match x and y");
+}
+
+void DequantizeRowOf(int32_t f, const uint8_t* w, int64_t k, float* out) {
+  switch (f) {
+    case kQ4_0: return DequantizeRow<kQ4_0>(w, k, out);
+    case kQ4_1: return DequantizeRow<kQ4_1>(w, k, out);
+    case kQ5_0: return DequantizeRow<kQ5_0>(w, k, out);
+    case kQ5_1: return DequantizeRow<kQ5_1>(w, k, out);
+    case kQ8_0: return DequantizeRow<kQ8_0>(w, k, out);
+    case kQ4_K: return DequantizeRow<kQ4_K>(w, k, out);
+    case kQ5_K: return DequantizeRow<kQ5_K>(w, k, out);
+    case kQ6_K: return DequantizeRow<kQ6_K>(w, k, out);
   }
-  if (layer < 0 || layer >= layers) {
-    return ffi::Error::InvalidArgument("gguf_matmul: layer out of range");
+}
+
+ffi::Error GGUFRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::U8> data,
+                    ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  const auto out_dims = out->dimensions();
+  const int64_t t = static_cast<int64_t>(ids.element_count());
+  if (out_dims.size() != 2 || out_dims[0] != t) {
+    return ffi::Error::InvalidArgument("gguf_rows: ids [T] and out [T, K]");
   }
-  p.qs += layer * blocks * kBlockBytes<F>;
-  p.scales += layer * blocks * kBlockScales<F>;
+  const int64_t k = out_dims[1];
+  std::vector<Segment> segments;
+  int64_t n = 0;
+  {
+    // N is the sum of the segments' rows.
+    const int64_t s_count = table.dimensions()[1];
+    const int64_t l = layer.typed_data()[0];
+    if (table.dimensions().size() == 3 && l >= 0 && l < table.dimensions()[0]) {
+      for (int64_t s = 0; s < s_count; ++s) n += table.typed_data()[(l * s_count + s) * 3 + 1];
+    }
+  }
+  if (ffi::Error error = Segments(data, table, layer.typed_data()[0], k, n, segments);
+      error.failure()) {
+    return error;
+  }
+  const int32_t* id = ids.typed_data();
+  float* o = out->typed_data();
+  jaxinfer::ParallelFor(pool, (t + 7) / 8, [&](int64_t c) {
+    for (int64_t i = 8 * c; i < std::min(t, 8 * c + 8); ++i) {
+      const int64_t row = std::clamp<int64_t>(id[i], 0, n - 1);
+      for (const Segment& s : segments) {
+        if (row < s.out_first + s.rows) {
+          DequantizeRowOf(s.format, s.data + (row - s.out_first) * s.row_bytes, k, o + i * k);
+          break;
+        }
+      }
+    }
+  });
   return ffi::Error::Success();
-}
-
-ffi::Error Q4_1Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qs,
-                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  Problem p{x.typed_data(), qs.typed_data(), scales.typed_data(), y->typed_data()};
-  if (ffi::Error error = Shape<Format::kQ4_1>(p, x, qs, scales, y->element_count(),
-                                                    layer.typed_data()[0]);
-      error.failure()) {
-    return error;
-  }
-  return Run<Format::kQ4_1>(pool, p);
-}
-
-ffi::Error Q8_0Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qs,
-                      ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  Problem p{x.typed_data(), reinterpret_cast<const uint8_t*>(qs.typed_data()),
-            scales.typed_data(), y->typed_data()};
-  if (ffi::Error error = Shape<Format::kQ8_0>(p, x, qs, scales, y->element_count(),
-                                                    layer.typed_data()[0]);
-      error.failure()) {
-    return error;
-  }
-  return Run<Format::kQ8_0>(pool, p);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ4_1Matmul, Q4_1Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFMatmul, GGUFMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // qs [..., N, K / 2]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [..., N, K / 32, 2]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // data [L, B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // table [L, S, 3]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-);
+                                  .Attr<bool>("int8_activations"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8_0Matmul, Q8_0Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFRows, GGUFRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // qs [..., N, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales [..., N, K / 32]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [T]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // data [L, B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // table [L, S, 3]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-);
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, K]
 
-// Whether this CPU runs the kernel (it is compiled for AVX2 and FMA).
+// Whether this CPU runs the kernel (it is compiled for AVX2, FMA and F16C).
 extern "C" int jaxinfer_gguf_matmul_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -1,11 +1,14 @@
-"""float32 activations times weights in llama.cpp's Q4_1 or Q8_0 block formats on XLA:CPU
-through the C++ kernel in kernel.cc (layouts: reference.py).
+"""float32 activations times weights in llama.cpp's block formats, read as a GGUF file stores
+them, on XLA:CPU through the C++ kernel in kernel.cc (layouts: reference.py).
 
-    gguf_matmul = load_gguf_matmul(build_dir)   # compiles kernel.cc once, registers it
-    y = gguf_matmul("Q4_1", x, qs, scales)                # one weight
-    y = gguf_matmul("Q4_1", x, qs, scales, layer=i)       # layer i of stacked [L, N, ...] blocks
+    load_gguf_matmul(build_dir)     # compiles kernel.cc once, registers it
+    y = gguf_matmul(x, data, table, layer)                          # exact float activations
+    y = gguf_matmul(x, data, table, layer, int8_activations=True)   # llama.cpp's integer dots
+    rows = gguf_rows(ids, data, table, layer, k)   # exact rows (an embedding lookup)
 
-T: tokens (rows of x), K: the contracted axis, N: output rows.
+data u8[L, B] and table i32[L, S, 3] hold every layer of a weight kind; `layer` (an i32
+scalar, traced under a layer scan) picks one, read in place. M: rows of x, K: the contracted
+axis, N: output rows (the segments' rows summed).
 """
 
 from __future__ import annotations
@@ -17,61 +20,71 @@ import jax
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError, build, load, register
-from cpu_kernels.gguf_matmul.reference import BLOCK, FORMATS
 
 SOURCE = Path(__file__).with_name("kernel.cc")
-TARGETS = {"Q4_1": "jaxinfer_q4_1_matmul", "Q8_0": "jaxinfer_q8_0_matmul"}
-_QS_DTYPES = {"Q4_1": jnp.uint8, "Q8_0": jnp.int8}
+MATMUL_TARGET, ROWS_TARGET = "jaxinfer_gguf_matmul", "jaxinfer_gguf_rows"
 
 
-def block_shapes(fmt: str, n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(qs shape, scales shape) of an [n, k] weight in `fmt`."""
-    if fmt == "Q4_1":
-        return (n, k // 2), (n, k // BLOCK, 2)
-    return (n, k), (n, k // BLOCK)
+def _check(data: jax.Array, table: jax.Array, name: str) -> None:
+    if (
+        data.dtype != jnp.uint8
+        or data.ndim != 2
+        or table.dtype != jnp.int32
+        or table.ndim != 3
+        or table.shape[0] != data.shape[0]
+        or table.shape[2] != 3
+    ):
+        raise ValueError(
+            f"{name}: data u8[L, B] and table i32[L, S, 3]; got data "
+            f"{data.dtype}{list(data.shape)}, table {table.dtype}{list(table.shape)}"
+        )
 
 
 def gguf_matmul(
-    fmt: str,
-    x: jax.Array,  # f32[T, K]
-    qs: jax.Array,  # [N, ...] blocks, or [L, N, ...] with `layer`
-    scales: jax.Array,
+    x: jax.Array,  # f32[M, K]
+    data: jax.Array,  # u8[L, B]
+    table: jax.Array,  # i32[L, S, 3]
+    layer: jax.Array | int,  # i32[]
     *,
-    layer: jax.Array | None = None,  # i32[]: which of the L stacked weights
-) -> jax.Array:  # f32[T, N]
-    """x @ W^T for W in block format `fmt` (see load_gguf_matmul)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"block format must be one of {FORMATS}, got {fmt!r}")
-    stacked = layer is not None
-    n = qs.shape[1] if stacked else qs.shape[0]
-    qs_shape, scales_shape = block_shapes(fmt, n, x.shape[-1])
-    lead = qs.shape[:1] if stacked else ()
-    if (
-        x.dtype != jnp.float32
-        or qs.dtype != _QS_DTYPES[fmt]
-        or scales.dtype != jnp.float32
-        or x.ndim != 2
-        or x.shape[1] % BLOCK
-        or qs.shape != (*lead, *qs_shape)
-        or scales.shape != (*lead, *scales_shape)
-    ):
+    n: int,  # output rows (the layer's segments' rows summed)
+    int8_activations: bool = False,
+) -> jax.Array:  # f32[M, N]
+    """x @ W^T for layer `layer` of a block weight (see load_gguf_matmul): exact, or with x
+    rounded to int8 per block and integer dot products (llama.cpp's)."""
+    _check(data, table, "gguf_matmul")
+    if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] % 32:
         raise ValueError(
-            f"gguf_matmul {fmt}: x f32[T, K] (K a multiple of {BLOCK}), qs "
-            f"{jnp.dtype(_QS_DTYPES[fmt]).name}{list(qs_shape)}, scales f32{list(scales_shape)} "
-            f"(with a leading [L] for a layer); got x {x.dtype}{list(x.shape)}, qs "
-            f"{qs.dtype}{list(qs.shape)}, scales {scales.dtype}{list(scales.shape)}"
+            f"gguf_matmul: x f32[M, K], K a multiple of 32; got {x.dtype}{list(x.shape)}"
         )
-    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     result = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(TARGETS[fmt], result)(x, qs, scales, index)
+    index = jnp.asarray(layer, jnp.int32)
+    return jax.ffi.ffi_call(MATMUL_TARGET, result)(
+        x, data, table, index, int8_activations=int8_activations
+    )
+
+
+def gguf_rows(
+    ids: jax.Array,  # i32[T]
+    data: jax.Array,  # u8[L, B]
+    table: jax.Array,  # i32[L, S, 3]
+    layer: jax.Array | int,
+    *,
+    k: int,
+) -> jax.Array:  # f32[T, K]
+    """Rows `ids` of layer `layer`'s weight, dequantized exactly (ids clamped into range)."""
+    _check(data, table, "gguf_rows")
+    result = jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32)
+    index = jnp.asarray(layer, jnp.int32)
+    return jax.ffi.ffi_call(ROWS_TARGET, result)(ids.astype(jnp.int32), data, table, index)
 
 
 def load_gguf_matmul(build_dir: Path) -> Callable:
-    """`gguf_matmul`, ready to call: builds kernel.cc into `build_dir` if needed and registers
-    it. KernelBuildError if the host has no C++ compiler, or a CPU without AVX2 and FMA."""
+    """`gguf_matmul`, ready to call (and `gguf_rows`): builds kernel.cc into `build_dir` if
+    needed and registers it. KernelBuildError if the host has no C++ compiler, or a CPU
+    without AVX2, FMA and F16C."""
     library = build(SOURCE, build_dir)
     if not load(library).jaxinfer_gguf_matmul_supported():
         raise KernelBuildError("the GGUF matmul kernel needs a CPU with AVX2 and FMA")
-    register(library, "JaxinferQ4_1Matmul", TARGETS["Q4_1"])
-    register(library, "JaxinferQ8_0Matmul", TARGETS["Q8_0"])
+    register(library, "JaxinferGGUFMatmul", MATMUL_TARGET)
+    register(library, "JaxinferGGUFRows", ROWS_TARGET)
     return gguf_matmul

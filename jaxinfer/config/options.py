@@ -156,9 +156,9 @@ class EngineOptions:
     )
     int8_activations: bool = option(
         False,
-        "int4 weights on CPU: round the activations of steps of up to 4 tokens to int8 per 32 "
-        "values and multiply in integers (llama.cpp's approach): faster, numerics differ by "
-        "that rounding.",
+        "int4 and GGUF block weights on CPU: round the activations to int8 per block (32 or "
+        "256 values; int4: steps of up to 4 tokens) and multiply in integers (llama.cpp's "
+        "approach): faster, numerics differ by that rounding.",
     )
     int4_matmul_impl: str = option(
         "auto",
@@ -172,8 +172,9 @@ class EngineOptions:
     )
     gguf_weights: str = option(
         "auto",
-        "Beside the matmul kernel, keep the exact Q4_1/Q8_0 blocks of the GGUF file the "
-        "weights came from for steps of 1-3 tokens: auto, on (an error where impossible), off.",
+        "A model from a GGUF file: keep its projections, embedding and LM head in the file's "
+        "own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), multiplied by the C++ "
+        "block kernel: auto, on (an error where impossible), off (dequantized to float).",
         GGUF_MODES,
     )
     batch_invariant: bool = option(

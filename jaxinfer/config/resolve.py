@@ -121,11 +121,6 @@ def resolve(
     if matmul_fn is not None and int4:
         int4_kernel = "cpu"
         r.reasons["int4_matmul"] = "the C++ matmul kernel's int4 product"
-    if options.int8_activations and (not int4 or matmul_fn is None):
-        raise ValueError(
-            "int8_activations applies to int4 weights in the C++ matmul kernel: "
-            + ("there are no int4 weights" if not int4 else "the kernel is not in use")
-        )
     if matmul_fn is not None:  # the C++ library's grouped product, "out_in"
         grouped = "cpu"
         if options.grouped_matmul_impl == "auto" and arch.moe is not None:
@@ -134,6 +129,9 @@ def resolve(
         grouped = "reference"
     attention, attention_fn = r.attention()
     gguf_fn = r.gguf_kernel(matmul_fn)
+    if options.int8_activations and (matmul_fn is None or (not int4 and gguf_fn is None)):
+        why = "the kernel is not in use" if matmul_fn is None else "the model has neither"
+        raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
     layer_execution = r.layer_execution(matmul_fn)
     resolved = ResolvedOptions(
         dtype=r.dtype,
@@ -307,7 +305,7 @@ class _Resolver:
         options = self.options
         if self.invariant and options.gguf_weights == "auto":
             self.reasons["gguf_blocks"] = (
-                "off under batch_invariant: the block kernel's order is its own"
+                "off under batch_invariant: the block kernel's order depends on the rows"
             )
             return None
         if options.gguf_weights == "off":
@@ -316,7 +314,11 @@ class _Resolver:
         if matmul_fn is None:
             why.append("they work beside the matmul kernel, which is not in use (matmul_impl)")
         if options.quantization is not None:
-            why.append(f"they take float32 weights, not {options.quantization}")
+            why.append(f"the weights are to be quantized ({options.quantization})")
+        if self.dtype != "float32":
+            why.append(f"the block kernel takes float32 activations, not {self.dtype}")
+        if self.arch.moe is not None:
+            why.append("a MoE model's experts are not read in place yet")
         if self.gguf_source is None:
             why.append("the model was not converted from a GGUF file (or its folder lost it)")
         gguf_fn, why_not = _native(
@@ -324,7 +326,7 @@ class _Resolver:
         )
         if options.gguf_weights == "auto":
             self.reasons["gguf_blocks"] = (
-                f"{self.gguf_source.name} may hold exact blocks" if gguf_fn else why_not
+                f"{self.gguf_source.name}'s projections read in place" if gguf_fn else why_not
             )
         return gguf_fn
 

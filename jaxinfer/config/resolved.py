@@ -26,7 +26,7 @@ class ResolvedOptions:
     weight_format: str  # the projections' format: "dense" (in dtype) or the quantization
     int4_matmul: str  # int4 weights' product: "cpu" (C++, "out_in") or a registry name
     matmul: str  # "cpu" (the C++ kernel) or "xla"
-    gguf_blocks: bool  # keep the source GGUF file's blocks where they are exact
+    gguf_blocks: bool  # read the source GGUF file's weights in place, in its own blocks
     gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
     layer_execution: str  # "scan" or "per_layer"
     async_scheduling: bool

@@ -6,15 +6,15 @@ Where they are used at all is decided in jaxinfer.config.resolve.
   Float32 products of more than KERNEL_MAX_FLOAT_ROWS rows (prefill chunks) stay on XLA's
   blocked GEMM, which is as fast or faster there (tools/bench_cpu_matmul.py); int8 ones always
   take the kernel (XLA has no fast int8 path).
-- The GGUF block kernel: a weight that keeps its GGUF file's Q4_1 or Q8_0 blocks
-  (jaxinfer.layers.gguf_weights) is multiplied from them for up to KERNEL_MAX_BLOCK_ROWS rows:
-  bit-identical results from a quarter of the bytes, for the decode steps of one to three
-  requests, which are bound by reading weights.
+- The GGUF block kernel: a weight kept in its GGUF file's blocks
+  (jaxinfer.layers.weights.GGUFWeight) is multiplied from them for every row count, exactly
+  or with activations rounded to int8 (int8_activations, llama.cpp's way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from cpu_kernels.matmul.kernel import grouped_int4_matmul, grouped_matmul, int4_matmul
@@ -23,31 +23,26 @@ from jaxinfer.layers.linear import OUT_IN, StackedWeight, unstacked, xla_dense
 # Rows of x up to which float32 products take the kernel (a step bucket; XLA above), where
 # tools/bench_cpu_matmul.py found the kernel ahead.
 KERNEL_MAX_FLOAT_ROWS = 48
-# Rows of x up to which products take a weight's GGUF blocks, where it has them: the rows the
-# block kernel sums exactly as the float32 kernel (its one-to-three-row path) does.
-KERNEL_MAX_BLOCK_ROWS = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelMatmul:
     """ModelKernels.matmul: `kernel` (cpu_kernels.matmul) for int8 weights and for float32 ones
     of up to `max_float_rows` rows of x, XLA's "out_in" product for longer float32 ones; and
-    `gguf_kernel` (cpu_kernels.gguf_matmul) for up to `max_block_rows` rows of x where the
-    weight keeps GGUF blocks: the same products, bit for bit, from a quarter of the bytes.
-    Weights are "out_in" arrays, or StackedWeights (read in place)."""
+    `gguf_kernel` (cpu_kernels.gguf_matmul) for weights kept in GGUF blocks. Weights are
+    "out_in" arrays, or StackedWeights (read in place)."""
 
     kernel: Callable
     max_float_rows: int = KERNEL_MAX_FLOAT_ROWS
     gguf_kernel: Callable | None = None
-    max_block_rows: int = KERNEL_MAX_BLOCK_ROWS
     # Batch-invariant mode: every product through `kernel` in its fixed order, whatever the
     # number of rows (no XLA GEMM for long chunks; resolve leaves out the GGUF blocks).
     fixed_order: bool = False
     # The experts' grouped products, every row count (XLA has no grouped product but a dense
     # one over all experts): the same C++ library's, registered with `kernel`.
     grouped_kernel: Callable = grouped_matmul
-    # int4 weights: steps of up to 4 rows with activations rounded to int8 per 32 values
-    # (EngineOptions.int8_activations).
+    # int4 weights (steps of up to 4 rows) and GGUF block weights (every step): activations
+    # rounded to int8 per block, integer dot products (EngineOptions.int8_activations).
     int8_activations: bool = False
 
     def float32(self, x, w):  # x [T, in], w [*out, in] -> [T, *out]
@@ -99,14 +94,7 @@ class KernelMatmul:
         return grouped_int4_matmul(x, *arrays, group_sizes, x_rows=x_rows, y_rows=y_rows, **kwargs)
 
     def blocks(self, x, weight):
-        """A weight with GGUF blocks (jaxinfer.layers.weights.GGUFBlocks)."""
-        if self.gguf_kernel is None or x.shape[0] > self.max_block_rows:
-            return self.float32(x, weight.w)
-        w, qs, scales = weight.w, weight.qs, weight.scales
-        if isinstance(qs, StackedWeight):
-            out = w.stacked.shape[1:-1]
-            y = self.gguf_kernel(weight.fmt, x, qs.stacked, scales.stacked, layer=qs.layer)
-        else:
-            out = w.shape[:-1]
-            y = self.gguf_kernel(weight.fmt, x, qs, scales)
-        return y.reshape(x.shape[0], *out)  # [T, *out]
+        """x [T, in] times a GGUFWeight (jaxinfer.layers.weights) -> [T, N]."""
+        data, table, layer = weight.stacked()
+        n = math.prod(weight.out)
+        return self.gguf_kernel(x, data, table, layer, n=n, int8_activations=self.int8_activations)

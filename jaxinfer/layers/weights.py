@@ -26,11 +26,13 @@ E: hidden size, T: tokens, V: vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels.gguf_matmul.kernel import gguf_rows
 from jaxinfer.layers import linear
 from jaxinfer.layers.linear import OUT_IN, StackedWeight
 from pallas_kernels.int4_matmul import reference as int4_reference
@@ -58,10 +60,12 @@ def _in_place(a, layer):
 
 
 def _weight_class(cls):
-    """A frozen dataclass registered as a pytree; `input_axis` is static."""
+    """A frozen dataclass registered as a pytree; `input_axis` (and any field named in the
+    class's STATIC) is static."""
     cls = dataclasses.dataclass(frozen=True)(cls)
-    data = [f.name for f in dataclasses.fields(cls) if f.name != "input_axis"]
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=["input_axis"])
+    static = ["input_axis", *getattr(cls, "STATIC", ())]
+    data = [f.name for f in dataclasses.fields(cls) if f.name not in static]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=static)
 
 
 class _FloatWeight:
@@ -142,45 +146,67 @@ class Int8:
 
 
 @_weight_class
-class GGUFBlocks(_FloatWeight):
-    """A float32 "out_in" weight kept together with the GGUF file's own Q4_1 or Q8_0 blocks
-    that dequantize to it bit for bit (jaxinfer.model_loader.gguf_blocks): the block kernel
-    (cpu_kernels.gguf_matmul) multiplies the blocks, a quarter of the bytes, for steps of a few
-    rows; every other product takes the float weight. The blocks are replicated (the kernel
-    runs on one device)."""
+class GGUFWeight:
+    """A weight kept in a GGUF file's own blocks, as the file stores them (Q4_0 ... Q6_K;
+    layout: cpu_kernels.gguf_matmul.reference): each layer's rows as bytes, with a table of
+    the runs of rows in one format (a fused projection's parts may differ, and so may layers).
+    Every product goes through the block kernel (ModelKernels.matmul.blocks, the C++ kernel of
+    cpu_kernels.gguf_matmul); the arrays are replicated (the kernel runs on one device).
+    `layer` picks one layer of the stack: i32[L] (0 .. L - 1) as loaded, so that slicing the
+    layers off the stack slices it too; a scalar once `in_place` sets it under the layer scan. There is no array XLA's paths could take
+    (OWN_KERNEL): `dequantized` asks the kernel for every row."""
 
-    w: Any  # f32[*lead, *out, in]
-    qs: Any  # Q4_1: u8[*lead, N, in / 2]; Q8_0: i8[*lead, N, in]  (N: the outputs, flat)
-    scales: Any  # Q4_1: f32[*lead, N, in / 32, 2]; Q8_0: f32[*lead, N, in / 32]
+    data: Any  # u8[L, B] (u8[B] when a scan has sliced the layer out)
+    table: Any  # i32[L, S, 3] (format, rows, byte offset), or [S, 3]
+    layer: Any  # i32[L], or i32[] (in_place)
+    out: tuple  # the output axes (their product: the rows of a layer)
+    k: int  # the input size
     input_axis: int = -1
 
-    @property
-    def fmt(self) -> str:
-        qs = self.qs.stacked if isinstance(self.qs, StackedWeight) else self.qs
-        return "Q8_0" if jnp.dtype(qs.dtype) == jnp.int8 else "Q4_1"
+    OWN_KERNEL = True
+    STATIC = ("out", "k")
 
     @property
-    def size(self) -> int:  # values of the weight it stands for
-        return self.w.size
+    def size(self) -> int:  # values of the weight it stands for (one layer's times L)
+        layers = self.data.shape[0] if self.data.ndim == 2 else 1
+        return layers * math.prod(self.out) * self.k
 
-    def axes(self, weight_axes: tuple) -> GGUFBlocks:
-        return GGUFBlocks(weight_axes, (), (), self.input_axis)
+    def axes(self, weight_axes: tuple) -> GGUFWeight:
+        return GGUFWeight((), (), (), self.out, self.k, self.input_axis)
 
-    def to_out_in(self) -> GGUFBlocks:
+    def to_out_in(self) -> GGUFWeight:
         return self
 
-    def in_place(self, layer) -> GGUFBlocks:
-        return GGUFBlocks(
-            _in_place(self.w, layer),
-            _in_place(self.qs, layer),
-            _in_place(self.scales, layer),
-            self.input_axis,
-        )
+    def in_place(self, layer) -> GGUFWeight:
+        return GGUFWeight(self.data, self.table, layer, self.out, self.k, self.input_axis)
+
+    def stacked(self) -> tuple[Any, Any, Any]:
+        """(data [L, B], table [L, S, 3], layer i32[]): one layer sliced off the stack given
+        its axis back; an unstacked weight (L = 1) its only layer."""
+        if self.data.ndim == 1:
+            return self.data[None], self.table[None], jnp.int32(0)
+        if jnp.ndim(self.layer) == 0:
+            return self.data, self.table, self.layer
+        if self.data.shape[0] != 1:
+            raise ValueError("a GGUFWeight of several layers is read one layer at a time")
+        return self.data, self.table, jnp.int32(0)
 
     def project(self, x, kernels):
         if kernels.matmul is None:
-            return linear.xla_dense(x, self.w, kernels.weight_layout)
-        return kernels.matmul.blocks(x, self)
+            raise ValueError("GGUF block weights need the C++ block kernel (gguf_weights)")
+        y = kernels.matmul.blocks(x, self)  # [T, N]
+        return y.reshape(x.shape[0], *self.out).astype(x.dtype)
+
+    def scaled(self):
+        return self.dequantized(jnp.float32), None
+
+    def dequantized(self, dtype):
+        n = math.prod(self.out)
+        return self.rows(jnp.arange(n), dtype).reshape(*self.out, self.k)
+
+    def rows(self, ids, dtype):
+        data, table, layer = self.stacked()
+        return gguf_rows(ids.reshape(-1), data, table, layer, k=self.k).astype(dtype)
 
 
 @_weight_class
@@ -288,7 +314,7 @@ def mapped(fn, *arrays):
     return fn(*arrays)
 
 
-FORMATS = (Dense, Int8, GGUFBlocks, Int4)
+FORMATS = (Dense, Int8, GGUFWeight, Int4)
 
 
 def dense(x, weight, kernels):

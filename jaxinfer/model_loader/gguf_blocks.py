@@ -1,14 +1,12 @@
-"""A GGUF file's own quantized blocks of a Llama model's projections and embedding, in the
-engine's parameter order ("out_in" rows: QKV fused by KV head, gate then up), for the kernel
-that multiplies them directly (cpu_kernels.gguf_matmul).
+"""A GGUF file's 4-bit blocks (Q4_0, Q4_1, Q4_K) of a Llama model's projections as int4
+groups of 32 (pallas_kernels.int4_matmul.reference), in the engine's parameter order ("out_in"
+rows: QKV fused by KV head, gate then up): under `quantization=int4` the engine takes them as
+its int4 weights, the file's values bit for bit rather than quantized again.
 
 The float32 weights the engine loads were dequantized from these very blocks
 (jaxinfer.model_loader.gguf_convert); `verified_blocks` keeps a weight's blocks only if they
-dequantize to the loaded weight bit for bit, so the two are interchangeable.
-
-Layouts (reference: cpu_kernels.gguf_matmul.reference), per weight [*lead, N, K]:
-    Q4_1: qs u8[*lead, N, K / 2], scales f32[*lead, N, K / 32, 2] (d, m)
-    Q8_0: qs i8[*lead, N, K], scales f32[*lead, N, K / 32] (d)
+dequantize to the loaded weight bit for bit, so the two are interchangeable. (Weights read in
+the file's own formats, every type: jaxinfer.model_loader.gguf_weights.)
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from cpu_kernels.gguf_matmul.reference import BLOCK, FORMATS, dequantize
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.model_loader.gguf_convert import unpermute_qk
 from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
@@ -28,42 +25,27 @@ from jaxinfer.models.params import LAYER_PROJECTIONS
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
 from pallas_kernels.int4_matmul.reference import pack as int4_pack
 
-# Bytes of one block of 32 values in the file: float16 d (and m), then the values.
-_FILE_BLOCK_BYTES = {"Q4_1": 4 + BLOCK // 2, "Q8_0": 2 + BLOCK}
+BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockWeight:
-    fmt: str  # "Q4_1", "Q8_0", or "int4" (a Q4_0 / Q4_1 / Q4_K tensor as int4 groups of 32)
-    qs: np.ndarray  # [*lead, N, K / 2] u8 or [*lead, N, K] i8
-    scales: np.ndarray  # [*lead, N, K / 32, 2] ((d, m); int4: (scale, bias)) or [..., K / 32]
+    fmt: str  # "int4": a Q4_0 / Q4_1 / Q4_K tensor as int4 groups of 32
+    qs: np.ndarray  # u8[*lead, N, K / 2]
+    scales: np.ndarray  # f32[*lead, N, K / 32, 2] (scale, bias)
 
     def dequantized(self) -> np.ndarray:  # f32[*lead, N, K]
-        if self.fmt == "int4":
-            return int4_dequantize(self.qs, self.scales[..., 0], self.scales[..., 1])
-        return dequantize(self.fmt, self.qs, self.scales)
+        return int4_dequantize(self.qs, self.scales[..., 0], self.scales[..., 1])
 
 
-def _blocks(tensor: GGUFTensor, int4: bool) -> BlockWeight | None:
-    """One GGUF tensor's blocks, rows in the file's order: in the gguf_matmul kernel's formats,
-    or (int4) as int4 groups of 32; None for other formats."""
-    fmt = tensor.type_name
-    if int4:
-        if fmt not in INT4_TYPES:
-            return None
-        qs, scale, bias = int4_from_gguf(fmt, tensor.data)
-        scales = np.stack([scale.astype(np.float32), bias.astype(np.float32)], axis=-1)
-        return BlockWeight("int4", qs, scales)
-    if fmt not in FORMATS:
+def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
+    """One GGUF tensor's blocks as int4 groups of 32, rows in the file's order; None for
+    other formats."""
+    if tensor.type_name not in INT4_TYPES:
         return None
-    rows = tensor.data.shape[0]
-    raw = np.asarray(tensor.data).reshape(rows, -1, _FILE_BLOCK_BYTES[fmt])
-    halves = np.ascontiguousarray(raw[..., : 4 if fmt == "Q4_1" else 2])
-    scales = halves.view(np.float16).astype(np.float32)  # [N, K / 32, 2] or [N, K / 32, 1]
-    values = np.ascontiguousarray(raw[..., halves.shape[-1] :]).reshape(rows, -1)
-    if fmt == "Q8_0":
-        return BlockWeight(fmt, values.view(np.int8), scales[..., 0])
-    return BlockWeight(fmt, values, scales)
+    qs, scale, bias = int4_from_gguf(tensor.type_name, tensor.data)
+    scales = np.stack([scale.astype(np.float32), bias.astype(np.float32)], axis=-1)
+    return BlockWeight("int4", qs, scales)
 
 
 # Bytes of float16 parameters that open a Q4_0 (d) or Q4_1 (d, m) block, before its 16 bytes
@@ -163,16 +145,14 @@ def _qkv_order(config: LlamaConfig) -> np.ndarray:
     return fused.reshape(-1)
 
 
-def load_gguf_blocks(path: Path, config: LlamaConfig, int4: bool = False) -> dict:
-    """{"layers": {name: BlockWeight [L, N, ...]}, "embed" / "lm_head": BlockWeight} for the
-    weights whose blocks are in a supported format in every layer: the gguf_matmul kernel's
-    (Q4_1, Q8_0), or with `int4` the types that are int4 groups of 32 (INT4_TYPES; a weight
-    may mix them across layers)."""
+def load_gguf_blocks(path: Path, config: LlamaConfig) -> dict:
+    """{"layers": {name: BlockWeight [L, N, ...]}} for the projections whose tensors are int4
+    groups of 32 in every layer (INT4_TYPES; a weight may mix them across layers)."""
     tensors = read_tensors(path)
     permuted = family_for_architecture(config.architecture).gguf_qk_permuted
 
     def get(name: str) -> BlockWeight | None:
-        return _blocks(tensors[name], int4) if name in tensors else None
+        return _blocks(tensors[name]) if name in tensors else None
 
     def q_rows(layer: int, part: str, heads: int) -> BlockWeight | None:
         w = get(f"blk.{layer}.attn_{part}.weight")
@@ -191,17 +171,13 @@ def load_gguf_blocks(path: Path, config: LlamaConfig, int4: bool = False) -> dic
         per_layer["gate_up_proj"].append(_rows([gate, up]))
         per_layer["down_proj"].append(get(f"blk.{i}.ffn_down.weight"))
     layers = {name: _stack(ws) for name, ws in per_layer.items()}
-    out = {"layers": {name: w for name, w in layers.items() if w is not None}}
-    head = get("token_embd.weight" if config.tie_word_embeddings else "output.weight")
-    if head is not None:
-        out["embed" if config.tie_word_embeddings else "lm_head"] = head
-    return out
+    return {"layers": {name: w for name, w in layers.items() if w is not None}}
 
 
 def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
     """(the blocks that dequantize bit for bit to their weight in `params`, the names of those
-    that do not). `params`: the "out_in" tree of weights (projections [L, *out, K], the head
-    [V, K]; jaxinfer.layers.weights.Dense)."""
+    that do not). `params`: the "out_in" tree of weights (projections [L, *out, K];
+    jaxinfer.layers.weights.Dense)."""
     kept: dict = {"layers": {}}
     rejected = []
     for name, w in blocks["layers"].items():
@@ -214,13 +190,6 @@ def verified_blocks(blocks: dict, params: dict) -> tuple[dict, list[str]]:
             kept["layers"][name] = w
         else:
             rejected.append(name)
-    for name in ("embed", "lm_head"):
-        if name in blocks:
-            weight = np.asarray(params[name].w)
-            if _same_values(blocks[name].dequantized(), weight):
-                kept[name] = blocks[name]
-            else:
-                rejected.append(name)
     return kept, rejected
 
 

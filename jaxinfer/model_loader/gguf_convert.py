@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
+from jaxinfer.model_loader.gguf_tensors import read_tensors
 from jaxinfer.model_loader.gguf_tokenizer import generation_fields, write_json, write_tokenizer
 from jaxinfer.models.families import family_for_gguf
 from jaxinfer.models.families.family import GGUFMetadata, ModelFamily
@@ -89,6 +90,61 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     write_tokenizer(meta, out_dir, config["max_position_embeddings"])
 
 
+def hf_value(family: ModelFamily, name: str, value: np.ndarray, heads: int, kv_heads: int):
+    """A dequantized GGUF tensor as Hugging Face stores the tensor `name`: the family's own
+    change (Gemma's norms), Q and K rows unpermuted where llama.cpp permuted them."""
+    value = family.hf_tensor_from_gguf(name, value)
+    if family.gguf_qk_permuted and name.endswith("q_proj.weight"):
+        value = unpermute_qk(value, heads)
+    elif family.gguf_qk_permuted and name.endswith("k_proj.weight"):
+        value = unpermute_qk(value, kv_heads)
+    if name.endswith("mlp.shared_expert_gate.weight"):
+        value = value.reshape(1, -1)  # [1, E]
+    return value
+
+
+class GGUFTensorReader:
+    """A dense model's tensors in a GGUF file by Hugging Face name, dequantized to float32
+    when asked for (the interface of jaxinfer.model_loader.safetensors_loader's readers)."""
+
+    def __init__(self, path: Path, family: ModelFamily, heads: int, kv_heads: int):
+        self.path, self.family, self.heads, self.kv_heads = path, family, heads, kv_heads
+        self._tensors = {}
+        for tensor in read_tensors(path).values():
+            name = family.hf_tensor_name(tensor.name)
+            if name is None:
+                raise ValueError(
+                    f"{path}: unexpected GGUF tensor {tensor.name!r} for {family.name}"
+                )
+            self._tensors[name] = tensor
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> np.ndarray:
+        t = self._tensors[name]
+        try:
+            kind = gguf.GGMLQuantizationType[t.type_name]
+            value = gguf.quants.dequantize(np.asarray(t.data), kind)
+        except NotImplementedError:
+            raise ValueError(
+                f"{self.path}: tensor {t.name!r} is stored as {t.type_name}, a block type that "
+                "cannot be read"
+            ) from None
+        value = np.asarray(value, np.float32).reshape(t.shape)
+        return hf_value(self.family, name, value, self.heads, self.kv_heads)
+
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        if name not in self._tensors:
+            raise ValueError(f"{self.path} has no tensor for {name!r} (expected shape {shape})")
+        value = self.tensor(name)
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has shape {tuple(value.shape)}, expected {shape}"
+            )
+        return value.astype(dtype, copy=False)
+
+
 def _hf_tensors(reader, family: ModelFamily, config: dict, path: Path):
     """(Hugging Face name, float32 array) of every tensor, in the file's order; a packed
     expert gate waits for its up projection (and the other way round) to be joined."""
@@ -98,13 +154,7 @@ def _hf_tensors(reader, family: ModelFamily, config: dict, path: Path):
         name = family.hf_tensor_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {tensor.name!r} for {family.name}")
-        value = family.hf_tensor_from_gguf(name, _dequantize(tensor, path))
-        if family.gguf_qk_permuted and name.endswith("q_proj.weight"):
-            value = unpermute_qk(value, heads)
-        elif family.gguf_qk_permuted and name.endswith("k_proj.weight"):
-            value = unpermute_qk(value, kv_heads)
-        if name.endswith("mlp.shared_expert_gate.weight"):
-            value = value.reshape(1, -1)  # [1, E]
+        value = hf_value(family, name, _dequantize(tensor, path), heads, kv_heads)
         for part, other in (("gate_proj", "up_proj"), ("up_proj", "gate_proj")):
             if name.endswith(f"experts.{part}.weight"):  # [X, I, E] each
                 pair = name.replace(part, other)

@@ -37,6 +37,7 @@ class GGUFTensor:
     type_name: str  # gguf.GGMLQuantizationType name: "Q4_1", "F32", ...
     shape: tuple[int, ...]  # numpy order (rows first)
     data: np.ndarray  # u8[rows, bytes per row], a view of the memory-mapped file
+    offset: int = 0  # where the data starts in the file
 
 
 class _Cursor:
@@ -106,5 +107,5 @@ def read_tensors(path: Path) -> dict[str, GGUFTensor]:
         row_bytes = shape[-1] // block_size * block_bytes
         begin = start + offset
         view = data[begin : begin + rows * row_bytes].reshape(rows, row_bytes)
-        tensors[name] = GGUFTensor(name, kind.name, shape, view)
+        tensors[name] = GGUFTensor(name, kind.name, shape, view, begin)
     return tensors

@@ -99,7 +99,19 @@ def replicate_kv(qkv, replicas: int, xp=np):
 
 
 def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int = 1) -> dict:
-    """Returns the nested dict of numpy arrays that LlamaForCausalLM's parameters take.
+    """Returns the nested dict of numpy arrays that LlamaForCausalLM's parameters take, from a
+    folder of safetensors files (params_from_reader)."""
+    with contextlib.ExitStack() as stack:
+        reader = _TensorReader(checkpoint_files(folder), stack)
+        return params_from_reader(reader, config, dtype, kv_replicas)
+
+
+def params_from_reader(
+    reader, config: LlamaConfig, dtype, kv_replicas: int = 1, skip: frozenset[str] = frozenset()
+) -> dict:
+    """The parameter tree from `reader` (tensors by Hugging Face name: has, tensor, get), but
+    for the parameters named in `skip` (projections, "embed", "lm_head"), which the caller
+    has in another form (a GGUF file's blocks, jaxinfer.model_loader.gguf_weights).
 
     Projections are stored as [in, out] (x @ W). Q, K and V are fused grouped by KV head,
     [E, K, H/K + 2, D], and gate and up stacked, [E, 2, I]: splitting K (or I) over devices
@@ -108,88 +120,82 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     quantized checkpoint's (AWQ, GPTQ) projections come as jaxinfer.layers.weights.Int4Parts,
     assembled the same way (jaxinfer.model_loader.quantized_checkpoint).
     """
-    files = checkpoint_files(folder)
     cfg = config
     E, I, V, D = cfg.hidden_size, cfg.dense_intermediate_size, cfg.vocab_size, cfg.head_dim  # noqa: E741
     K = cfg.num_key_value_heads // kv_replicas  # the checkpoint's
     q, kv = cfg.q_size, K * D
-    with contextlib.ExitStack() as stack:
-        reader = _TensorReader(files, stack)
 
-        def get(name, shape):
-            return reader.get(name, shape, dtype)
+    def get(name, shape):
+        return reader.get(name, shape, dtype)
 
-        def linear(prefix, shape):  # [out, in]: a float weight, or a quantized one's Int4Parts
-            if cfg.quantization is not None and reader.has(prefix + "qweight"):
-                return read_linear(reader, prefix, shape, cfg.quantization)
-            return get(prefix + "weight", shape)
+    def linear(prefix, shape):  # [out, in]: a float weight, or a quantized one's Int4Parts
+        if cfg.quantization is not None and reader.has(prefix + "qweight"):
+            return read_linear(reader, prefix, shape, cfg.quantization)
+        return get(prefix + "weight", shape)
 
-        def stacked(fn):
-            layers = [fn(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
-            return mapped(lambda *a: np.stack(a), *layers)
+    def stacked(fn):
+        layers = [fn(f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        return mapped(lambda *a: np.stack(a), *layers)
 
-        def transposed(w):
-            return mapped(lambda a: a.T, w)
+    def transposed(w):
+        return mapped(lambda a: a.T, w)
 
-        def fused_qkv(q_, k_, v_):
-            return mapped(lambda *a: replicate_kv(fuse_qkv(*a, K, D), kv_replicas), q_, k_, v_)
+    def fused_qkv(q_, k_, v_):
+        return mapped(lambda *a: replicate_kv(fuse_qkv(*a, K, D), kv_replicas), q_, k_, v_)
 
-        def qkv_bias(p):
-            names = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-            return fused_qkv(*(get(n, s) for n, s in zip(names, [(q,), (kv,), (kv,)], strict=True)))
+    def qkv_bias(p):
+        names = [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        return fused_qkv(*(get(n, s) for n, s in zip(names, [(q,), (kv,), (kv,)], strict=True)))
 
-        def qkv(p):
-            shapes = {"q": (q, E), "k": (kv, E), "v": (kv, E)}
-            return fused_qkv(
-                *(transposed(linear(p + f"self_attn.{x}_proj.", shapes[x])) for x in "qkv")
+    def qkv(p):
+        shapes = {"q": (q, E), "k": (kv, E), "v": (kv, E)}
+        return fused_qkv(
+            *(transposed(linear(p + f"self_attn.{x}_proj.", shapes[x])) for x in "qkv")
+        )
+
+    def norm(name, shape):  # as the model multiplies by it (jaxinfer.arch_config)
+        w = get(name, shape)
+        return w + np.asarray(cfg.norm_offset, dtype) if cfg.norm_offset else w
+
+    layers = {
+        ours: stacked(lambda p, theirs=theirs: norm(p + theirs + ".weight", (E,)))
+        for ours, theirs in family_for_architecture(cfg.architecture).layer_norms.items()
+    }
+    if "qkv_proj" not in skip:
+        layers["qkv_proj"] = stacked(qkv)
+    if "o_proj" not in skip:
+        layers["o_proj"] = stacked(lambda p: transposed(linear(p + "self_attn.o_proj.", (E, q))))
+    # the dense FFN, or a MoE layer's shared expert
+    mlp = "mlp.shared_expert." if cfg.moe is not None else "mlp."
+    if I and "gate_up_proj" not in skip:
+        layers["gate_up_proj"] = stacked(
+            lambda p: mapped(
+                gate_up_in_out,
+                linear(p + mlp + "gate_proj.", (I, E)),
+                linear(p + mlp + "up_proj.", (I, E)),
             )
+        )
+    if I and "down_proj" not in skip:
+        layers["down_proj"] = stacked(lambda p: transposed(linear(p + mlp + "down_proj.", (E, I))))
+    if cfg.qk_norm is not None:
+        k_heads = K if cfg.qk_norm == "all" else 1
+        q_width = q if cfg.qk_norm == "all" else D
 
-        def norm(name, shape):  # as the model multiplies by it (jaxinfer.arch_config)
-            w = get(name, shape)
-            return w + np.asarray(cfg.norm_offset, dtype) if cfg.norm_offset else w
+        def k_norm(p):  # each KV head's part copied with the head
+            w = norm(p + "self_attn.k_norm.weight", (k_heads * D,)).reshape(k_heads, D)
+            return np.repeat(w, kv_replicas if k_heads > 1 else 1, axis=0).reshape(-1)
 
-        layers = {
-            ours: stacked(lambda p, theirs=theirs: norm(p + theirs + ".weight", (E,)))
-            for ours, theirs in family_for_architecture(cfg.architecture).layer_norms.items()
-        }
-        layers |= {
-            "qkv_proj": stacked(qkv),
-            "o_proj": stacked(lambda p: transposed(linear(p + "self_attn.o_proj.", (E, q)))),
-        }
-        if I:
-            # the dense FFN, or a MoE layer's shared expert
-            mlp = "mlp.shared_expert." if cfg.moe is not None else "mlp."
-            layers["gate_up_proj"] = stacked(
-                lambda p: mapped(
-                    gate_up_in_out,
-                    linear(p + mlp + "gate_proj.", (I, E)),
-                    linear(p + mlp + "up_proj.", (I, E)),
-                )
-            )
-            layers["down_proj"] = stacked(
-                lambda p: transposed(linear(p + mlp + "down_proj.", (E, I)))
-            )
-        if cfg.qk_norm is not None:
-            k_heads = K if cfg.qk_norm == "all" else 1
-            q_width = q if cfg.qk_norm == "all" else D
-
-            def k_norm(p):  # each KV head's part copied with the head
-                w = norm(p + "self_attn.k_norm.weight", (k_heads * D,)).reshape(k_heads, D)
-                return np.repeat(w, kv_replicas if k_heads > 1 else 1, axis=0).reshape(-1)
-
-            layers["q_norm"] = stacked(lambda p: norm(p + "self_attn.q_norm.weight", (q_width,)))
-            layers["k_norm"] = stacked(k_norm)
-        if cfg.moe is not None:
-            layers.update(load_moe_layers(reader, cfg, dtype))
-        if cfg.attention_bias:
-            layers["qkv_bias"] = stacked(qkv_bias)
-        params = {
-            "embed": get("model.embed_tokens.weight", (V, E)),
-            "layers": layers,
-            "norm": norm("model.norm.weight", (E,)),
-        }
-        if not cfg.tie_word_embeddings:
-            params["lm_head"] = get("lm_head.weight", (V, E)).T
+        layers["q_norm"] = stacked(lambda p: norm(p + "self_attn.q_norm.weight", (q_width,)))
+        layers["k_norm"] = stacked(k_norm)
+    if cfg.moe is not None:
+        layers.update(load_moe_layers(reader, cfg, dtype))
+    if cfg.attention_bias:
+        layers["qkv_bias"] = stacked(qkv_bias)
+    params = {"layers": layers, "norm": norm("model.norm.weight", (E,))}
+    if "embed" not in skip:
+        params["embed"] = get("model.embed_tokens.weight", (V, E))
+    if not cfg.tie_word_embeddings and "lm_head" not in skip:
+        params["lm_head"] = get("lm_head.weight", (V, E)).T
     return {
         k: np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v for k, v in params.items()
     }

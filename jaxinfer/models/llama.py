@@ -34,7 +34,6 @@ from jaxinfer.models.params import (
     quantize_weights,
     to_layout,
     weight_axes,
-    with_gguf_blocks,
     with_q4_blocks,
 )
 from jaxinfer.parallel.sharding import Partitioner
@@ -289,16 +288,15 @@ def build_llama(
     partitioner: Partitioner | None = None,
     weight_layout: str = IN_OUT,
     quantization: Quantization | str | None = None,
-    gguf_blocks: dict | None = None,
     int4_blocks: dict | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (the loader's tree: host
     arrays, or arrays already placed), its projections as weights of their format (quantized
     as `quantization` says; jaxinfer.layers.weights), put in `weight_layout` and each array placed on
     the partitioner's mesh by its logical axes (every device receives only its shards), or on
-    the default device. gguf_blocks: GGUF blocks to keep beside their "out_in" weights
-    (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree); int4_blocks: 4-bit blocks to
-    take as the int4 weights themselves (the same tree, with_q4_blocks)."""
+    the default device. int4_blocks: a GGUF file's 4-bit blocks to take as the int4 weights
+    themselves (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree, with_q4_blocks).
+    Weights the loader gives in another format already (a GGUF file's blocks) stay so."""
     values = as_weights(config, {k: v for k, v in params.items() if not k.startswith("rope_")})
     if quantization is not None:
         values = quantize_weights(config, values, quantization)
@@ -306,9 +304,6 @@ def build_llama(
         values = with_q4_blocks(values, int4_blocks)
     axes = weight_axes(values)
     values, axes = to_layout(values, weight_layout), to_layout(axes, weight_layout)
-    if gguf_blocks:
-        values = with_gguf_blocks(values, gguf_blocks)
-        axes = with_gguf_blocks(axes, gguf_blocks, axes=True)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
     )

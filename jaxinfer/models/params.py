@@ -18,7 +18,7 @@ from jaxinfer.layers.moe.experts import (
     FLOAT_PROJECTIONS,
 )
 from jaxinfer.layers.quantization import Quantization
-from jaxinfer.layers.weights import Dense, GGUFBlocks, Int4, Int4Parts, is_weight
+from jaxinfer.layers.weights import Dense, Int4, Int4Parts, is_weight
 
 # The loader's parameter tree ("in_out", layers stacked [L, ...]): each array's logical axes
 # (jaxinfer.parallel.sharding maps them onto the mesh). QKV is fused grouped by KV head,
@@ -66,15 +66,17 @@ def as_weights(config: LlamaConfig, params: dict) -> dict:
     projections = {**LAYER_PROJECTIONS, **FLOAT_PROJECTIONS}
 
     def weight(a, input_axis: int):
+        if is_weight(a):  # read in another form (a GGUF file's blocks)
+            return a
         return a.weight(input_axis) if isinstance(a, Int4Parts) else Dense(a, input_axis)
 
     out["layers"] = {
         name: weight(a, projections[name]) if name in projections else a
         for name, a in params["layers"].items()
     }
-    out["embed"] = Dense(params["embed"], -1)  # [V, E]
+    out["embed"] = weight(params["embed"], -1)  # [V, E]
     if not config.tie_word_embeddings:
-        out["lm_head"] = Dense(params["lm_head"], -2)  # [E, V]
+        out["lm_head"] = weight(params["lm_head"], -2)  # [E, V]
     return out
 
 
@@ -125,25 +127,6 @@ def quantize_weights(
     head = head_name(config)
     if isinstance(tree[head], Dense):
         out[head] = quantization.head.quantize(tree[head])
-    return out
-
-
-def with_gguf_blocks(tree: dict, blocks: dict, axes: bool = False) -> dict:
-    """The "out_in" tree with the weights named in `blocks` ({"layers": {name: BlockWeight},
-    "embed" / "lm_head": BlockWeight}) as GGUFBlocks; `axes`: for the tree of axes."""
-
-    def attach(weight, block):
-        if axes:
-            return GGUFBlocks(weight.w, (), ())
-        return GGUFBlocks(weight.w, block.qs, block.scales)
-
-    out = dict(tree)
-    out["layers"] = dict(tree["layers"])
-    for name, block in blocks.get("layers", {}).items():
-        out["layers"][name] = attach(tree["layers"][name], block)
-    for name, block in blocks.items():
-        if name != "layers":
-            out[name] = attach(tree[name], block)
     return out
 
 

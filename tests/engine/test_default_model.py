@@ -96,8 +96,8 @@ def test_greedy_generation_matches_hf(llm, hf_model, prompts):
 
 
 def test_default_engine_keeps_the_gguf_blocks(llm):
-    """The default model's folder keeps its GGUF: with the C++ kernels, steps of 1-3 tokens
-    read its exact Q4_1 and Q8_0 blocks (the tests against HF above then cover them)."""
+    """The default model's folder keeps its GGUF: with the C++ kernels its Q4_1 projections and
+    Q8_0 embedding are read in place (the tests against HF above then cover them)."""
     blocks = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed"]
     assert llm.engine.gguf_weights == (blocks if can_build() else [])
 

@@ -1,8 +1,9 @@
-"""GGUF blocks kept beside the float32 weights (jaxinfer.model_loader.gguf_blocks,
-jaxinfer.layers.weights.GGUFBlocks): the tensor table against the gguf package's reader, the blocks in
-the engine's row order against the converted weights, and an engine that reads them giving
-bit-identical outputs, on a tiny model written as a GGUF file of Q4_1 projections and a Q8_0
-embedding (its LM head)."""
+"""A GGUF model's weights read in place (jaxinfer.model_loader.gguf_weights,
+jaxinfer.layers.weights.GGUFWeight): the tensor table against the gguf package's reader, the
+blocks in the engine's row order against the converted float weights, and an engine on them
+against the engine on float weights, on tiny models written as GGUF files (Q4_1 projections
+and a Q8_0 embedding; Q4_K and Q4_0 projections); and the int4 path that takes a file's 4-bit
+blocks as its int4 weights (jaxinfer.model_loader.gguf_blocks)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ import numpy as np
 import pytest
 
 from cpu_kernels.build import can_build
+from cpu_kernels.gguf_matmul.reference import dequantize_layer
 from jaxinfer import SamplingParams
-from jaxinfer.config import EngineOptions
-from jaxinfer.config.configure import configure
 from jaxinfer.layers.linear import OUT_IN
-from jaxinfer.layers.weights import Dense, Int4
+from jaxinfer.layers.weights import GGUFWeight, Int4
 from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.gguf_tensors import read_tensors
-from jaxinfer.model_loader.load import kept_gguf_blocks
+from jaxinfer.model_loader.gguf_weights import load_gguf_params
 from jaxinfer.model_loader.model_cache import gguf_folder, source_gguf
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.families.hf_config import read_config
@@ -98,35 +98,42 @@ def test_tensor_table_matches_the_gguf_reader(q4_gguf):
         assert np.array_equal(np.asarray(tensor.data).ravel(), t.data.view(np.uint8).ravel())
 
 
-def test_blocks_reproduce_the_converted_weights_in_engine_order(q4_gguf):
-    path, folder = q4_gguf
+@pytest.mark.parametrize("fixture", ["q4_gguf", "k_gguf"])
+def test_weights_read_in_place_are_the_converted_weights_in_engine_order(fixture, request):
+    """Each layer of each GGUFWeight dequantizes (by the gguf package) to exactly the float
+    weight the converted folder gives, in the engine's "out_in" order (QKV fused by KV head,
+    Q and K unpermuted, gate then up); norms and the rest are the same arrays."""
+    path, folder = request.getfixturevalue(fixture)
     assert source_gguf(str(path), folder) == path
-    config, params = converted(folder)
-    blocks = load_gguf_blocks(path, config)
-    kept, rejected = verified_blocks(blocks, params)
-    assert rejected == [] and [*kept["layers"], *kept.keys() - {"layers"}] == ALL_BLOCKS
-    assert {w.fmt for w in kept["layers"].values()} == {"Q4_1"} and kept["embed"].fmt == "Q8_0"
-    layers = config.num_hidden_layers
-    assert kept["layers"]["gate_up_proj"].qs.shape == (layers, 2 * 128, 64 // 2)
-
-
-@pytest.mark.parametrize("name", ["qkv_proj", "down_proj"])
-def test_blocks_that_differ_from_the_weights_are_not_kept(q4_gguf, name):
-    path, folder = q4_gguf
-    config, params = converted(folder)
-    layer = np.array(params["layers"][name].w)
-    layer[1].reshape(-1)[5] += 1e-3  # one value of layer 1
-    params["layers"] = {**params["layers"], name: Dense(layer, -1)}
-    kept, rejected = verified_blocks(load_gguf_blocks(path, config), params)
-    assert rejected == [name] and name not in kept["layers"]
+    config, floats = converted(folder)
+    params, kept = load_gguf_params(path, config, np.float32)
+    assert kept == ALL_BLOCKS
+    for name in PROJECTIONS:
+        w = params["layers"][name]
+        assert isinstance(w, GGUFWeight) and w.data.ctypes.data % 64 == 0
+        want = np.asarray(floats["layers"][name].w)  # [L, *out, K]
+        for layer in range(config.num_hidden_layers):
+            got = dequantize_layer(w.data[layer], w.table[layer], w.k)
+            np.testing.assert_array_equal(got, want[layer].reshape(got.shape), err_msg=name)
+    embed = params["embed"]
+    got = dequantize_layer(embed.data[0], embed.table[0], embed.k)
+    np.testing.assert_array_equal(got, np.asarray(floats["embed"].w))
+    for name in ("input_norm", "post_attention_norm"):
+        np.testing.assert_array_equal(params["layers"][name], floats["layers"][name])
 
 
 @needs_compiler
-def test_engine_with_gguf_weights_gives_bit_identical_outputs(q4_gguf, cpu_kernel_dir):
-    path, _ = q4_gguf
+@pytest.mark.parametrize("fixture", ["q4_gguf", "k_gguf"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_engine_on_blocks_matches_the_engine_on_float_weights(
+    fixture, int8_activations, request, cpu_kernel_dir
+):
+    """Greedy tokens the same and logprobs close: exact activations differ from the float
+    weights' products by summation order, int8 ones by their rounding too."""
+    path, _ = request.getfixturevalue(fixture)
     options = dict(
         max_num_batched_tokens=8,
-        token_buckets=(1, 2),  # steps of 1-2 tokens read the blocks, of 8 the weights
+        token_buckets=(1, 2, 8),
         max_num_seqs=3,
         block_size=8,
         num_kv_blocks=32,
@@ -134,16 +141,21 @@ def test_engine_with_gguf_weights_gives_bit_identical_outputs(q4_gguf, cpu_kerne
         compilation_cache=False,
         matmul_impl="cpu",
     )
-    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
-    results = {}
+    runs = {}
     for mode in ("on", "off"):
-        llm = build_llm(path, None, gguf_weights=mode, **options)
+        extra = {"int8_activations": int8_activations} if mode == "on" else {}
+        llm = build_llm(path, None, gguf_weights=mode, **options, **extra)
         assert llm.engine.gguf_weights == (ALL_BLOCKS if mode == "on" else [])
-        outputs = llm.generate(prompts[:1], params, use_tqdm=False)
-        outputs += llm.generate(prompts, params, use_tqdm=False)
-        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
-    assert results["on"] == results["off"]
+        runs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    tolerance = 0.05 if int8_activations else 1e-4
+    for ours, theirs in zip(runs["on"], runs["off"], strict=True):
+        first = theirs.token_ids[0]
+        assert ours.token_ids[0] == first
+        assert abs(ours.logprobs[0][first] - theirs.logprobs[0][first]) < tolerance
+        if not int8_activations:
+            assert ours.token_ids == theirs.token_ids
 
 
 def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
@@ -161,18 +173,6 @@ def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
         build_llm(tiny_model_dir, None, gguf_weights="yes")
 
 
-def test_another_models_gguf_keeps_no_blocks(q4_gguf, tiny_model_dir):
-    """The blocks of a GGUF that is not the loaded model's (here: another tiny model's) are
-    never kept: "auto" goes without, "on" is a clear error."""
-    path, _ = q4_gguf
-    options = EngineOptions(model=str(tiny_model_dir), gguf_weights="off")
-    config, _ = configure(options, tiny_model_dir)
-    params = load_llama_params(tiny_model_dir, config.model.arch, np.float32)
-    assert kept_gguf_blocks(path, config, params, required=False) is None
-    with pytest.raises(ValueError, match=r"gguf_weights 'on': no GGUF blocks can be kept"):
-        kept_gguf_blocks(path, config, params, required=True)
-
-
 @needs_compiler
 def test_int4_takes_q4_k_and_q4_0_blocks_as_they_are(k_gguf, cpu_kernel_dir):
     """Under quantization="int4" a k-quant file's Q4_K (and Q4_0) projections are the engine's
@@ -181,7 +181,7 @@ def test_int4_takes_q4_k_and_q4_0_blocks_as_they_are(k_gguf, cpu_kernel_dir):
     LM head is int8)."""
     path, folder = k_gguf
     config, out_in = converted(folder)
-    kept, rejected = verified_blocks(load_gguf_blocks(path, config, int4=True), out_in)
+    kept, rejected = verified_blocks(load_gguf_blocks(path, config), out_in)
     assert sorted(kept["layers"]) == sorted(PROJECTIONS) and rejected == []
     options = dict(
         max_num_batched_tokens=8,

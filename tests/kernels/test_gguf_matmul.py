@@ -1,111 +1,121 @@
-"""The C++ kernel for weights in llama.cpp's block formats (cpu_kernels.gguf_matmul): against
-float64 numpy on the weights the gguf package dequantizes, and bit for bit against the float32
-kernel (cpu_kernels.matmul) on those weights for up to 3 rows."""
+"""The C++ kernel for weights in llama.cpp's block formats as a GGUF file stores them
+(cpu_kernels.gguf_matmul): every format's exact mode bit for bit against the gguf package's own
+dequantizer, both modes against float64 numpy (the int8-activation mode against x rounded as
+that mode rounds it), for 1 to many rows, weights of several formats and stacked layers."""
 
 from __future__ import annotations
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from cpu_kernels.build import can_build
-from cpu_kernels.gguf_matmul.reference import dequantize, gguf_matmul_reference
+from cpu_kernels.gguf_matmul import reference
+from cpu_kernels.gguf_matmul.kernel import gguf_rows
+from cpu_kernels.gguf_matmul.reference import (
+    FORMATS,
+    dequantize_layer,
+    gguf_matmul_reference,
+    pack_layers,
+    random_rows,
+)
 
 pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
 )
 
 
-def random_blocks(fmt: str, n: int, k: int, seed: int = 0, lead: tuple[int, ...] = ()):
-    """(qs, scales) of random [*lead, n, k] weights, with scales that are float16 values (as
-    in a GGUF file)."""
+def weight(fmt: str, n: int, k: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    blocks = (*lead, n, k // 32)
-    if fmt == "Q4_1":
-        qs = rng.integers(0, 256, size=(*lead, n, k // 2), dtype=np.uint8)
-        d = rng.uniform(1e-4, 2e-2, size=blocks)
-        m = -rng.uniform(0, 0.15, size=blocks)
-        scales = np.stack([d, m], axis=-1)
-    else:
-        qs = rng.integers(-127, 128, size=(*lead, n, k), dtype=np.int8)
-        scales = rng.uniform(1e-4, 2e-2, size=blocks)
-    return qs, scales.astype(np.float16).astype(np.float32)
+    return pack_layers([[(fmt, random_rows(fmt, n, k, rng))]])
 
 
-def gguf_packed(fmt: str, qs: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """The same [n, k] weight as the raw blocks of a GGUF tensor (d, m float16, then the
-    quantized values), for the gguf package to dequantize."""
-    n = qs.shape[0]
-    halves = (
-        scales.astype(np.float16)
-        .view(np.uint8)
-        .reshape(n, qs.shape[1] // (16 if fmt == "Q4_1" else 32), -1)
-    )
-    values = qs.view(np.uint8).reshape(n, halves.shape[1], -1)
-    return np.concatenate([halves, values], axis=-1).reshape(n, -1)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, fmt):
+    """x = the identity picks every weight out of the product unrounded: the kernel's own
+    dequantization, through the matmul path (1-3 rows at a time) and the rows path."""
+    k = 512
+    data, table = weight(fmt, 40, k, seed=1)
+    theirs = dequantize_layer(data[0], table[0], k)  # gguf.quants
+    eye = jnp.eye(k, dtype=jnp.float32)
+    ours = np.asarray(cpu_gguf_matmul(eye, jnp.asarray(data), jnp.asarray(table), 0, n=40))
+    assert np.array_equal(ours.T, theirs)
+    rows = np.asarray(gguf_rows(jnp.arange(40), jnp.asarray(data), jnp.asarray(table), 0, k=k))
+    assert np.array_equal(rows.view(np.uint32), theirs.view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_dequantize_matches_the_gguf_package(fmt):
-    qs, scales = random_blocks(fmt, 24, 96, seed=3)
-    kind = getattr(gguf.GGMLQuantizationType, fmt)
-    theirs = gguf.quants.dequantize(gguf_packed(fmt, qs, scales), kind)
-    assert np.array_equal(dequantize(fmt, qs, scales).view(np.uint32), theirs.view(np.uint32))
-
-
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize(("n", "k"), [(48, 576), (5, 32), (70, 96)])
-def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, rows, n, k):
-    qs, scales = random_blocks(fmt, n, k, seed=rows * k + n)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 21])
+def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, int8_activations, rows):
+    k = 768 if FORMATS[fmt][1] == 256 else 224
+    data, table = weight(fmt, 37, k, seed=rows)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    ours = np.asarray(jax.jit(cpu_gguf_matmul, static_argnums=0)(fmt, x, qs, scales))
-    exact = x.astype(np.float64) @ dequantize(fmt, qs, scales).astype(np.float64).T
-    assert ours.shape == (rows, n) and ours.dtype == np.float32
-    np.testing.assert_allclose(ours, exact, rtol=2e-5, atol=2e-5 * np.abs(exact).max())
+    ours = cpu_gguf_matmul(jnp.asarray(x), data, table, 0, n=37, int8_activations=int8_activations)
+    theirs = gguf_matmul_reference(x, data, table, int8_activations=int8_activations)
+    assert ours.shape == (rows, 37) and ours.dtype == jnp.float32
+    scale = np.abs(theirs).max()
+    np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3])
-def test_kernel_is_bit_identical_to_the_float32_kernel(cpu_gguf_matmul, cpu_matmul, fmt, rows):
-    """Up to 3 rows the block kernel sums exactly as the float32 kernel does on the dequantized
-    weights; the products must match to the bit (the default model's gate_up shape)."""
-    qs, scales = random_blocks(fmt, 3072, 576, seed=rows)
-    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
-    ours = np.asarray(cpu_gguf_matmul(fmt, jnp.asarray(x), jnp.asarray(qs), jnp.asarray(scales)))
-    w = jnp.asarray(dequantize(fmt, qs, scales))
-    theirs = np.asarray(cpu_matmul(jnp.asarray(x), w))
-    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+def test_int8_activations_round_x_as_llama_cpp_does(cpu_gguf_matmul):
+    """The int8 mode differs from the exact one by x's rounding only: against exact x it is
+    off by about that rounding (relative 1e-2), against rounded x by float error."""
+    k = 512
+    data, table = weight("Q4_K", 64, k, seed=5)
+    x = np.random.default_rng(5).standard_normal((2, k)).astype(np.float32)
+    ours = np.asarray(cpu_gguf_matmul(jnp.asarray(x), data, table, 0, n=64, int8_activations=True))
+    exact = gguf_matmul_reference(x, data, table)
+    rounded = gguf_matmul_reference(x, data, table, int8_activations=True)
+    scale = np.abs(exact).max()
+    assert 1e-4 < np.abs(ours - exact).max() / scale < 3e-2
+    assert np.abs(ours - rounded).max() / scale < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_kernel_reads_one_layer_of_stacked_blocks(cpu_gguf_matmul, fmt):
-    qs, scales = random_blocks(fmt, 40, 64, seed=5, lead=(3,))
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32))
-
-    @jax.jit
-    def per_layer(x, qs, scales):
-        def body(_, layer):
-            return None, cpu_gguf_matmul(fmt, x, qs, scales, layer=layer)
-
-        return jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))[1]
-
-    ours = np.asarray(per_layer(x, qs, scales))
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, int8_activations):
+    """A fused weight whose parts differ in format (Q4_K_M's Q4_K and Q6_K rows; Q5_0 and Q8_0
+    for rows of 896 values), layers that differ, each read in place by its index under jit."""
+    rng = np.random.default_rng(7)
+    k = 512
+    layers = [
+        [("Q4_K", random_rows("Q4_K", 24, k, rng)), ("Q6_K", random_rows("Q6_K", 8, k, rng))],
+        [("Q6_K", random_rows("Q6_K", 32, k, rng))],
+        [("Q5_0", random_rows("Q5_0", 16, k, rng)), ("Q8_0", random_rows("Q8_0", 16, k, rng))],
+    ]
+    data, table = pack_layers(layers)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    run = jax.jit(
+        lambda x, d, t, i: cpu_gguf_matmul(x, d, t, i, n=32, int8_activations=int8_activations)
+    )
     for layer in range(3):
-        want = np.asarray(gguf_matmul_reference(fmt, x, qs[layer], scales[layer]))
-        np.testing.assert_allclose(ours[layer], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        ours = np.asarray(run(jnp.asarray(x), data, table, jnp.int32(layer)))
+        theirs = gguf_matmul_reference(x, data, table, layer, int8_activations)
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
 
 
-def test_kernel_rejects_wrong_dtypes_and_shapes(cpu_gguf_matmul):
-    qs, scales = random_blocks("Q4_1", 8, 64)
-    x = np.ones((2, 64), np.float32)
-    with pytest.raises(ValueError, match="block format"):
-        cpu_gguf_matmul("Q5_K", x, qs, scales)
-    with pytest.raises(ValueError, match=r"K a multiple of 32"):
-        cpu_gguf_matmul("Q4_1", x[:, :48], qs, scales)
-    with pytest.raises(ValueError, match="qs uint8"):
-        cpu_gguf_matmul("Q4_1", x, qs.view(np.int8), scales)
-    with pytest.raises(ValueError, match="scales"):
-        cpu_gguf_matmul("Q4_1", x, qs, scales[..., 0])
+def test_bad_tables_are_clear_errors(cpu_gguf_matmul):
+    data, table = weight("Q4_0", 8, 64)
+    x = jnp.ones((1, 64), jnp.float32)
+    with pytest.raises(Exception, match="segments' rows do not sum to N"):
+        cpu_gguf_matmul(x, data, table, 0, n=9).block_until_ready()
+    bad = table.copy()
+    bad[0, 0, 0] = 1  # F16: not a block format
+    with pytest.raises(Exception, match="not a supported block format"):
+        cpu_gguf_matmul(x, data, bad, 0, n=8).block_until_ready()
+    bad = table.copy()
+    bad[0, 0, 2] = 16  # past the layer's bytes
+    with pytest.raises(Exception, match="outside the layer's bytes"):
+        cpu_gguf_matmul(x, data, bad, 0, n=8).block_until_ready()
+    with pytest.raises(ValueError, match="data u8"):
+        cpu_gguf_matmul(x, data.astype(np.int8), table, 0, n=8)
+
+
+def test_random_rows_cover_each_format():
+    """The test blocks: the float16 scales finite, the values every bit pattern."""
+    rng = np.random.default_rng(0)
+    for fmt in FORMATS:
+        raw = random_rows(fmt, 4, 256, rng)
+        assert raw.shape == (4, reference.row_bytes(fmt, 256))
+        assert np.isfinite(reference.dequantize(fmt, raw)).all()

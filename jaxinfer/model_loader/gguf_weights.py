@@ -1,0 +1,200 @@
+"""A GGUF model's weights read in place: the projections, the embedding and the LM head kept in
+the file's own blocks (jaxinfer.layers.weights.GGUFWeight, multiplied by the block kernel of
+cpu_kernels.gguf_matmul), everything else (norms, biases) dequantized to float.
+
+Each weight kind is one buffer over the layers (u8[L, B], 64-byte aligned so that placing it
+on the CPU device does not copy it), filled by reading the file's bytes straight into it: the
+file is read once, never memory-mapped whole and never expanded to float32. Rows are reordered
+where the engine's layout asks (QKV fused by KV head; Q and K unpermuted where llama.cpp
+permuted them), which moves whole rows of blocks and changes no byte of them.
+
+Supported blocks: cpu_kernels.gguf_matmul.reference.FORMATS. A weight kind with a tensor in
+another type (F16, F32, Q2_K, ...) in any layer is read as a float weight instead, and named
+in the result (`float_weights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+
+from cpu_kernels.gguf_matmul.reference import FORMATS, row_bytes
+from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.layers.weights import GGUFWeight
+from jaxinfer.model_loader.gguf_convert import GGUFTensorReader, unpermute_qk
+from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
+from jaxinfer.model_loader.safetensors_loader import params_from_reader
+from jaxinfer.models.families import family_for_architecture
+
+ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """u8[shape], its first byte on a multiple of ALIGNMENT."""
+    size = int(np.prod(shape))
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start : start + size].reshape(shape)
+
+
+def _read(fd: int, tensor: GGUFTensor, out: np.ndarray) -> None:
+    """The tensor's bytes into `out` (contiguous, its size), by positioned reads."""
+    view = memoryview(out.reshape(-1))
+    done = 0
+    while done < view.nbytes:
+        got = os.preadv(fd, [view[done:]], tensor.offset + done)
+        if got <= 0:
+            raise ValueError(f"{tensor.name}: the file ends inside the tensor")
+        done += got
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """Rows of one tensor: which rows, in the order the weight takes them."""
+
+    tensor: GGUFTensor
+    rows: np.ndarray | None = None  # i64[R], None for all in order
+
+
+class _File:
+    def __init__(self, path: Path, config: LlamaConfig):
+        self.path = path
+        self.tensors = read_tensors(path)
+        self.config = config
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def supported(self, names: list[str]) -> bool:
+        """Whether every tensor is there, in a block format the kernel reads."""
+        for name in names:
+            t = self.tensors.get(name)
+            if t is None or t.type_name not in FORMATS:
+                return False
+            if t.shape[-1] % FORMATS[t.type_name][1]:
+                return False
+        return True
+
+    def rows(self, part: _Part) -> tuple[str, np.ndarray]:
+        """(format, u8[R, row bytes]) of a part, read from the file."""
+        t = part.tensor
+        raw = np.empty(t.data.shape, np.uint8)
+        _read(self.fd, t, raw)
+        return t.type_name, raw if part.rows is None else raw[part.rows]
+
+    def weight(self, layers: list[list[_Part]], out: tuple[int, ...], k: int) -> GGUFWeight:
+        """The GGUFWeight [L, ...] whose layer i is the rows of layers[i]'s parts, in order."""
+        sizes = []
+        for parts in layers:
+            sizes.append(
+                sum(
+                    row_bytes(p.tensor.type_name, k)
+                    * (p.tensor.data.shape[0] if p.rows is None else len(p.rows))
+                    for p in parts
+                )
+            )
+        data = aligned_empty((len(layers), max(sizes)))
+        for i, size in enumerate(sizes):
+            data[i, size:] = 0  # the padding of a shorter layer
+        tables = []
+        for i, parts in enumerate(layers):
+            table, offset = [], 0
+            for part in parts:
+                fmt = part.tensor.type_name
+                if part.rows is None:  # straight into place
+                    count = part.tensor.data.shape[0]
+                    size = count * row_bytes(fmt, k)
+                    _read(self.fd, part.tensor, data[i, offset : offset + size])
+                else:
+                    _, raw = self.rows(part)
+                    count, size = raw.shape[0], raw.nbytes
+                    data[i, offset : offset + size] = raw.reshape(-1)
+                if table and table[-1][0] == FORMATS[fmt][0]:
+                    table[-1][1] += count
+                else:
+                    table.append([FORMATS[fmt][0], count, offset])
+                offset += size
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        table = np.zeros((len(layers), width, 3), np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        return GGUFWeight(data, table, np.arange(len(layers), dtype=np.int32), out, k)
+
+
+def _qkv_parts(file: _File, config: LlamaConfig, layer: int, permuted: bool) -> list[_Part]:
+    """Layer `layer`'s Q, K, V rows in the fused order [K, G + 2, D]: each KV head's query
+    heads, then its key, then its value (jaxinfer.model_loader.safetensors_loader.fuse_qkv)."""
+    D, K = config.head_dim, config.num_key_value_heads
+    G = config.num_attention_heads // K
+    tensors = [file.tensors[f"blk.{layer}.attn_{x}.weight"] for x in "qkv"]
+
+    def order(rows: int, heads: int) -> np.ndarray:
+        numbers = np.arange(rows)
+        return unpermute_qk(numbers, heads) if permuted else numbers
+
+    q_rows = order(K * G * D, K * G).reshape(K, G * D)
+    k_rows = order(K * D, K).reshape(K, D)
+    v_rows = np.arange(K * D).reshape(K, D)
+    parts = []
+    for head in range(K):
+        parts += [
+            _Part(tensors[0], q_rows[head]),
+            _Part(tensors[1], k_rows[head]),
+            _Part(tensors[2], v_rows[head]),
+        ]
+    return parts
+
+
+def load_gguf_params(path: Path, config: LlamaConfig, dtype) -> tuple[dict, list[str]]:
+    """(the parameter tree of a dense model from its GGUF file, the names of the weights kept
+    in blocks): the projections, the embedding and the LM head as GGUFWeights where every
+    layer's tensors are in formats the block kernel reads, the rest as the float arrays of
+    jaxinfer.model_loader.safetensors_loader.params_from_reader."""
+    if config.moe is not None:
+        raise ValueError("GGUF block weights are read in place for dense models only")
+    family = family_for_architecture(config.architecture)
+    file = _File(path, config)
+    try:
+        L, E, D = config.num_hidden_layers, config.hidden_size, config.head_dim
+        K = config.num_key_value_heads
+        G = config.num_attention_heads // K
+        kinds = {
+            "qkv_proj": ([f"blk.{{}}.attn_{x}.weight" for x in "qkv"], (K, G + 2, D), E),
+            "o_proj": (["blk.{}.attn_output.weight"], (E,), config.q_size),
+            "gate_up_proj": (
+                ["blk.{}.ffn_gate.weight", "blk.{}.ffn_up.weight"],
+                (2, config.dense_intermediate_size),
+                E,
+            ),
+            "down_proj": (["blk.{}.ffn_down.weight"], (E,), config.dense_intermediate_size),
+        }
+        blocks: dict = {"layers": {}}
+        for name, (patterns, out, k) in kinds.items():
+            names = [p.format(i) for i in range(L) for p in patterns]
+            if not file.supported(names):
+                continue
+            if name == "qkv_proj":
+                layers = [_qkv_parts(file, config, i, family.gguf_qk_permuted) for i in range(L)]
+            else:
+                layers = [[_Part(file.tensors[p.format(i)]) for p in patterns] for i in range(L)]
+            blocks["layers"][name] = file.weight(layers, out, k)
+        V = config.vocab_size
+        heads = {"embed": "token_embd.weight"}
+        if not config.tie_word_embeddings:
+            heads["lm_head"] = "output.weight"
+        for name, tensor in heads.items():
+            if file.supported([tensor]):
+                blocks[name] = file.weight([[_Part(file.tensors[tensor])]], (V,), E)
+    finally:
+        file.close()
+    kept = [*blocks["layers"], *(n for n in blocks if n != "layers")]
+    reader = GGUFTensorReader(path, family, config.num_attention_heads, K)
+    params = params_from_reader(reader, config, dtype, skip=frozenset(kept))
+    params["layers"].update(blocks.pop("layers"))
+    params.update(blocks)
+    return params, kept

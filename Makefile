@@ -46,7 +46,21 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
 	avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do grep -qw $${f%%:*} /proc/cpuinfo && \
 	echo -DGGML_$${f##*:}=ON; done)
 
-bench: $(STAMP).test
+# llama-server (the continuous-batching peer) from the same llama.cpp the binding vendors,
+# linked statically into the venv's bin.
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.36
+LLAMA_SERVER_BUILD := build/llama-server
+$(VENV)/bin/llama-server: $(STAMP).test
+	rm -rf $(LLAMA_SERVER_BUILD) && mkdir -p $(LLAMA_SERVER_BUILD)
+	$(PY) -m pip download -q --no-deps --no-binary=:all: $(LLAMA_CPP_PYTHON) -d $(LLAMA_SERVER_BUILD)
+	tar xzf $(LLAMA_SERVER_BUILD)/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_BUILD)
+	cmake -S $(LLAMA_SERVER_BUILD)/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_SERVER_BUILD)/out \
+		$(LLAMA_CMAKE) -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(LLAMA_SERVER_BUILD)/out --target llama-server -j2
+	cp $(LLAMA_SERVER_BUILD)/out/bin/llama-server $@
+
+bench: $(STAMP).test $(VENV)/bin/llama-server
 	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install -q --no-cache-dir -e '.[llamacpp]'
-	$(PY) -m tools.bench_throughput --baseline hf,llamacpp
-	$(PY) -m tools.bench_throughput --baseline hf,llamacpp --single_stream
+	$(PY) -m tools.bench_throughput --baseline hf,llamacpp,llamaserver
+	$(PY) -m tools.bench_throughput --baseline hf,llamacpp,llamaserver --single_stream

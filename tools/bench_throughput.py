@@ -14,8 +14,10 @@ reports the hit rate and the speed-up:
 
 --baseline names the peers run on the same prompts in the same process (tools/peers.py): `hf`
 (HF transformers in static batches of --hf_batch_size, each generating until its longest request
-is done, as static batching must) and `llamacpp` (llama.cpp through llama-cpp-python on the GGUF
-file the default model comes from, one sequence at a time; `pip install -e '.[llamacpp]'`).
+is done, as static batching must), `llamacpp` (llama.cpp through llama-cpp-python on the GGUF
+file the model comes from, one sequence at a time; `pip install -e '.[llamacpp]'`) and
+`llamaserver` (llama.cpp's own server on that file, --server_slots sequences at a time with
+continuous batching; `make bench` builds both).
 Only the requested tokens are counted for every engine. Prints output tokens per second and
 jaxinfer's ratio to each peer:
 
@@ -63,9 +65,9 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags, parse_overrides
 from jaxinfer.sampling_params import RequestOutputKind
 from tools.chat_topics import TOPICS
-from tools.peers import HFPeer, LlamaCppPeer, find_gguf
+from tools.peers import HFPeer, LlamaCppPeer, LlamaServerPeer, find_gguf
 
-PEERS = ("hf", "llamacpp")
+PEERS = ("hf", "llamacpp", "llamaserver")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_requests", 32, "Requests in the run.")
@@ -80,6 +82,7 @@ flags.DEFINE_integer("stream_output_len", 128, "Output tokens per request in --s
 flags.DEFINE_list("compare", [], "KEY=VALUE engine options of a second jaxinfer run.")
 
 flags.DEFINE_integer("hf_batch_size", 32, "Static batch size of the HF transformers baseline.")
+flags.DEFINE_integer("server_slots", 32, "llama-server's parallel sequences (-np).")
 flags.DEFINE_integer(
     "threads", 2, "CPU threads for torch and llama.cpp (XLA uses the machine's cores)."
 )
@@ -223,7 +226,15 @@ def make_peer(name: str, llm: LLM, context: int):
     model_path = llm.engine.config.model.path
     if name == "hf":
         return HFPeer(model_path, FLAGS.threads)
-    return LlamaCppPeer(FLAGS.gguf or find_gguf(model_path), FLAGS.threads, context)
+    gguf = FLAGS.gguf or find_gguf(model_path)
+    if name == "llamaserver":
+        return LlamaServerPeer(gguf, FLAGS.threads, context, FLAGS.server_slots)
+    return LlamaCppPeer(gguf, FLAGS.threads, context)
+
+
+def close(peer) -> None:
+    if hasattr(peer, "close"):
+        peer.close()
 
 
 def peer_throughput(peer, prompts, output_lens) -> float:
@@ -279,7 +290,7 @@ def single_stream(llm: LLM, prompts: list[list[int]]) -> None:
                 f"{engine} / {name}: TTFT {ttft / theirs[0]:.2f}x, ITL {itl / theirs[1]:.2f}x "
                 "(below 1 is faster)"
             )
-        del peer
+        close(peer)
 
 
 def shared_prefix_tokens(prompts) -> int:
@@ -309,7 +320,8 @@ def main(argv):
     if fmt.startswith("int4"):
         print(f"jaxinfer {fmt}; taken from the GGUF file's 4-bit blocks: {blocks}")
     else:
-        print(f"jaxinfer weights with GGUF blocks (steps of 1-3 tokens): {blocks}")
+        mode = "int8" if FLAGS.int8_activations else "exact"
+        print(f"jaxinfer weights in GGUF blocks ({mode} activations): {blocks}")
     if FLAGS.single_stream:
         single_stream(llm, prompts)
         return
@@ -390,10 +402,15 @@ def main(argv):
         for name, peer in peers.items():
             theirs = peer_throughput(peer, prompts, output_lens)
             times[name].append(theirs)
-            how = f"static batches of {FLAGS.hf_batch_size}" if name == "hf" else "one at a time"
+            how = {
+                "hf": f"static batches of {FLAGS.hf_batch_size}",
+                "llamaserver": f"{FLAGS.server_slots} slots, continuous batching",
+            }.get(name, "one at a time")
             print(f"{name} ({how}): {theirs:.2f} s, {total / theirs:.1f} output tokens/s")
             for engine, seconds in engines.items():
                 print(f"ratio {engine} / {name}: {theirs / seconds:.2f}x")
+    for peer in peers.values():
+        close(peer)
     if FLAGS.rounds > 1 and len(times) > 1:
         median = {name: float(np.median(values)) for name, values in times.items()}
         print(f"over {FLAGS.rounds} alternating rounds (median seconds):")

@@ -5,6 +5,9 @@
 - llama.cpp through llama-cpp-python (the optional `llamacpp` extra), on the GGUF file the
   default model is converted from, with llama.cpp's own quantized CPU kernels: one sequence at a
   time, as that binding works. Each request starts from an empty KV cache (no prefix reuse).
+- llama-server, llama.cpp's own server (the same llama.cpp as the binding, built by `make
+  bench`), on the same file with `-np` slots: continuous batching, every request sent at once
+  over HTTP with prompt caching off.
 
 Every run is greedy with end-of-sequence ignored, so each produces exactly the requested tokens.
 A streaming run returns the wall-clock time at which each output token became available,
@@ -14,7 +17,15 @@ the rest are the inter-token latencies (ITL).
 
 from __future__ import annotations
 
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -143,3 +154,97 @@ class LlamaCppPeer:
         times: list[float] = []
         self._generate(prompt, output_len, times)
         return times
+
+
+def llama_server_binary() -> Path:
+    """llama-server: on PATH, or in this environment's bin (where `make bench` puts it)."""
+    found = shutil.which("llama-server") or Path(sys.prefix) / "bin" / "llama-server"
+    if not Path(found).exists():
+        raise FileNotFoundError("no llama-server: `make bench` builds it into the venv's bin")
+    return Path(found)
+
+
+class LlamaServerPeer:
+    """llama-server on a GGUF file with `slots` parallel sequences (continuous batching) and
+    `threads` threads, driven over HTTP on this machine."""
+
+    name = "llamaserver"
+
+    def __init__(self, gguf_path: str | Path, threads: int, context: int, slots: int):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        # the server's output, read back if it fails to start; closed with the peer
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="llama-server-")  # noqa: SIM115
+        command = [
+            str(llama_server_binary()),
+            *("-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(self.port)),
+            *("-t", str(threads), "-tb", str(threads), "-np", str(slots)),
+            *("-c", str(context * slots), "-b", "512", "--no-warmup"),
+        ]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.slots = slots
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(self._url("/health"), timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                self.close()
+                raise RuntimeError(f"llama-server did not start:\n{self.log.read()[-2000:]}")
+            time.sleep(0.5)
+
+    def _url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _request(self, prompt: list[int], output_len: int, stream: bool):
+        body = {
+            "prompt": prompt,
+            "n_predict": output_len,
+            "temperature": 0.0,
+            "top_k": 1,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "stream": stream,
+        }
+        request = urllib.request.Request(
+            self._url("/completion"),
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        return urllib.request.urlopen(request, timeout=3600)
+
+    def _complete(self, prompt: list[int], output_len: int) -> None:
+        with self._request(prompt, output_len, stream=False) as response:
+            produced = json.load(response)["tokens_predicted"]
+        if produced != output_len:
+            raise RuntimeError(f"llama-server produced {produced} tokens, not {output_len}")
+
+    def throughput(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+        """Seconds for all requests, sent at once (the server runs `slots` at a time)."""
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            list(pool.map(self._complete, prompts, output_lens))
+        return time.perf_counter() - start
+
+    def stream(self, prompt: list[int], output_len: int) -> list[float]:
+        times: list[float] = []
+        start = time.perf_counter()
+        with self._request(prompt, output_len, stream=True) as response:
+            for line in response:
+                if line.startswith(b"data: ") and not json.loads(line[6:]).get("stop"):
+                    times.append(time.perf_counter() - start)
+        return times
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()

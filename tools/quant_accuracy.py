@@ -1,4 +1,6 @@
 """How close a quantized engine's next-token distributions stay to float32's, teacher-forced.
+The reference is the same model with float32 weights: not quantized, and for a GGUF model its
+blocks dequantized (gguf_weights=off) and exact activations.
 
 A fixed token stream per prompt (a chat question on each of the benchmarks' 16 topics, then the
 float32 engine's greedy answer, to `--positions` tokens in all) is fed to both engines; at every
@@ -8,6 +10,8 @@ KL(float32 || quantized) and the share of positions whose top-1 token agrees.
     python -m tools.quant_accuracy --quantization=int4                 # groups of 32
     python -m tools.quant_accuracy --quantization=int4 --quantization_group_size=128
     python -m tools.quant_accuracy --quantization=int8
+    python -m tools.quant_accuracy --model=qwen2.5-coder-1.5b       # GGUF blocks, exact
+    python -m tools.quant_accuracy --model=qwen2.5-coder-1.5b --int8_activations
 
 P: positions, V: vocabulary.
 """
@@ -110,14 +114,20 @@ def define_flags() -> None:
 def main(argv):
     del argv
     options = engine_options_from_flags()
-    reference = LLM(**{**dataclasses.asdict(options), "quantization": None})
+    float32 = {"quantization": None, "gguf_weights": "off", "int8_activations": False}
+    reference = LLM(**{**dataclasses.asdict(options), **float32})
     other = LLM(**dataclasses.asdict(options))
     streams = token_streams(reference, FLAGS.positions, FLAGS.prompts)
     result = agreement(reference, other, streams)
+    resolved = other.engine.config.resolved
+    name = resolved.weight_format
+    if resolved.gguf_blocks:
+        name = "GGUF blocks (" + ", ".join(other.engine.gguf_weights) + ")"
+    if options.int8_activations:
+        name += " with int8 activations"
     print(
-        f"{other.engine.config.resolved.weight_format} against float32 over {result.positions} "
-        f"positions ({len(streams)} streams): mean KL {result.mean_kl:.5f} nats, top-1 "
-        f"agreement {100 * result.top1:.2f}%"
+        f"{name} against float32 over {result.positions} positions ({len(streams)} streams): "
+        f"mean KL {result.mean_kl:.5f} nats, top-1 agreement {100 * result.top1:.2f}%"
     )
 
 

@@ -455,10 +455,157 @@ void IntegerColumn(const Rows& r, const uint8_t* w, int64_t col) {
   }
 }
 
+// Up to 4 rows of x (decode steps): the weight row streamed once with every accumulator in
+// registers, each group's values and scale formed in registers as it is used (the chunked
+// path above keeps a block's decoded groups for many rows instead).
+constexpr int64_t kPrefetch = 1024;  // bytes ahead of the weight row being read
+
+template <int F, int MR>
+void IntegerStream(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  const QuantizedX& qx = *r.qx;
+  __m256 acc[MR];
+  float mins[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    mins[i] = 0.0f;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (!kSuper<F>) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* x0 = qx.q32.data() + m0 * r.k;
+    const float* dx0 = qx.d32.data() + m0 * r.k / 32;
+    const float* sx0 = qx.s32.data() + m0 * r.k / 32;
+    const int64_t blocks = r.k / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * kBytes<F> + kPrefetch), _MM_HINT_T0);
+      const Block<F> block(w + b * kBytes<F>);
+      const __m256i v = block.v(0);
+      __m256i v_abs = v;
+      if constexpr (F == kQ8_0) v_abs = _mm256_sign_epi8(v, v);
+      const float mn = F == kQ4_1 || F == kQ5_1 ? block.dmin
+                       : F == kQ4_0             ? -8.0f * block.d
+                       : F == kQ5_0             ? -16.0f * block.d
+                                                : 0.0f;
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * r.k + 32 * b));
+        if constexpr (F == kQ8_0) xv = _mm256_sign_epi8(xv, v);
+        const __m256 dot =
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(v_abs, xv), ones));
+        acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(block.d * dx0[i * blocks + b]), acc[i]);
+        if constexpr (F != kQ8_0) mins[i] += mn * sx0[i * blocks + b];
+      }
+    }
+  } else {
+    const int8_t* x0 = qx.q256.data() + m0 * r.k;
+    const float* dx0 = qx.d256.data() + m0 * r.k / 256;
+    const int16_t* sums0 = qx.sums16.data() + m0 * r.k / 16;
+    const int64_t blocks = r.k / 256;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* p = w + b * kBytes<F>;
+      for (int64_t line = 0; line < kBytes<F>; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + line), _MM_HINT_T0);
+      }
+      __m256i isum[MR];
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+      __m256i min_scales;
+      float d, min_d;
+      if constexpr (F == kQ4_K || F == kQ5_K) {
+        uint8_t sm[16];
+        KScales(p + 4, sm);
+        d = Half(p);
+        min_d = -Half(p + 2);
+        const __m256i sc = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+        const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8));
+        min_scales = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+        const uint8_t* qs = p + (F == kQ4_K ? 16 : 48);
+        __m256i high;
+        if constexpr (F == kQ5_K) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+          __m256i lo = _mm256_and_si256(bytes, low4);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+          if constexpr (F == kQ5_K) {
+            const __m256i one = _mm256_set1_epi8(1);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c + 1), one), 4));
+          }
+          const __m256i s_lo = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0404 * c)));
+          const __m256i s_hi = _mm256_shuffle_epi8(sc, _mm256_set1_epi16(static_cast<int16_t>(0x0302 + 0x0404 * c)));
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xq = x0 + i * r.k + 256 * b + 64 * c;
+            const __m256i a = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))), s_lo);
+            const __m256i h = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32))), s_hi);
+            isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(a, h));
+          }
+        }
+      } else {  // Q6_K
+        d = Half(p + 208);
+        min_d = -32.0f * d;
+        const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+        min_scales = s;
+        const __m256i three = _mm256_set1_epi8(3);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h));
+          const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+          // sc 0-7 (h = 0) or 8-15 (h = 1) in both halves; group 4 h + i takes words 2 i, 2 i + 1
+          const __m256i half = h == 0 ? _mm256_permute2x128_si256(s, s, 0x00)
+                                      : _mm256_permute2x128_si256(s, s, 0x11);
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) {
+            const __m256i ql = (i & 1) ? ql1 : ql0;
+            const __m256i low = _mm256_and_si256(i >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), three);
+            const __m256i v = _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
+            const int lo_word = 2 * i, hi_word = 2 * i + 1;
+            const __m256i pick = _mm256_set_m128i(
+                _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * hi_word)),
+                _mm_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * lo_word)));
+            const __m256i sc = _mm256_shuffle_epi8(half, pick);
+#pragma GCC unroll 4
+            for (int r_ = 0; r_ < MR; ++r_) {
+              const int8_t* xq = x0 + r_ * r.k + 256 * b + 128 * h + 32 * i;
+              isum[r_] = _mm256_add_epi32(
+                  isum[r_], _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))), sc));
+            }
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const float dx = dx0[i * blocks + b];
+        const __m256i sums = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(sums0 + i * r.k / 16 + 16 * b));
+        const __m256 min_dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(min_scales, sums));
+        const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
+        acc[i] = _mm256_fmadd_ps(min_dot, _mm256_set1_ps(min_d * dx), a);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) r.y[(m0 + i) * r.n + col] = jaxinfer::Sum(acc[i]) + mins[i];
+}
+
 template <int F>
 void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer) {
   int64_t m0 = 0;
-  if (integer) return IntegerColumn<F>(r, w, col);
+  if (integer) {
+    switch (r.m) {
+      case 1: return IntegerStream<F, 1>(r, w, col, 0);
+      case 2: return IntegerStream<F, 2>(r, w, col, 0);
+      case 3: return IntegerStream<F, 3>(r, w, col, 0);
+      case 4: return IntegerStream<F, 4>(r, w, col, 0);
+    }
+    return IntegerColumn<F>(r, w, col);
+  }
   for (; m0 + 3 <= r.m; m0 += 3) ExactRows<F, 3>(r, w, col, m0);
   if (r.m - m0 == 2) ExactRows<F, 2>(r, w, col, m0);
   if (r.m - m0 == 1) ExactRows<F, 1>(r, w, col, m0);

@@ -116,7 +116,10 @@ def test_residual_streams_match_transformers_layer_by_layer(real):
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "year": {"type": "integer"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+    },
     "required": ["name", "year"],
     "additionalProperties": False,
 }
@@ -134,7 +137,7 @@ def test_served_with_the_openai_client(real):
                 messages=[
                     {"role": "user", "content": "Write a Python function that adds two numbers."}
                 ],
-                max_tokens=24,
+                max_tokens=40,
                 temperature=0,
                 stream=True,
             )
@@ -146,7 +149,7 @@ def test_served_with_the_openai_client(real):
                 messages=[
                     {"role": "user", "content": "Name one programming language and its year."}
                 ],
-                max_tokens=32,
+                max_tokens=48,
                 temperature=0,
                 response_format={
                     "type": "json_schema",

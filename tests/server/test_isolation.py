@@ -166,7 +166,8 @@ def rss_mb() -> float:
 
 def test_a_templates_huge_error_is_capped(server, healthy_after):
     """raise_exception('x' * 150_000_000) was a 150 MB 400 body and about 900 MB more in
-    the server for that one request (30 MB here, which renders well within the timeout)."""
+    the server for that one request (4 MB here: 30 MB took more than the 2 s render timeout
+    on a loaded CI machine; the cap is what is tested, not the size)."""
     peak, done = [rss_mb()], threading.Event()
 
     def sample():
@@ -179,7 +180,7 @@ def test_a_templates_huge_error_is_capped(server, healthy_after):
     body = {
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2,
-        "chat_template": "{{ raise_exception('x' * 30000000) }}",
+        "chat_template": "{{ raise_exception('x' * 4000000) }}",
     }
     try:
         response = post(server.url, CHAT, body)
@@ -188,7 +189,7 @@ def test_a_templates_huge_error_is_capped(server, healthy_after):
         sampler.join()
     assert "TemplateError: xxxx" in assert_error(response, 400)
     assert len(response.content) < 2000
-    assert max(peak) - peak[0] < 100  # MB
+    assert max(peak) - peak[0] < 40  # MB
 
 
 def test_a_cancelled_render_kills_its_child_and_holds_its_slot_until_then(server, healthy_after):

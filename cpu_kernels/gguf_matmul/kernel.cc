@@ -1,6 +1,6 @@
 // y[M, N] = x[M, K] . W[N, K]^T for weights kept in llama.cpp's block formats exactly as a GGUF
 // file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: reference.py has the
-// layouts), for XLA:CPU through the XLA FFI (AVX2 + FMA + F16C).
+// layouts), for XLA:CPU through the XLA FFI (AVX2 + FMA + F16C; AVX-512 VNNI where present).
 //
 // A weight is one layer's bytes `data[layer]` (u8[L, B]: the layers of a weight kind stacked,
 // each padded to the longest) and a table of segments `table[layer]` (i32[L, S, 3]: format,
@@ -23,7 +23,8 @@
 // In both, a weight row is read from memory once per call and from L1 for further passes, so
 // one row of x (a decode step) is bound by reading the blocks and many rows (prefill, a large
 // batch) by the multiply-adds. Claims of output rows are shared out over XLA's intra-op
-// threads (common.h).
+// threads (common.h). On a CPU with AVX-512 VNNI (the caller's `avx512_vnni`, checked here)
+// the k-quants' integer products take the 512-bit paths below IntegerStream.
 //
 // GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled;
 // hence the unroll pragmas.
@@ -225,6 +226,12 @@ struct QuantizedX {
   std::vector<int8_t> q256;
   std::vector<float> d256;
   std::vector<int16_t> sums16;
+  // The AVX-512 many-row path's copies, rows padded to m_pad (a multiple of 8, zero rows
+  // in q256 and here): d256t[b][row], and sums_t[b][p][row] = the sums of values
+  // 32 p .. 32 p + 15 and 32 p + 16 .. 32 p + 31 of superblock b as an int16 pair.
+  int64_t m_pad = 0;
+  std::vector<float> d256t;
+  std::vector<int32_t> sums_t;
 };
 
 // Rounds n values (a multiple of 32) to int8 with one scale: q = round(x / d), d = max|x| / 127.
@@ -594,9 +601,285 @@ void IntegerStream(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
   for (int i = 0; i < MR; ++i) r.y[(m0 + i) * r.n + col] = jaxinfer::Sum(acc[i]) + mins[i];
 }
 
+// ---------------------------------------------------------------------------------------------
+// The k-quants' integer dot products on AVX-512 with VNNI (chosen at run time; a CPU without
+// them takes the AVX2 paths above). A superblock is 4 chunks of 64 values, chunk j against
+// x[64 j, 64 j + 64): its unsigned values in one zmm, its integer scales as 32 int16 words
+// lined up with vpmaddubsw's pair sums, and vpdpwssd multiplies by the scales and accumulates
+// in one instruction (the AVX2 path takes vpmaddwd and vpaddd). The 32-value formats stay on
+// the AVX2 paths.
+
+#define JAXINFER_VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define JAXINFER_VNNI512_INLINE \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"), always_inline)) inline
+
+// One k-quant superblock, decoded chunk by chunk.
 template <int F>
-void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer) {
+struct Super512 {
+  const uint8_t* p;
+  float d, min_d;  // value = d * sc * v + min_d * m (Q6_K: m = sc, min_d = -32 d)
+  __m512i scales16;  // the integer scales as int16 words (Q4_K / Q5_K: 8; Q6_K: 16)
+  __m256i min_scales;  // int16[16] against x's sums per 16
+  __m512i high;  // Q5_K's qh in both halves
+
+  JAXINFER_VNNI512_INLINE explicit Super512(const uint8_t* block) : p(block) {
+    if constexpr (F == kQ6_K) {
+      d = Half(p + 208);
+      min_d = -32.0f * d;
+      min_scales = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+      scales16 = _mm512_zextsi256_si512(min_scales);
+    } else {
+      uint8_t sm[16];
+      KScales(p + 4, sm);
+      d = Half(p);
+      min_d = -Half(p + 2);
+      scales16 = _mm512_zextsi128_si512(
+          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+      const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8));
+      min_scales = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+      if constexpr (F == kQ5_K) {
+        high = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+      }
+    }
+  }
+
+  // Chunk j's 64 values, unsigned bytes in x's order.
+  JAXINFER_VNNI512_INLINE __m512i values(int j) const {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    if constexpr (F == kQ6_K) {
+      // j = 2 h + t: nibble t of ql[64 h .. 64 h + 64) (groups 4 h + 2 t, 4 h + 2 t + 1), the
+      // top two bits from qh[32 h + l], bits 4 t (first group) and 4 t + 2 (second).
+      const int h = j >> 1, t = j & 1;
+      __m512i ql = _mm512_loadu_si512(p + 64 * h);
+      if (t) ql = _mm512_srli_epi16(ql, 4);
+      const __m512i qh =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h)));
+      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * t)),
+                                               _mm256_set1_epi16(static_cast<int16_t>(4 * t + 2)), 1);
+      const __m512i top = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), _mm512_set1_epi8(3));
+      return _mm512_or_si512(_mm512_and_si512(ql, low4), _mm512_slli_epi16(top, 4));
+    } else {
+      // chunk j of qs: group 2 j in the low nibbles, 2 j + 1 in the high
+      const uint8_t* qs = p + (F == kQ4_K ? 16 : 48) + 32 * j;
+      const __m512i bytes =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+      const __m512i shift =
+          _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+      __m512i v = _mm512_and_si512(_mm512_srlv_epi16(bytes, shift), low4);
+      if constexpr (F == kQ5_K) {
+        const __m512i bit_shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * j)),
+                                                     _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1);
+        const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(high, bit_shift), _mm512_set1_epi8(1));
+        v = _mm512_or_si512(v, _mm512_slli_epi16(bit, 4));
+      }
+      return v;
+    }
+  }
+
+  // Chunk j's scales as 32 int16 words: the scale of each pair of values.
+  JAXINFER_VNNI512_INLINE __m512i scales(int j) const {
+    if constexpr (F == kQ6_K) {
+      // sc[4 j + q] for the words [8 q, 8 q + 8)
+      const __m512i index = _mm512_set_epi64(
+          0x0003000300030003LL + 0x0004000400040004LL * j, 0x0003000300030003LL + 0x0004000400040004LL * j,
+          0x0002000200020002LL + 0x0004000400040004LL * j, 0x0002000200020002LL + 0x0004000400040004LL * j,
+          0x0001000100010001LL + 0x0004000400040004LL * j, 0x0001000100010001LL + 0x0004000400040004LL * j,
+          0x0000000000000000LL + 0x0004000400040004LL * j, 0x0000000000000000LL + 0x0004000400040004LL * j);
+      return _mm512_permutexvar_epi16(index, scales16);
+    } else {
+      // sc[2 j] for words [0, 16), sc[2 j + 1] for [16, 32)
+      return _mm512_permutexvar_epi16(
+          _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * j)),
+                             _mm256_set1_epi16(static_cast<int16_t>(2 * j + 1)), 1),
+          scales16);
+    }
+  }
+};
+
+// Row i's share of a superblock: y += d dx (its integer sum) + min_d dx (scales . x sums).
+template <int F>
+JAXINFER_VNNI512_INLINE void Finish512(const Super512<F>& s, __m512i isum, float dx,
+                                        const int16_t* sums16, __m512& acc, __m256& min_acc) {
+  const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums16));
+  const __m256i min_dot = _mm256_madd_epi16(s.min_scales, sums);
+  if constexpr (F == kQ6_K) {  // min_d = -32 d: one integer sum
+    isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(min_dot, 5)));
+  } else {
+    min_acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_dot), _mm256_set1_ps(s.min_d * dx), min_acc);
+  }
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(s.d * dx), acc);
+}
+
+JAXINFER_VNNI512_INLINE float Sum512(__m512 acc, __m256 min_acc) {
+  const __m256 folded = _mm256_add_ps(
+      _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)), min_acc);
+  return jaxinfer::Sum(folded);
+}
+
+// Up to 8 rows of x from m0 (decode steps): the weight row streamed once, every accumulator
+// in registers.
+template <int F, int MR>
+JAXINFER_VNNI512 void IntegerStream512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  const QuantizedX& qx = *r.qx;
+  __m512 acc[MR];
+  __m256 min_acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    min_acc[i] = _mm256_setzero_ps();
+  }
+  const int8_t* x0 = qx.q256.data() + m0 * r.k;
+  const float* dx0 = qx.d256.data() + m0 * r.k / 256;
+  const int16_t* sums0 = qx.sums16.data() + m0 * r.k / 16;
+  const int64_t blocks = r.k / 256;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = w + b * kBytes<F>;
+    for (int64_t line = 0; line < kBytes<F>; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + line), _MM_HINT_T0);
+    }
+    const Super512<F> s(p);
+    __m512i isum[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = s.values(j), sc = s.scales(j);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_loadu_si512(x0 + i * r.k + 256 * b + 64 * j);
+        isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(v, xv), sc);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      Finish512<F>(s, isum[i], dx0[i * blocks + b], sums0 + i * r.k / 16 + 16 * b, acc[i],
+                   min_acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) r.y[(m0 + i) * r.n + col] = Sum512(acc[i], min_acc[i]);
+}
+
+// Lane r of the result: the sum of rows[r]'s 16 lanes (r < MR; MR = 8 fills lanes 0-7).
+template <int MR>
+JAXINFER_VNNI512_INLINE __m512i SumLanes(const __m512i (&rows)[MR]) {
+  // pairs: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] per 128-bit lane
+  __m512i pairs[MR / 2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR / 2; ++i) {
+    pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]),
+                                _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]));
+  }
+  // quads: rows 4 q .. 4 q + 3, each summed within every 128-bit lane
+  __m512i quads[MR / 4];
+#pragma GCC unroll 4
+  for (int q = 0; q < MR / 4; ++q) {
+    quads[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * q], pairs[2 * q + 1]),
+                                _mm512_unpackhi_epi64(pairs[2 * q], pairs[2 * q + 1]));
+  }
+  // across the 128-bit lanes
+  const __m512i q01 = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], 0x88),
+                                       _mm512_shuffle_i32x4(quads[0], quads[1], 0xDD));
+  if constexpr (MR == 8) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(q01, q01, 0x88),
+                            _mm512_shuffle_i32x4(q01, q01, 0xDD));
+  } else {
+    const __m512i q23 = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2], quads[3], 0x88),
+                                         _mm512_shuffle_i32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(q01, q23, 0x88),
+                            _mm512_shuffle_i32x4(q01, q23, 0xDD));
+  }
+}
+
+// Many rows (prefill, large batches): MR rows of x (16, or 8; padded with zero rows) from
+// m0 against one weight row, each superblock decoded once. Per superblock the rows' integer
+// sums are summed across lanes together, so the float work (x's scales, the minimums against
+// x's sums per 16) is one vector over the rows rather than per row.
+template <int F, int MR>
+JAXINFER_VNNI512 void IntegerRows512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  const QuantizedX& qx = *r.qx;
+  const int64_t blocks = r.k / 256, mp = qx.m_pad;
+  const __mmask16 lanes = MR == 16 ? 0xFFFF : 0x00FF;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Super512<F> s(w + b * kBytes<F>);
+    __m512i v[4], sc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      v[j] = s.values(j);
+      sc[j] = s.scales(j);
+    }
+    __m512i isum[MR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+    const int8_t* x0 = qx.q256.data() + m0 * r.k + 256 * b;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xv = _mm512_loadu_si512(x0 + i * r.k + 64 * j);
+        isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(v[j], xv), sc[j]);
+      }
+    }
+    __m512i dot = SumLanes<MR>(isum);
+    // the minimums' scales against x's sums per 16, a pair of sums per int32, lanes = rows
+    const __m512i min_pairs = _mm512_zextsi256_si512(s.min_scales);
+    const int32_t* sums = qx.sums_t.data() + (8 * b) * mp + m0;
+    __m512i min_dot = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      min_dot = _mm512_dpwssd_epi32(min_dot, _mm512_maskz_loadu_epi32(lanes, sums + q * mp),
+                                    _mm512_permutexvar_epi32(_mm512_set1_epi32(q), min_pairs));
+    }
+    const __m512 dx = _mm512_maskz_loadu_ps(lanes, qx.d256t.data() + b * mp + m0);
+    if constexpr (F == kQ6_K) {  // min_d = -32 d: one integer sum
+      dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(min_dot, 5));
+    } else {
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_dot), _mm512_mul_ps(dx, _mm512_set1_ps(s.min_d)),
+                            acc);
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, _mm512_set1_ps(s.d)), acc);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, acc);
+  for (int i = 0; i < MR && m0 + i < r.m; ++i) r.y[(m0 + i) * r.n + col] = out[i];
+}
+
+bool Vnni512Supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+template <int F>
+void Integer512(const Rows& r, const uint8_t* w, int64_t col) {
+  switch (r.m) {
+    case 1: return IntegerStream512<F, 1>(r, w, col, 0);
+    case 2: return IntegerStream512<F, 2>(r, w, col, 0);
+    case 3: return IntegerStream512<F, 3>(r, w, col, 0);
+    case 4: return IntegerStream512<F, 4>(r, w, col, 0);
+    case 5: return IntegerStream512<F, 5>(r, w, col, 0);
+    case 6: return IntegerStream512<F, 6>(r, w, col, 0);
+    case 7: return IntegerStream512<F, 7>(r, w, col, 0);
+    case 8: return IntegerStream512<F, 8>(r, w, col, 0);
+  }
+  for (int64_t m0 = 0; m0 < r.m;) {  // q256's rows are padded to a multiple of 8
+    if (r.m - m0 > 8) {
+      IntegerRows512<F, 16>(r, w, col, m0);
+      m0 += 16;
+    } else {
+      IntegerRows512<F, 8>(r, w, col, m0);
+      m0 += 8;
+    }
+  }
+}
+
+template <int F>
+void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnni512) {
   int64_t m0 = 0;
+  if constexpr (kSuper<F>) {
+    if (integer && vnni512) return Integer512<F>(r, w, col);
+  }
   if (integer) {
     switch (r.m) {
       case 1: return IntegerStream<F, 1>(r, w, col, 0);
@@ -614,23 +897,23 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer) {
 // Output rows [first, stop) of one segment (format f, rows of `row_bytes` from `data`).
 template <int F>
 void SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
-                 int64_t stop, int64_t out_first, bool integer) {
+                 int64_t stop, int64_t out_first, bool integer, bool vnni512) {
   for (int64_t row = first; row < stop; ++row) {
-    Column<F>(r, data + row * row_bytes, out_first + row, integer);
+    Column<F>(r, data + row * row_bytes, out_first + row, integer, vnni512);
   }
 }
 
 void RunSegment(int32_t f, const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
-                int64_t stop, int64_t out_first, bool integer) {
+                int64_t stop, int64_t out_first, bool integer, bool vnni512) {
   switch (f) {
-    case kQ4_0: return SegmentRows<kQ4_0>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ4_1: return SegmentRows<kQ4_1>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ5_0: return SegmentRows<kQ5_0>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ5_1: return SegmentRows<kQ5_1>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ8_0: return SegmentRows<kQ8_0>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ4_K: return SegmentRows<kQ4_K>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ5_K: return SegmentRows<kQ5_K>(r, data, row_bytes, first, stop, out_first, integer);
-    case kQ6_K: return SegmentRows<kQ6_K>(r, data, row_bytes, first, stop, out_first, integer);
+    case kQ4_0: return SegmentRows<kQ4_0>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ4_1: return SegmentRows<kQ4_1>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ5_0: return SegmentRows<kQ5_0>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ5_1: return SegmentRows<kQ5_1>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ8_0: return SegmentRows<kQ8_0>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ4_K: return SegmentRows<kQ4_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ5_K: return SegmentRows<kQ5_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ6_K: return SegmentRows<kQ6_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
   }
 }
 
@@ -684,7 +967,11 @@ constexpr int64_t kMinClaim = 8, kMaxClaim = 64;
 
 ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y, bool int8_activations) {
+                      ffi::ResultBuffer<ffi::F32> y, bool int8_activations, bool avx512_vnni) {
+  if (avx512_vnni && !Vnni512Supported()) {
+    return ffi::Error::InvalidArgument(
+        "gguf_matmul: avx512_vnni asked for on a CPU without AVX-512 (F, BW, VL, DQ) and VNNI");
+  }
   const auto x_dims = x.dimensions();
   const auto y_dims = y->dimensions();
   if (x_dims.size() != 2 || y_dims.size() != 2 || y_dims[0] != x_dims[0]) {
@@ -706,8 +993,10 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       qx.d32.resize(m * k / 32);
       qx.s32.resize(m * k / 32);
     }
+    const bool many512 = blocks256 && avx512_vnni && m > 8;
     if (blocks256) {
-      qx.q256.resize(m * k);
+      qx.m_pad = many512 ? (m + 7) / 8 * 8 : m;
+      qx.q256.resize(qx.m_pad * k);
       qx.d256.resize(m * k / 256);
       qx.sums16.resize(m * k / 16);
     }
@@ -715,6 +1004,22 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     jaxinfer::ParallelFor(pool, m, [&](int64_t row) {
       QuantizeRow(xs + row * k, k, blocks32, blocks256, row, qx);
     });
+    if (many512) {
+      const int64_t blocks = k / 256, mp = qx.m_pad;
+      qx.d256t.assign(blocks * mp, 0.0f);
+      qx.sums_t.assign(blocks * 8 * mp, 0);
+      for (int64_t row = 0; row < m; ++row) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          qx.d256t[b * mp + row] = qx.d256[row * blocks + b];
+          const int16_t* sums = qx.sums16.data() + (row * k) / 16 + 16 * b;
+          for (int64_t q = 0; q < 8; ++q) {
+            int32_t pair;
+            std::memcpy(&pair, sums + 2 * q, 4);
+            qx.sums_t[(8 * b + q) * mp + row] = pair;
+          }
+        }
+      }
+    }
   }
   const Rows rows{x.typed_data(), &qx, y->typed_data(), m, n, k};
   struct Claim {
@@ -732,7 +1037,7 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     const Claim& claim = claims[c];
     const Segment& s = *claim.segment;
     RunSegment(s.format, rows, s.data, s.row_bytes, claim.first, claim.stop, s.out_first,
-               int8_activations);
+               int8_activations, avx512_vnni);
   });
   return ffi::Error::Success();
 }
@@ -813,7 +1118,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFMatmul, GGUFMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // table [L, S, 3]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<bool>("int8_activations"));
+                                  .Attr<bool>("int8_activations")
+                                  .Attr<bool>("avx512_vnni"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFRows, GGUFRows,
                               ffi::Ffi::Bind()

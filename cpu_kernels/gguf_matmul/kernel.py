@@ -19,10 +19,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels.build import KernelBuildError, build, load, register
+from cpu_kernels.build import KernelBuildError, build, cpu_features, load, register
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 MATMUL_TARGET, ROWS_TARGET = "jaxinfer_gguf_matmul", "jaxinfer_gguf_rows"
+VNNI512_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+
+
+def has_avx512_vnni() -> bool:
+    """Whether this CPU takes the kernel's AVX-512 VNNI paths (the k-quants' integer dot
+    products); without them every path is AVX2."""
+    return all(f in cpu_features() for f in VNNI512_FEATURES)
 
 
 def _check(data: jax.Array, table: jax.Array, name: str) -> None:
@@ -48,9 +55,12 @@ def gguf_matmul(
     *,
     n: int,  # output rows (the layer's segments' rows summed)
     int8_activations: bool = False,
+    avx512_vnni: bool | None = None,
 ) -> jax.Array:  # f32[M, N]
     """x @ W^T for layer `layer` of a block weight (see load_gguf_matmul): exact, or with x
-    rounded to int8 per block and integer dot products (llama.cpp's)."""
+    rounded to int8 per block and integer dot products (llama.cpp's). `avx512_vnni`: whether
+    the k-quants' integer dot products take the AVX-512 VNNI paths (default: where the CPU
+    has them; the kernel refuses them on a CPU without)."""
     _check(data, table, "gguf_matmul")
     if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] % 32:
         raise ValueError(
@@ -58,8 +68,9 @@ def gguf_matmul(
         )
     result = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     index = jnp.asarray(layer, jnp.int32)
+    vnni = has_avx512_vnni() if avx512_vnni is None else avx512_vnni
     return jax.ffi.ffi_call(MATMUL_TARGET, result)(
-        x, data, table, index, int8_activations=int8_activations
+        x, data, table, index, int8_activations=int8_activations, avx512_vnni=vnni
     )
 
 

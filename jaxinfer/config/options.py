@@ -158,7 +158,8 @@ class EngineOptions:
         False,
         "int4 and GGUF block weights on CPU: round the activations to int8 per block (32 or "
         "256 values; int4: steps of up to 4 tokens) and multiply in integers (llama.cpp's "
-        "approach): faster, numerics differ by that rounding.",
+        "approach; the k-quants through AVX-512 VNNI where the CPU has it): faster, numerics "
+        "differ by that rounding.",
     )
     int4_matmul_impl: str = option(
         "auto",

@@ -12,7 +12,7 @@ import pytest
 
 from cpu_kernels.build import can_build
 from cpu_kernels.gguf_matmul import reference
-from cpu_kernels.gguf_matmul.kernel import gguf_rows
+from cpu_kernels.gguf_matmul.kernel import gguf_rows, has_avx512_vnni
 from cpu_kernels.gguf_matmul.reference import (
     FORMATS,
     dequantize_layer,
@@ -24,6 +24,17 @@ from cpu_kernels.gguf_matmul.reference import (
 pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
 )
+
+# The activation modes and the instruction sets each runs on here: exact (AVX2), int8
+# activations on AVX2 and, where this CPU has them, on AVX-512 VNNI (the k-quants).
+VNNI = pytest.mark.skipif(not has_avx512_vnni(), reason="a CPU without AVX-512 VNNI")
+MODES = {
+    "exact": {"int8_activations": False, "avx512_vnni": False},
+    "int8-avx2": {"int8_activations": True, "avx512_vnni": False},
+    "int8-avx512vnni": {"int8_activations": True, "avx512_vnni": True},
+}
+MODE_PARAMS = [pytest.param(m, marks=VNNI) if "vnni" in m else m for m in MODES]
+INT8_PARAMS = [m for m in MODE_PARAMS if m != "exact"]
 
 
 def weight(fmt: str, n: int, k: int, seed: int = 0):
@@ -46,26 +57,29 @@ def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, 
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("int8_activations", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 21])
-def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, int8_activations, rows):
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 12, 21])
+def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, mode, rows):
+    """Rows 1-4 (1-8 on AVX-512 VNNI) stream the weight row with every accumulator in
+    registers; more take it in chunks of 16 rows (AVX-512 VNNI: 16 or 8, padded)."""
     k = 768 if FORMATS[fmt][1] == 256 else 224
     data, table = weight(fmt, 37, k, seed=rows)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
-    ours = cpu_gguf_matmul(jnp.asarray(x), data, table, 0, n=37, int8_activations=int8_activations)
-    theirs = gguf_matmul_reference(x, data, table, int8_activations=int8_activations)
+    ours = cpu_gguf_matmul(jnp.asarray(x), data, table, 0, n=37, **MODES[mode])
+    theirs = gguf_matmul_reference(x, data, table, int8_activations=MODES[mode]["int8_activations"])
     assert ours.shape == (rows, 37) and ours.dtype == jnp.float32
     scale = np.abs(theirs).max()
     np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-5 * scale)
 
 
-def test_int8_activations_round_x_as_llama_cpp_does(cpu_gguf_matmul):
+@pytest.mark.parametrize("mode", INT8_PARAMS)
+def test_int8_activations_round_x_as_llama_cpp_does(cpu_gguf_matmul, mode):
     """The int8 mode differs from the exact one by x's rounding only: against exact x it is
     off by about that rounding (relative 1e-2), against rounded x by float error."""
     k = 512
     data, table = weight("Q4_K", 64, k, seed=5)
     x = np.random.default_rng(5).standard_normal((2, k)).astype(np.float32)
-    ours = np.asarray(cpu_gguf_matmul(jnp.asarray(x), data, table, 0, n=64, int8_activations=True))
+    ours = np.asarray(cpu_gguf_matmul(jnp.asarray(x), data, table, 0, n=64, **MODES[mode]))
     exact = gguf_matmul_reference(x, data, table)
     rounded = gguf_matmul_reference(x, data, table, int8_activations=True)
     scale = np.abs(exact).max()
@@ -73,8 +87,8 @@ def test_int8_activations_round_x_as_llama_cpp_does(cpu_gguf_matmul):
     assert np.abs(ours - rounded).max() / scale < 1e-5
 
 
-@pytest.mark.parametrize("int8_activations", [False, True])
-def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, int8_activations):
+@pytest.mark.parametrize("mode", MODE_PARAMS)
+def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, mode):
     """A fused weight whose parts differ in format (Q4_K_M's Q4_K and Q6_K rows; Q5_0 and Q8_0
     for rows of 896 values), layers that differ, each read in place by its index under jit."""
     rng = np.random.default_rng(7)
@@ -86,12 +100,10 @@ def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, int8_ac
     ]
     data, table = pack_layers(layers)
     x = rng.standard_normal((5, k)).astype(np.float32)
-    run = jax.jit(
-        lambda x, d, t, i: cpu_gguf_matmul(x, d, t, i, n=32, int8_activations=int8_activations)
-    )
+    run = jax.jit(lambda x, d, t, i: cpu_gguf_matmul(x, d, t, i, n=32, **MODES[mode]))
     for layer in range(3):
         ours = np.asarray(run(jnp.asarray(x), data, table, jnp.int32(layer)))
-        theirs = gguf_matmul_reference(x, data, table, layer, int8_activations)
+        theirs = gguf_matmul_reference(x, data, table, layer, MODES[mode]["int8_activations"])
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
 
 
@@ -110,6 +122,14 @@ def test_bad_tables_are_clear_errors(cpu_gguf_matmul):
         cpu_gguf_matmul(x, data, bad, 0, n=8).block_until_ready()
     with pytest.raises(ValueError, match="data u8"):
         cpu_gguf_matmul(x, data.astype(np.int8), table, 0, n=8)
+
+
+@pytest.mark.skipif(has_avx512_vnni(), reason="this CPU has AVX-512 VNNI")
+def test_avx512_vnni_on_a_cpu_without_it_is_a_clear_error(cpu_gguf_matmul):
+    data, table = weight("Q4_K", 8, 256)
+    x = jnp.ones((1, 256), jnp.float32)
+    with pytest.raises(Exception, match="without AVX-512"):
+        cpu_gguf_matmul(x, data, table, 0, n=8, int8_activations=True, avx512_vnni=True)
 
 
 def test_random_rows_cover_each_format():

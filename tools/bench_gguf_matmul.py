@@ -3,8 +3,8 @@ each activation mode and instruction set this CPU runs, same process.
 
     python -m tools.bench_gguf_matmul --rows=1,4,8,32,40
 
-For each weight of one layer (gate_up and qkv in Q4_K, down in Q6_K as Q4_K_M keeps half the
-layers' down) and each row count: the median time per call and the weights' bytes read per
+For each weight (the 1.5B's gate_up and qkv in Q4_K, down in Q6_K as Q4_K_M keeps half the
+layers' down; the 0.5B's gate_up in Q5_0 and its LM head in Q8_0) and each row count: the median time per call and the weights' bytes read per
 second, beside the machine's measured memory read bandwidth (tools.device_rates) for the
 one-row steps, which read each weight once and are bound by it.
 """
@@ -27,10 +27,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "4", "8", "32", "40"], "Rows of x (tokens in a step).")
 flags.DEFINE_integer("repeats", 20, "Timed calls per case (the median is reported).")
 
-WEIGHTS = {  # name: (format, out, in) of Qwen2.5-Coder-1.5B Q4_K_M
+WEIGHTS = {  # name: (format, out, in) of Qwen2.5-Coder-1.5B and -0.5B Q4_K_M
     "gate_up": ("Q4_K", 2 * 8960, 1536),
     "down": ("Q6_K", 1536, 8960),
     "qkv": ("Q4_K", 2048, 1536),
+    "0.5B gate_up": ("Q5_0", 2 * 4864, 896),
+    "0.5B lm_head": ("Q8_0", 151936, 896),
 }
 
 

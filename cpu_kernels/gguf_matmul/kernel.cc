@@ -232,6 +232,10 @@ struct QuantizedX {
   int64_t m_pad = 0;
   std::vector<float> d256t;
   std::vector<int32_t> sums_t;
+  // The same for the 32-value formats (rows padded to a multiple of 16; q32 gets 32 bytes
+  // more, read against an odd last block's zero values): d32t[b][row], s32t[b][row].
+  int64_t m_pad32 = 0;
+  std::vector<float> d32t, s32t;
 };
 
 // Rounds n values (a multiple of 32) to int8 with one scale: q = round(x / d), d = max|x| / 127.
@@ -844,6 +848,97 @@ JAXINFER_VNNI512 void IntegerRows512(const Rows& r, const uint8_t* w, int64_t co
   for (int i = 0; i < MR && m0 + i < r.m; ++i) r.y[(m0 + i) * r.n + col] = out[i];
 }
 
+// The 32-value formats' many rows (more than 4) on AVX-512 VNNI: 16 rows of x (padded with
+// zero rows) against one weight row, two blocks per zmm. Each row's products are one vpdpbusd
+// per 64 values (unsigned values; Q8_0's signed ones offset by 128, taken back through x's
+// sums); the 16 rows' sums are reduced across lanes together down to one 128-bit lane per
+// 4 rows and block, so x's scales, the weight's and the offsets against x's sums are a few
+// vector operations per two blocks rather than work per row.
+template <int F>
+JAXINFER_VNNI512_INLINE __m256i Unsigned32(const Block<F>& block) {
+  const __m256i v = block.v(0);
+  if constexpr (F == kQ8_0) return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return v;
+}
+
+template <int F>
+JAXINFER_VNNI512_INLINE float Offset32(const Block<F>& block) {  // w = d v + offset
+  return F == kQ4_1 || F == kQ5_1 ? block.dmin
+         : F == kQ4_0             ? -8.0f * block.d
+         : F == kQ5_0             ? -16.0f * block.d
+                                  : -128.0f * block.d;
+}
+
+// [a(b) rows r..r+3, a(b+1) rows r..r+3, a(b) rows r+4..r+7, a(b+1) rows r+4..r+7] of two
+// vectors of 16 rows' values for blocks b (in `even`) and b + 1 (`odd`), r = 8 h.
+JAXINFER_VNNI512_INLINE __m512 Arrange(__m512 even, __m512 odd, int h) {
+  const __m512 t = h == 0 ? _mm512_shuffle_f32x4(even, odd, 0x44)   // e.L0 e.L1 o.L0 o.L1
+                          : _mm512_shuffle_f32x4(even, odd, 0xEE);  // e.L2 e.L3 o.L2 o.L3
+  return _mm512_shuffle_f32x4(t, t, 0xD8);  // e.L0 o.L0 e.L1 o.L1
+}
+
+template <int F>
+JAXINFER_VNNI512 void IntegerRows512Small(const Rows& r, const uint8_t* w, int64_t col,
+                                          int64_t m0) {
+  const QuantizedX& qx = *r.qx;
+  const int64_t blocks = r.k / 32, mp = qx.m_pad32;
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  const int8_t* x0 = qx.q32.data() + m0 * r.k;
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool pair = b + 1 < blocks;
+    const Block<F> even(w + b * kBytes<F>);
+    const Block<F> odd(w + (pair ? b + 1 : b) * kBytes<F>);
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(Unsigned32<F>(even)),
+                                         pair ? Unsigned32<F>(odd) : _mm256_setzero_si256(), 1);
+    __m512i isum[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      isum[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v,
+                                    _mm512_loadu_si512(x0 + i * r.k + 32 * b));
+    }
+    __m512i pairs[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(isum[2 * i], isum[2 * i + 1]),
+                                  _mm512_unpackhi_epi32(isum[2 * i], isum[2 * i + 1]));
+    }
+    __m512i quads[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      quads[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * q], pairs[2 * q + 1]),
+                                  _mm512_unpackhi_epi64(pairs[2 * q], pairs[2 * q + 1]));
+    }
+    const float d_odd = pair ? odd.d : 0.0f, offset_odd = pair ? Offset32<F>(odd) : 0.0f;
+    const __m512 d = _mm512_mask_mov_ps(_mm512_set1_ps(even.d), 0xF0F0, _mm512_set1_ps(d_odd));
+    const __m512 offset = _mm512_mask_mov_ps(_mm512_set1_ps(Offset32<F>(even)), 0xF0F0,
+                                             _mm512_set1_ps(offset_odd));
+    const __m512 dx_even = _mm512_loadu_ps(qx.d32t.data() + b * mp + m0);
+    const __m512 sx_even = _mm512_loadu_ps(qx.s32t.data() + b * mp + m0);
+    const __m512 dx_odd = pair ? _mm512_loadu_ps(qx.d32t.data() + (b + 1) * mp + m0) : _mm512_setzero_ps();
+    const __m512 sx_odd = pair ? _mm512_loadu_ps(qx.s32t.data() + (b + 1) * mp + m0) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // rows 8 h .. 8 h + 7
+      const __m512i dot = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2 * h], quads[2 * h + 1], 0x88),
+                                           _mm512_shuffle_i32x4(quads[2 * h], quads[2 * h + 1], 0xDD));
+      const __m512 dx = Arrange(dx_even, dx_odd, h), sx = Arrange(sx_even, sx_odd, h);
+      acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, d), acc[h]);
+      acc[h] = _mm512_fmadd_ps(sx, offset, acc[h]);
+    }
+  }
+  // acc[h] = [rows 8h..8h+3 (even blocks), the same (odd), rows 8h+4..8h+7 (even), (odd)]
+  alignas(64) float out[2][16];
+  _mm512_store_ps(out[0], acc[0]);
+  _mm512_store_ps(out[1], acc[1]);
+  for (int i = 0; i < 16 && m0 + i < r.m; ++i) {
+    const int h = i / 8, q = (i % 8) / 4, j = i % 4;
+    r.y[(m0 + i) * r.n + col] = out[h][8 * q + j] + out[h][8 * q + 4 + j];
+  }
+}
+
+// The 32-value formats: up to this many rows take the AVX2 streaming path, more the
+// AVX-512 VNNI rows path (on a CPU with it).
+constexpr int64_t kStreamRows32 = 4;
+
 bool Vnni512Supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -879,6 +974,11 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnn
   int64_t m0 = 0;
   if constexpr (kSuper<F>) {
     if (integer && vnni512) return Integer512<F>(r, w, col);
+  } else {
+    if (integer && vnni512 && r.m > kStreamRows32) {
+      for (; m0 < r.m; m0 += 16) IntegerRows512Small<F>(r, w, col, m0);
+      return;
+    }
   }
   if (integer) {
     switch (r.m) {
@@ -988,8 +1088,10 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (int8_activations) {
     bool blocks32 = false, blocks256 = false;
     for (const Segment& s : segments) (BlockValues(s.format) == 256 ? blocks256 : blocks32) = true;
+    const bool many32 = blocks32 && avx512_vnni && m > kStreamRows32;
     if (blocks32) {
-      qx.q32.resize(m * k);
+      qx.m_pad32 = many32 ? (m + 15) / 16 * 16 : m;
+      qx.q32.resize(qx.m_pad32 * k + 32);
       qx.d32.resize(m * k / 32);
       qx.s32.resize(m * k / 32);
     }
@@ -1004,6 +1106,17 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     jaxinfer::ParallelFor(pool, m, [&](int64_t row) {
       QuantizeRow(xs + row * k, k, blocks32, blocks256, row, qx);
     });
+    if (many32) {
+      const int64_t blocks = k / 32, mp = qx.m_pad32;
+      qx.d32t.assign(blocks * mp + 16, 0.0f);
+      qx.s32t.assign(blocks * mp + 16, 0.0f);
+      for (int64_t row = 0; row < m; ++row) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          qx.d32t[b * mp + row] = qx.d32[row * blocks + b];
+          qx.s32t[b * mp + row] = qx.s32[row * blocks + b];
+        }
+      }
+    }
     if (many512) {
       const int64_t blocks = k / 256, mp = qx.m_pad;
       qx.d256t.assign(blocks * mp, 0.0f);

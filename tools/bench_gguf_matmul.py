@@ -42,6 +42,7 @@ def modes() -> dict[str, dict]:
         "int8 AVX2": {"int8_activations": True, "avx512_vnni": False},
     }
     if has_avx512_vnni():
+        found["exact AVX-512"] = {"int8_activations": False, "avx512_vnni": True}
         found["int8 AVX-512 VNNI"] = {"int8_activations": True, "avx512_vnni": True}
     return found
 

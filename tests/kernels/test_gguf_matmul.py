@@ -30,11 +30,13 @@ pytestmark = pytest.mark.skipif(
 VNNI = pytest.mark.skipif(not has_avx512_vnni(), reason="a CPU without AVX-512 VNNI")
 MODES = {
     "exact": {"int8_activations": False, "avx512_vnni": False},
+    "exact-avx512vnni": {"int8_activations": False, "avx512_vnni": True},
     "int8-avx2": {"int8_activations": True, "avx512_vnni": False},
     "int8-avx512vnni": {"int8_activations": True, "avx512_vnni": True},
 }
 MODE_PARAMS = [pytest.param(m, marks=VNNI) if "vnni" in m else m for m in MODES]
-INT8_PARAMS = [m for m in MODE_PARAMS if m != "exact"]
+INT8_PARAMS = [m for m in MODE_PARAMS if "int8" in str(getattr(m, "values", [m])[0])]
+EXACT_PARAMS = [m for m in MODE_PARAMS if "exact" in str(getattr(m, "values", [m])[0])]
 
 
 def weight(fmt: str, n: int, k: int, seed: int = 0):
@@ -43,15 +45,20 @@ def weight(fmt: str, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, fmt):
+@pytest.mark.parametrize("mode", EXACT_PARAMS)
+def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, fmt, mode):
     """x = the identity picks every weight out of the product unrounded: the kernel's own
-    dequantization, through the matmul path (1-3 rows at a time) and the rows path."""
+    dequantization, through the matmul paths (512 rows at once: the float panels; 3, 2 and 1
+    at a time: the blocks streamed) and the rows path."""
     k = 512
     data, table = weight(fmt, 40, k, seed=1)
     theirs = dequantize_layer(data[0], table[0], k)  # gguf.quants
     eye = jnp.eye(k, dtype=jnp.float32)
-    ours = np.asarray(cpu_gguf_matmul(eye, jnp.asarray(data), jnp.asarray(table), 0, n=40))
-    assert np.array_equal(ours.T, theirs)
+    run = jax.jit(lambda x: cpu_gguf_matmul(x, data, table, 0, n=40, **MODES[mode]))
+    assert np.array_equal(np.asarray(run(eye)).T, theirs)
+    steps = [eye[j : j + 3] for j in range(0, k - 5, 3)] + [eye[-5:-3], eye[-3:-2], eye[-2:]]
+    streamed = np.concatenate([np.asarray(run(x)) for x in steps])
+    assert np.array_equal(streamed.T, theirs)
     rows = np.asarray(gguf_rows(jnp.arange(40), jnp.asarray(data), jnp.asarray(table), 0, k=k))
     assert np.array_equal(rows.view(np.uint32), theirs.view(np.uint32))
 

@@ -794,17 +794,64 @@ JAXINFER_VNNI512_INLINE __m512i SumLanes(const __m512i (&rows)[MR]) {
   }
 }
 
-// Many rows (prefill, large batches): MR rows of x (16, or 8; padded with zero rows) from
-// m0 against one weight row, each superblock decoded once. Per superblock the rows' integer
-// sums are summed across lanes together, so the float work (x's scales, the minimums against
-// x's sums per 16) is one vector over the rows rather than per row.
+// Many rows (prefill, large batches): every row of x (in tiles of 16, and one of 8 where the
+// rows padded to a multiple of 8 leave it; the padding is zero rows) against one weight row,
+// superblock by superblock: each superblock is decoded once for all the tiles, its values and
+// scales kept in registers. Per tile the rows' integer sums are summed across lanes together,
+// so the float work (x's scales, the minimums against x's sums per 16) is one vector over the
+// tile's rows rather than per row.
 template <int F, int MR>
-JAXINFER_VNNI512 void IntegerRows512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+JAXINFER_VNNI512_INLINE void RowTile512(const Rows& r, const Super512<F>& s,
+                                        const __m512i (&v)[4], const __m512i (&sc)[4],
+                                        const int32_t (&min_pairs)[8], int64_t b, int64_t m0,
+                                        __m512& acc) {
   const QuantizedX& qx = *r.qx;
-  const int64_t blocks = r.k / 256, mp = qx.m_pad;
+  const int64_t mp = qx.m_pad;
   const __mmask16 lanes = MR == 16 ? 0xFFFF : 0x00FF;
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  const int8_t* x0 = qx.q256.data() + m0 * r.k + 256 * b;
+  __m512i isum[MR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    isum[i] = _mm512_madd_epi16(_mm512_maddubs_epi16(v[0], _mm512_loadu_si512(x0 + i * r.k)), sc[0]);
+  }
+#pragma GCC unroll 3
+  for (int j = 1; j < 4; ++j) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512i xv = _mm512_loadu_si512(x0 + i * r.k + 64 * j);
+      isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(v[j], xv), sc[j]);
+    }
+  }
+  __m512i dot = SumLanes<MR>(isum);
+  // the minimums' scales against x's sums per 16, a pair of sums per int32, lanes = rows
+  const int32_t* sums = qx.sums_t.data() + (8 * b) * mp + m0;
+  __m512i min_dot = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) {
+    min_dot = _mm512_dpwssd_epi32(min_dot, _mm512_maskz_loadu_epi32(lanes, sums + q * mp),
+                                  _mm512_set1_epi32(min_pairs[q]));
+  }
+  const __m512 dx = _mm512_maskz_loadu_ps(lanes, qx.d256t.data() + b * mp + m0);
+  if constexpr (F == kQ6_K) {  // min_d = -32 d: one integer sum
+    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(min_dot, 5));
+  } else {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_dot), _mm512_mul_ps(dx, _mm512_set1_ps(s.min_d)),
+                          acc);
+  }
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, _mm512_set1_ps(s.d)), acc);
+}
+
+constexpr int64_t kRowTiles = 16;  // tiles of 16 rows per pass over a weight row
+
+// Rows [m0, min(m, m0 + 16 kRowTiles)) of x; m0 a multiple of 16.
+template <int F>
+JAXINFER_VNNI512 void IntegerRows512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  const int64_t rows = std::min(r.qx->m_pad - m0, 16 * kRowTiles);
+  const int64_t tiles16 = rows / 16;
+  const bool tail8 = rows % 16 != 0;
+  __m512 acc[kRowTiles];
+  for (int64_t t = 0; t < tiles16 + tail8; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < r.k / 256; ++b) {
     const Super512<F> s(w + b * kBytes<F>);
     __m512i v[4], sc[4];
 #pragma GCC unroll 4
@@ -812,40 +859,58 @@ JAXINFER_VNNI512 void IntegerRows512(const Rows& r, const uint8_t* w, int64_t co
       v[j] = s.values(j);
       sc[j] = s.scales(j);
     }
-    __m512i isum[MR];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
-    const int8_t* x0 = qx.q256.data() + m0 * r.k + 256 * b;
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-#pragma GCC unroll 16
+    alignas(32) int32_t min_pairs[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(min_pairs), s.min_scales);
+    for (int64_t t = 0; t < tiles16; ++t) {
+      RowTile512<F, 16>(r, s, v, sc, min_pairs, b, m0 + 16 * t, acc[t]);
+    }
+    if (tail8) RowTile512<F, 8>(r, s, v, sc, min_pairs, b, m0 + 16 * tiles16, acc[tiles16]);
+  }
+  for (int64_t t = 0; t < tiles16 + tail8; ++t) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[t]);
+    const int64_t first = m0 + 16 * t;
+    for (int i = 0; i < 16 && first + i < r.m; ++i) r.y[(first + i) * r.n + col] = out[i];
+  }
+}
+
+// The exact mode's steps of 1-3 rows for the 4-bit formats (Q4_0, Q4_1, Q4_K) on AVX-512:
+// the 16 values a block's (a Q4_K group's) nibbles can take are computed once into a zmm,
+// fma(q - bias, scale, offset) as Dequantize forms them (gguf's values, bit for bit), and each
+// weight is looked up by its nibble (vpermps) instead of widened and converted.
+template <int F>
+constexpr bool kNibbleTable = F == kQ4_0 || F == kQ4_1 || F == kQ4_K;
+
+template <int F, int MR>
+JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 3
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const __m512 levels = _mm512_sub_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_ps(static_cast<float>(Block<F>::kBias)));
+  const float* x = r.x + m0 * r.k;
+  for (int64_t b = 0; b < r.k / kValues<F>; ++b) {
+    const Block<F> block(w + b * kBytes<F>);
+#pragma GCC unroll 8
+    for (int g = 0; g < kValues<F> / 32; ++g) {
+      const __m512 table = _mm512_fmadd_ps(levels, _mm512_set1_ps(block.scale(g, 0)),
+                                           _mm512_set1_ps(block.offset(g)));
+      const __m256i q = block.v(g);
+      const __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), table);
+      const __m512 w1 =
+          _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), table);
+      const float* xg = x + b * kValues<F> + 32 * g;
+#pragma GCC unroll 3
       for (int i = 0; i < MR; ++i) {
-        const __m512i xv = _mm512_loadu_si512(x0 + i * r.k + 64 * j);
-        isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(v[j], xv), sc[j]);
+        acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k), w0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k + 16), w1, acc[i][1]);
       }
     }
-    __m512i dot = SumLanes<MR>(isum);
-    // the minimums' scales against x's sums per 16, a pair of sums per int32, lanes = rows
-    const __m512i min_pairs = _mm512_zextsi256_si512(s.min_scales);
-    const int32_t* sums = qx.sums_t.data() + (8 * b) * mp + m0;
-    __m512i min_dot = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int q = 0; q < 8; ++q) {
-      min_dot = _mm512_dpwssd_epi32(min_dot, _mm512_maskz_loadu_epi32(lanes, sums + q * mp),
-                                    _mm512_permutexvar_epi32(_mm512_set1_epi32(q), min_pairs));
-    }
-    const __m512 dx = _mm512_maskz_loadu_ps(lanes, qx.d256t.data() + b * mp + m0);
-    if constexpr (F == kQ6_K) {  // min_d = -32 d: one integer sum
-      dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(min_dot, 5));
-    } else {
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_dot), _mm512_mul_ps(dx, _mm512_set1_ps(s.min_d)),
-                            acc);
-    }
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, _mm512_set1_ps(s.d)), acc);
   }
-  alignas(64) float out[16];
-  _mm512_store_ps(out, acc);
-  for (int i = 0; i < MR && m0 + i < r.m; ++i) r.y[(m0 + i) * r.n + col] = out[i];
+  for (int i = 0; i < MR; ++i) {
+    r.y[(m0 + i) * r.n + col] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+  }
 }
 
 // The 32-value formats' many rows (more than 4) on AVX-512 VNNI: 16 rows of x (padded with
@@ -958,15 +1023,7 @@ void Integer512(const Rows& r, const uint8_t* w, int64_t col) {
     case 7: return IntegerStream512<F, 7>(r, w, col, 0);
     case 8: return IntegerStream512<F, 8>(r, w, col, 0);
   }
-  for (int64_t m0 = 0; m0 < r.m;) {  // q256's rows are padded to a multiple of 8
-    if (r.m - m0 > 8) {
-      IntegerRows512<F, 16>(r, w, col, m0);
-      m0 += 16;
-    } else {
-      IntegerRows512<F, 8>(r, w, col, m0);
-      m0 += 8;
-    }
-  }
+  for (int64_t m0 = 0; m0 < r.m; m0 += 16 * kRowTiles) IntegerRows512<F>(r, w, col, m0);
 }
 
 template <int F>
@@ -988,6 +1045,14 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnn
       case 4: return IntegerStream<F, 4>(r, w, col, 0);
     }
     return IntegerColumn<F>(r, w, col);
+  }
+  if constexpr (kNibbleTable<F>) {
+    if (vnni512) {
+      for (; m0 + 3 <= r.m; m0 += 3) ExactRows512<F, 3>(r, w, col, m0);
+      if (r.m - m0 == 2) ExactRows512<F, 2>(r, w, col, m0);
+      if (r.m - m0 == 1) ExactRows512<F, 1>(r, w, col, m0);
+      return;
+    }
   }
   for (; m0 + 3 <= r.m; m0 += 3) ExactRows<F, 3>(r, w, col, m0);
   if (r.m - m0 == 2) ExactRows<F, 2>(r, w, col, m0);
@@ -1174,6 +1239,7 @@ ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32
   }
   return ffi::Error::Success();
 }
+
 
 // Claims of output rows: a quarter of a segment's rows per thread-sized share (long runs for
 // the prefetchers), at least 8, at most 64 (an LM head).

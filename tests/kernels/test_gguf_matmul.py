@@ -65,7 +65,7 @@ def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("mode", MODE_PARAMS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 12, 21])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 12, 21, 277])
 def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, mode, rows):
     """Rows 1-4 (1-8 on AVX-512 VNNI) stream the weight row with every accumulator in
     registers; more take it in chunks of 16 rows (AVX-512 VNNI: 16 or 8, padded)."""

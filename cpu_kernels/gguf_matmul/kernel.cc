@@ -913,7 +913,7 @@ JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col,
   }
 }
 
-// The 32-value formats' many rows (more than 4) on AVX-512 VNNI: 16 rows of x (padded with
+// The 32-value formats' many rows (more than kStreamRows32) on AVX-512 VNNI: 16 rows of x (padded with
 // zero rows) against one weight row, two blocks per zmm. Each row's products are one vpdpbusd
 // per 64 values (unsigned values; Q8_0's signed ones offset by 128, taken back through x's
 // sums); the 16 rows' sums are reduced across lanes together down to one 128-bit lane per
@@ -1000,9 +1000,9 @@ JAXINFER_VNNI512 void IntegerRows512Small(const Rows& r, const uint8_t* w, int64
   }
 }
 
-// The 32-value formats: up to this many rows take the AVX2 streaming path, more the
-// AVX-512 VNNI rows path (on a CPU with it).
-constexpr int64_t kStreamRows32 = 4;
+// The 32-value formats on a CPU with AVX-512 VNNI: up to this many rows take the streaming
+// path (AVX2 instructions), more the AVX-512 VNNI rows path.
+constexpr int64_t kStreamRows32 = 8;
 
 bool Vnni512Supported() {
   __builtin_cpu_init();
@@ -1032,9 +1032,17 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnn
   if constexpr (kSuper<F>) {
     if (integer && vnni512) return Integer512<F>(r, w, col);
   } else {
-    if (integer && vnni512 && r.m > kStreamRows32) {
-      for (; m0 < r.m; m0 += 16) IntegerRows512Small<F>(r, w, col, m0);
-      return;
+    if (integer && vnni512) {
+      switch (r.m) {
+        case 5: return IntegerStream<F, 5>(r, w, col, 0);
+        case 6: return IntegerStream<F, 6>(r, w, col, 0);
+        case 7: return IntegerStream<F, 7>(r, w, col, 0);
+        case 8: return IntegerStream<F, 8>(r, w, col, 0);
+      }
+      if (r.m > kStreamRows32) {
+        for (; m0 < r.m; m0 += 16) IntegerRows512Small<F>(r, w, col, m0);
+        return;
+      }
     }
   }
   if (integer) {

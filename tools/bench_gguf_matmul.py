@@ -1,12 +1,13 @@
-"""The block kernel (cpu_kernels.gguf_matmul) on Qwen2.5-Coder-1.5B's Q4_K_M projection shapes,
-each activation mode and instruction set this CPU runs, same process.
+"""The block kernel (cpu_kernels.gguf_matmul) on Qwen2.5-Coder's Q4_K_M projection shapes, each
+activation mode and instruction set this CPU runs, same process.
 
     python -m tools.bench_gguf_matmul --rows=1,4,8,32,40
 
 For each weight (the 1.5B's gate_up and qkv in Q4_K, down in Q6_K as Q4_K_M keeps half the
-layers' down; the 0.5B's gate_up in Q5_0 and its LM head in Q8_0) and each row count: the median time per call and the weights' bytes read per
-second, beside the machine's measured memory read bandwidth (tools.device_rates) for the
-one-row steps, which read each weight once and are bound by it.
+layers' down; the 0.5B's gate_up in Q5_0 and its LM head in Q8_0) and each row count: the
+median time per call and the weights' bytes read per second, beside the machine's measured
+memory read bandwidth (tools.device_rates) for the one-row steps, which read each weight once
+and are bound by it.
 """
 
 from __future__ import annotations

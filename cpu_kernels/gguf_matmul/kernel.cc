@@ -192,6 +192,14 @@ struct Block {
     if constexpr (F == kQ6_K) return d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * g + h]));
     return d;
   }
+  // The 32-value formats with unsigned values v (Q8_0's signed ones offset by 128):
+  // weight = d v + unsigned_offset().
+  float unsigned_offset() const {
+    return F == kQ4_1 || F == kQ5_1 ? dmin
+           : F == kQ4_0             ? -8.0f * d
+           : F == kQ5_0             ? -16.0f * d
+                                    : -128.0f * d;
+  }
   float offset(int g) const {
     if constexpr (F == kQ4_K || F == kQ5_K) return -(dmin * static_cast<float>(k_scales[8 + g]));
     if constexpr (F == kQ4_1 || F == kQ5_1) return dmin;
@@ -343,7 +351,7 @@ struct IntegerScales {
   __m256i group[kValues<F> / 32];
   __m256i mins;  // int16[16] against x's sums per 16 (k-quants)
   float min_d;  // the minimums' float factor (k-quants)
-  float mn;  // 32-value formats: w = d v + mn (mn: m, or -8 d, -16 d); Q8_0: none
+  float mn;  // 32-value formats: w = d v + mn (Q8_0: not used, its v signed here)
 
   explicit IntegerScales(const Block<F>& block) {
     if constexpr (F == kQ6_K) {
@@ -377,10 +385,7 @@ struct IntegerScales {
       min_d = -block.dmin;
     } else {
       group[0] = _mm256_set1_epi16(1);
-      mn = F == kQ4_1 || F == kQ5_1 ? block.dmin
-           : F == kQ4_0             ? -8.0f * block.d
-           : F == kQ5_0             ? -16.0f * block.d
-                                    : 0.0f;
+      mn = block.unsigned_offset();
     }
   }
 };
@@ -494,10 +499,7 @@ void IntegerStream(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
       const __m256i v = block.v(0);
       __m256i v_abs = v;
       if constexpr (F == kQ8_0) v_abs = _mm256_sign_epi8(v, v);
-      const float mn = F == kQ4_1 || F == kQ5_1 ? block.dmin
-                       : F == kQ4_0             ? -8.0f * block.d
-                       : F == kQ5_0             ? -16.0f * block.d
-                                                : 0.0f;
+      const float mn = block.unsigned_offset();
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) {
         __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x0 + i * r.k + 32 * b));
@@ -926,14 +928,6 @@ JAXINFER_VNNI512_INLINE __m256i Unsigned32(const Block<F>& block) {
   return v;
 }
 
-template <int F>
-JAXINFER_VNNI512_INLINE float Offset32(const Block<F>& block) {  // w = d v + offset
-  return F == kQ4_1 || F == kQ5_1 ? block.dmin
-         : F == kQ4_0             ? -8.0f * block.d
-         : F == kQ5_0             ? -16.0f * block.d
-                                  : -128.0f * block.d;
-}
-
 // [a(b) rows r..r+3, a(b+1) rows r..r+3, a(b) rows r+4..r+7, a(b+1) rows r+4..r+7] of two
 // vectors of 16 rows' values for blocks b (in `even`) and b + 1 (`odd`), r = 8 h.
 JAXINFER_VNNI512_INLINE __m512 Arrange(__m512 even, __m512 odd, int h) {
@@ -973,9 +967,9 @@ JAXINFER_VNNI512 void IntegerRows512Small(const Rows& r, const uint8_t* w, int64
       quads[q] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * q], pairs[2 * q + 1]),
                                   _mm512_unpackhi_epi64(pairs[2 * q], pairs[2 * q + 1]));
     }
-    const float d_odd = pair ? odd.d : 0.0f, offset_odd = pair ? Offset32<F>(odd) : 0.0f;
+    const float d_odd = pair ? odd.d : 0.0f, offset_odd = pair ? odd.unsigned_offset() : 0.0f;
     const __m512 d = _mm512_mask_mov_ps(_mm512_set1_ps(even.d), 0xF0F0, _mm512_set1_ps(d_odd));
-    const __m512 offset = _mm512_mask_mov_ps(_mm512_set1_ps(Offset32<F>(even)), 0xF0F0,
+    const __m512 offset = _mm512_mask_mov_ps(_mm512_set1_ps(even.unsigned_offset()), 0xF0F0,
                                              _mm512_set1_ps(offset_odd));
     const __m512 dx_even = _mm512_loadu_ps(qx.d32t.data() + b * mp + m0);
     const __m512 sx_even = _mm512_loadu_ps(qx.s32t.data() + b * mp + m0);

@@ -27,8 +27,8 @@ VNNI512_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"
 
 
 def has_avx512_vnni() -> bool:
-    """Whether this CPU takes the kernel's AVX-512 VNNI paths (the k-quants' integer dot
-    products); without them every path is AVX2."""
+    """Whether this CPU takes the kernel's AVX-512 paths (they need VNNI as well as F, BW, VL
+    and DQ); without them every path is AVX2."""
     return all(f in cpu_features() for f in VNNI512_FEATURES)
 
 
@@ -59,8 +59,8 @@ def gguf_matmul(
 ) -> jax.Array:  # f32[M, N]
     """x @ W^T for layer `layer` of a block weight (see load_gguf_matmul): exact, or with x
     rounded to int8 per block and integer dot products (llama.cpp's). `avx512_vnni`: whether
-    the k-quants' integer dot products take the AVX-512 VNNI paths (default: where the CPU
-    has them; the kernel refuses them on a CPU without)."""
+    the kernel takes its AVX-512 paths (integer products through VNNI, the exact mode's wider
+    tiles; default: where the CPU has them; the kernel refuses them on a CPU without)."""
     _check(data, table, "gguf_matmul")
     if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] % 32:
         raise ValueError(

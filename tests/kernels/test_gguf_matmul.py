@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
 )
 
-# The activation modes and the instruction sets each runs on here: exact (AVX2), int8
-# activations on AVX2 and, where this CPU has them, on AVX-512 VNNI (the k-quants).
+# The activation modes on each instruction set: AVX2 everywhere, and the AVX-512 VNNI paths
+# where this CPU has them.
 VNNI = pytest.mark.skipif(not has_avx512_vnni(), reason="a CPU without AVX-512 VNNI")
 MODES = {
     "exact": {"int8_activations": False, "avx512_vnni": False},
@@ -34,9 +34,14 @@ MODES = {
     "int8-avx2": {"int8_activations": True, "avx512_vnni": False},
     "int8-avx512vnni": {"int8_activations": True, "avx512_vnni": True},
 }
-MODE_PARAMS = [pytest.param(m, marks=VNNI) if "vnni" in m else m for m in MODES]
-INT8_PARAMS = [m for m in MODE_PARAMS if "int8" in str(getattr(m, "values", [m])[0])]
-EXACT_PARAMS = [m for m in MODE_PARAMS if "exact" in str(getattr(m, "values", [m])[0])]
+
+
+def mode_params(kind: str = "") -> list:
+    """The modes whose name holds `kind`, those on AVX-512 VNNI skipped on a CPU without."""
+    return [pytest.param(m, marks=VNNI) if "vnni" in m else m for m in MODES if kind in m]
+
+
+MODE_PARAMS, INT8_PARAMS, EXACT_PARAMS = mode_params(), mode_params("int8"), mode_params("exact")
 
 
 def weight(fmt: str, n: int, k: int, seed: int = 0):
@@ -67,8 +72,9 @@ def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, 
 @pytest.mark.parametrize("mode", MODE_PARAMS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 12, 21, 277])
 def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, mode, rows):
-    """Rows 1-4 (1-8 on AVX-512 VNNI) stream the weight row with every accumulator in
-    registers; more take it in chunks of 16 rows (AVX-512 VNNI: 16 or 8, padded)."""
+    """Few rows stream the weight row with every accumulator in registers (int8: 1-4 rows,
+    1-8 on AVX-512 VNNI; exact: 1-3); more take the many-row paths (int8: chunks of 16 rows,
+    on AVX-512 VNNI tiles of 16 or 8 padded with zero rows; exact: float panels)."""
     k = 768 if FORMATS[fmt][1] == 256 else 224
     data, table = weight(fmt, 37, k, seed=rows)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)

@@ -58,7 +58,7 @@ def main(argv):
     bandwidth = memory_bandwidth()
 
     start = time.perf_counter()
-    params = random_params(cfg, dtype)
+    params = random_params(cfg, dtype, on_device=True)
     graphdef, state = build_llama(
         cfg, params, dtype, weight_layout=kernels.weight_layout, quantization=options.quantization
     )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first run on a GPU machine (issue 21): at most 3 minutes, writing only under OUT_DIR.
+# The first run on a GPU machine (issue 21): at most 5 minutes, writing only under OUT_DIR.
 #
 #   tools/gpu_smoke.sh OUT_DIR [MODEL]      # from the repository root
 #
@@ -20,7 +20,7 @@
 set -uo pipefail
 out=${1:?usage: tools/gpu_smoke.sh OUT_DIR [MODEL]}
 model=${2:-}
-budget=180
+budget=300  # the H200 compiled each Pallas kernel case in 1-5 s, each engine bucket in ~5 s
 source "$(dirname "$0")/gpu_stages.sh"
 
 stage jax 25 any $python -c '
@@ -34,14 +34,14 @@ backend=$(sed -n 's/^backend //p' "$out/jax.txt" 2>/dev/null)
 backend=${backend:-unknown}
 
 stage nvidia_smi 10 needs_gpu nvidia-smi
-stage kernel_check 35 needs_gpu $python -m tools.kernel_check --shapes=smollm2,llama3_8b \
+stage kernel_check 80 needs_gpu $python -m tools.kernel_check --shapes=smollm2,llama3_8b \
     --dtypes=bfloat16,float32 --output_json="$out/kernel_check.json"
 if [ -n "$model" ] || [ "$backend" != gpu ]; then
-    stage engine 80 needs_gpu $python -m tools.smoke_tokens --check=tools/data/cpu_tokens.json \
+    stage engine 110 needs_gpu $python -m tools.smoke_tokens --check=tools/data/cpu_tokens.json \
         --model="$model" --cache_dir="$out/cache" --output_json="$out/engine_tokens.json"
 else
     skip engine "no MODEL given"
 fi
-stage kernel_tests 60 needs_gpu $python -m pytest -x -q -p no:cacheprovider \
+stage kernel_tests 110 needs_gpu $python -m pytest -q -rf -p no:cacheprovider \
     tests/kernels/test_kernels.py
 finish

@@ -47,9 +47,8 @@ SMALL = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
 
 
 def _engine() -> LLM:
-    options = engine_options_from_flags()
-    small = {k: v for k, v in SMALL.items() if getattr(options, k) is None}
-    llm = LLM(**dataclasses.asdict(dataclasses.replace(options, **small)))
+    options = engine_options_from_flags(defaults=SMALL)  # SMALL where no flag says otherwise
+    llm = LLM(**dataclasses.asdict(options))
     print(json.dumps(llm.engine.describe(), indent=1), flush=True)
     return llm
 

@@ -7,7 +7,10 @@ vocabulary, L: layers, X: experts."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.arch_config import LlamaConfig
@@ -157,15 +160,25 @@ def _in_float16(values: np.ndarray) -> bool:
     return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
-def random_params(config: LlamaConfig, dtype, seed: int = 0) -> dict:
-    """A loader-shaped tree of random weights (benchmarks of shapes with no checkpoint)."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _device_normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def random_params(config: LlamaConfig, dtype, seed: int = 0, on_device: bool = False) -> dict:
+    """A loader-shaped tree of random weights (benchmarks of shapes with no checkpoint).
+    `on_device`: drawn by jax.random on the default device (an 8B-shaped tree takes minutes
+    through numpy on the host) rather than numpy arrays."""
     rng = np.random.default_rng(seed)
+    keys = iter(jax.random.split(jax.random.key(seed), 16)) if on_device else None
     layers, hidden = config.num_hidden_layers, config.hidden_size
     kv, head_dim = config.num_key_value_heads, config.head_dim
     qkv = (kv, config.num_attention_heads // kv + 2, head_dim)
     inter, vocab = config.dense_intermediate_size, config.vocab_size
 
     def normal(*shape):
+        if keys is not None:
+            return _device_normal(next(keys), shape, jnp.dtype(dtype))
         return (0.02 * rng.standard_normal(shape, np.float32)).astype(dtype)
 
     params = {

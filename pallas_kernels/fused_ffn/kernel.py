@@ -131,7 +131,9 @@ def fused_ffn(
     `batch_invariant`: tiles independent of T, the down projection through the Pallas matmul."""
     if not batch_invariant:
         h = gate_up_activation(x, gate_up, activation=activation, interpret=interpret, **tiles)
-        return h @ down
+        # as in the gate and up dots: float32 gets full precision, not a GPU's default TF32
+        precision = jax.lax.Precision.HIGHEST if h.dtype == jnp.float32 else None
+        return jnp.dot(h, down, precision=precision)
     tiles.setdefault("block_t", BLOCK_T)
     h = gate_up_activation(x, gate_up, activation=activation, interpret=interpret, **tiles)
     return matmul(h, down, interpret=interpret)

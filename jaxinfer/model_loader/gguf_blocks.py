@@ -22,8 +22,8 @@ from jaxinfer.model_loader.gguf_tensors import GGUFTensor, read_tensors
 from jaxinfer.model_loader.safetensors_loader import fuse_qkv
 from jaxinfer.models.families import family_for_architecture
 from jaxinfer.models.params import LAYER_PROJECTIONS
+from pallas_kernels.gguf_matmul.reference import FOUR_BIT, to_planes
 from pallas_kernels.int4_matmul.reference import dequantize as int4_dequantize
-from pallas_kernels.int4_matmul.reference import pack as int4_pack
 
 BLOCK = 32
 
@@ -48,62 +48,16 @@ def _blocks(tensor: GGUFTensor) -> BlockWeight | None:
     return BlockWeight("int4", qs, scales)
 
 
-# Bytes of float16 parameters that open a Q4_0 (d) or Q4_1 (d, m) block, before its 16 bytes
-# of values (value j in the low nibble of byte j, value j + 16 in its high nibble).
-_INT4_BLOCK_PARAMS = {"Q4_0": 2, "Q4_1": 4}
-# Q4_K: super-blocks of 256 values: float16 d and dmin, 12 bytes of 6-bit (scale, min) for its
-# 8 groups of 32, then 128 bytes of values (below).
-_Q4_K_BYTES = 144
-INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF types that are int4 groups of 32 as they are
+INT4_TYPES = FOUR_BIT  # GGUF types that are int4 groups of 32 as they are
 
 
 def int4_from_gguf(fmt: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_0, Q4_1 or Q4_K tensor's raw blocks (u8[N, bytes per row]) as int4 groups of 32
-    (pallas_kernels.int4_matmul.reference): qs u8[N, K / 2], scale and bias [N, K / 32], the
-    same values bit for bit: Q4_1's W = d q + m is scale d, bias m; Q4_0's W = d (q - 8) is
-    scale d, bias -8 d (both exact in float16); Q4_K's W = (d sc) q - (dmin m) is scale d sc,
-    bias -(dmin m), products formed in float32 as llama.cpp's dequantization forms them."""
-    if fmt == "Q4_K":
-        return _int4_from_q4_k(np.asarray(raw))
-    head = _INT4_BLOCK_PARAMS[fmt]
-    rows = raw.shape[0]
-    blocks = np.asarray(raw).reshape(rows, -1, head + BLOCK // 2)
-    params = np.ascontiguousarray(blocks[..., :head]).view(np.float16)  # [N, K / 32, 1 or 2]
-    qs = np.ascontiguousarray(blocks[..., head:]).reshape(rows, -1)
-    scale = np.ascontiguousarray(params[..., 0])
-    if fmt == "Q4_0":
-        bias = (scale.astype(np.float32) * -8.0).astype(np.float16)
-    else:
-        bias = np.ascontiguousarray(params[..., 1])
-    return qs, scale, bias
-
-
-def _int4_from_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, _Q4_K_BYTES)  # [N, S, 144], S = K / 256
-    d, dmin = (
-        np.ascontiguousarray(blocks[..., i : i + 2]).view(np.float16).astype(np.float32)
-        for i in (0, 2)
-    )  # [N, S, 1] each
-    sc, m = _q4_k_scales(blocks[..., 4:16])  # [N, S, 8] each, 0 .. 63
-    # Values: 4 chunks of 64, each 32 bytes; byte l of chunk c holds value 64 c + l in its low
-    # nibble and value 64 c + 32 + l in its high nibble.
-    chunks = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
-    values = (chunks >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F  # [N, S, 4, 2, 32]
-    qs = int4_pack(values.reshape(rows, -1))
-    scale = (d * sc.astype(np.float32)).reshape(rows, -1)  # [N, K / 32]
-    bias = -(dmin * m.astype(np.float32)).reshape(rows, -1)
-    return qs, scale, bias
-
-
-def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sc, m) u8[..., 8] of Q4_K's 12 packed bytes [..., 12] (llama.cpp's get_scale_min_k4):
-    groups 0-3 take the low 6 bits of bytes j (sc) and j + 4 (m); groups 4-7 take the nibbles
-    of byte j + 8 (low: sc, high: m) under the top 2 bits of bytes j (sc) and j + 4 (m)."""
-    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=-1)
-    m = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=-1)
-    return sc, m
+    (pallas_kernels.int4_matmul.reference): qs u8[N, K / 2], scale and bias [N, K / 32],
+    the same values (pallas_kernels.gguf_matmul.reference, the planes of every format)."""
+    if fmt not in INT4_TYPES:
+        raise ValueError(f"{fmt} is not a 4-bit format ({', '.join(INT4_TYPES)})")
+    return to_planes(fmt, raw)
 
 
 def _one_format(weights: list[BlockWeight | None]) -> bool:

@@ -7,7 +7,10 @@ Cases per model shape (random inputs): decode attention (each of --decode_batche
 one new token at each of --contexts), prefill attention (one request of --prefill_len tokens),
 the FFN at --batch and --prefill_len tokens, a MoE layer's experts (the gate/up grouped matmul
 of 64 experts of the FFN's width / 8, top 8) at --batch tokens (and --prefill_len on a GPU), and
-the residual add + RMSNorm at --batch tokens. Decode attention is
+the residual add + RMSNorm at --batch tokens, and the down projection [E, I] in GGUF block
+formats (pallas_kernels.gguf_matmul's planes of random Q4_K, Q6_K and Q8_0 blocks; bandwidth of
+the planes read, beside XLA's matmul of the dense weight in the model dtype) at --batch
+tokens. Decode attention is
 reported as bandwidth (K/V bytes read per second, scales included) against a measured
 device-to-device copy, for each of --kv_cache_dtypes (a quantized cache is also reported as a
 speed-up over the model-dtype cache, same kernel, same run: a ratio that holds across noisy
@@ -29,11 +32,14 @@ import numpy as np
 from absl import app, flags
 
 from cpu_kernels.build import KernelBuildError
+from cpu_kernels.gguf_matmul.reference import random_rows
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 from jaxinfer.config import EngineOptions
 from jaxinfer.layers.kernel_registry import default_registry
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.models.shapes import shape
+from pallas_kernels.gguf_matmul.kernel import gguf_matmul
+from pallas_kernels.gguf_matmul.reference import dequantize, gguf_matmul_reference, to_planes
 from pallas_kernels.ragged_paged_attention.kv_quant import quantize_cache
 from tools.bench_inputs import attention_inputs
 from tools.device_rates import matmul_rate, memory_bandwidth, timed
@@ -96,6 +102,30 @@ def run_case(kind, impls, registry, make_call, args, reference_name="reference")
             expected = np.asarray(out, np.float32)
         error = float(np.abs(np.asarray(out, np.float32) - expected).max())
         results[name] = (timed(fn, *args, repeats=FLAGS.repeats), error)
+    return results
+
+
+BLOCK_FORMATS = ("Q4_K", "Q6_K", "Q8_0")
+
+
+def block_case(x, planes, dense) -> dict:
+    """{impl: (seconds, max abs error vs the reference)} of x @ W^T for W in block planes
+    (the Pallas kernel, interpreted off a GPU) and XLA's matmul of the dense weight."""
+    calls = {
+        "reference": (gguf_matmul_reference, planes),
+        "pallas" if on_gpu() else "pallas_interpret": (
+            lambda *a: gguf_matmul(*a, interpret=not on_gpu()),
+            planes,
+        ),
+        "dense_xla": (lambda a, w: a @ w.T, (dense,)),
+    }
+    results, expected = {}, None
+    for name, (call, weights) in calls.items():
+        fn = jax.jit(call)
+        out = np.asarray(fn(x, *weights), np.float32)
+        expected = out if expected is None else expected
+        error = float(np.abs(out - expected).max())
+        results[name] = (timed(fn, x, *weights, repeats=FLAGS.repeats), error)
     return results
 
 
@@ -234,6 +264,14 @@ def main(argv):
             )
             work = 4 * routed * hidden * width
             report(shape_name, f"experts t{tokens}", results, work, "TFLOP/s")
+
+        for fmt in BLOCK_FORMATS:  # the down projection [E, I] in block formats
+            raw = random_rows(fmt, hidden, inter, np.random.default_rng(0))
+            planes = tuple(map(jnp.asarray, to_planes(fmt, raw)))
+            dense = dequantize(*planes).astype(dtype)
+            x = jax.random.normal(keys[2], (batch, inter), dtype) * inter**-0.5
+            read = sum(plane.nbytes for plane in planes)
+            report(shape_name, f"{fmt} down t{batch}", block_case(x, planes, dense), read, "GB/s")
 
         x = jax.random.normal(keys[2], (batch, hidden), dtype)
         weight = jnp.ones((hidden,), dtype)

@@ -6,8 +6,8 @@
 #
 #   gpu_env          the GPU, its driver, JAX and the commit
 #   kernel_bench     tools.kernel_bench at SmolLM2-135M and Llama-3-8B shapes (random inputs):
-#                    decode attention at 32 and 128 requests of 1k and 8k tokens against the
-#                    measured copy bandwidth, prefill attention (4k) and the FFN against the
+#                    decode attention at 32 and 128 requests of 1k and 8k tokens (model-dtype,
+#                    int8 and fp8 caches) against the measured copy bandwidth, prefill attention (4k) and the FFN against the
 #                    measured bf16 matmul rate, and each kernel's error against its reference
 #   tune_pallas      tools.tune_pallas: tile sizes, warps and stages of each kernel at 8B shapes
 #   decode_roofline  the decode step of a random-weight Llama-3-8B-shaped model at batch 1, 32
@@ -27,10 +27,11 @@ stage gpu_env 30 any bash -c "date -u; git rev-parse HEAD 2>/dev/null; \
 backend=$(sed -n 's/^backend //p' "$out/gpu_env.txt" 2>/dev/null)
 backend=${backend:-unknown}
 
-stage kernel_bench 120 needs_gpu $python -m tools.kernel_bench --shapes=smollm2,llama3_8b \
+stage kernel_bench 150 needs_gpu $python -m tools.kernel_bench --shapes=smollm2,llama3_8b \
     --decode_batches=32,128 --contexts=1024,8192 --prefill_len=4096 \
+    --kv_cache_dtypes=auto,int8,fp8_e4m3 \
     --output_json="$out/kernel_bench.json"
-stage tune_pallas 150 needs_gpu $python -m tools.tune_pallas --shape=llama3_8b --budget_s=120 \
+stage tune_pallas 120 needs_gpu $python -m tools.tune_pallas --shape=llama3_8b --budget_s=90 \
     --output_json="$out/tune_pallas.json"
 stage decode_roofline 110 needs_gpu $python -m tools.decode_roofline --shape=llama3_8b \
     --batch_sizes=1,32,128 --context=1024 --cache_dir="$out/cache" \

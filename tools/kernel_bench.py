@@ -89,20 +89,26 @@ def decode_call(scale: float, scale_layout: str | None):
     return make
 
 
-def run_case(kind, impls, registry, make_call, args, reference_name="reference"):
-    """{impl: (seconds, max abs error vs the reference)}. Inputs are arguments of the jitted
-    call (not constants it closes over, which XLA would fold away at compile time)."""
+def time_against_first(calls: dict, args) -> dict:
+    """{name: (seconds, max abs error vs the first call's output)} of each jitted call on
+    `args` (arguments of the jitted call, not constants it closes over, which XLA would fold
+    away at compile time)."""
     results = {}
     expected = None
-    for name in [reference_name] + [n for n in impls if n != reference_name]:
-        fn = jax.jit(make_call(registry.get(kind, name)))
+    for name, call in calls.items():
+        fn = jax.jit(call)
         out = fn(*args)
-        out = out[0] if isinstance(out, tuple) else out
-        if expected is None:
-            expected = np.asarray(out, np.float32)
-        error = float(np.abs(np.asarray(out, np.float32) - expected).max())
+        out = np.asarray(out[0] if isinstance(out, tuple) else out, np.float32)
+        expected = out if expected is None else expected
+        error = float(np.abs(out - expected).max())
         results[name] = (timed(fn, *args, repeats=FLAGS.repeats), error)
     return results
+
+
+def run_case(kind, impls, registry, make_call, args, reference_name="reference"):
+    """{impl: (seconds, max abs error vs the reference)} of the registry's `kind`."""
+    names = [reference_name] + [n for n in impls if n != reference_name]
+    return time_against_first({n: make_call(registry.get(kind, n)) for n in names}, args)
 
 
 BLOCK_FORMATS = ("Q4_K", "Q6_K", "Q8_0")
@@ -111,22 +117,13 @@ BLOCK_FORMATS = ("Q4_K", "Q6_K", "Q8_0")
 def block_case(x, planes, dense) -> dict:
     """{impl: (seconds, max abs error vs the reference)} of x @ W^T for W in block planes
     (the Pallas kernel, interpreted off a GPU) and XLA's matmul of the dense weight."""
-    calls = {
-        "reference": (gguf_matmul_reference, planes),
-        "pallas" if on_gpu() else "pallas_interpret": (
-            lambda *a: gguf_matmul(*a, interpret=not on_gpu()),
-            planes,
-        ),
-        "dense_xla": (lambda a, w: a @ w.T, (dense,)),
+    pallas = "pallas" if on_gpu() else "pallas_interpret"
+    calls = {  # each takes (x, codes, scale, bias, dense) and uses its own
+        "reference": lambda a, c, s, b, w: gguf_matmul_reference(a, c, s, b),
+        pallas: lambda a, c, s, b, w: gguf_matmul(a, c, s, b, interpret=not on_gpu()),
+        "dense_xla": lambda a, c, s, b, w: a @ w.T,
     }
-    results, expected = {}, None
-    for name, (call, weights) in calls.items():
-        fn = jax.jit(call)
-        out = np.asarray(fn(x, *weights), np.float32)
-        expected = out if expected is None else expected
-        error = float(np.abs(out - expected).max())
-        results[name] = (timed(fn, x, *weights, repeats=FLAGS.repeats), error)
-    return results
+    return time_against_first(calls, (x, *planes, dense))
 
 
 def main(argv):

@@ -170,15 +170,16 @@ def random_params(config: LlamaConfig, dtype, seed: int = 0, on_device: bool = F
     `on_device`: drawn by jax.random on the default device (an 8B-shaped tree takes minutes
     through numpy on the host) rather than numpy arrays."""
     rng = np.random.default_rng(seed)
-    keys = iter(jax.random.split(jax.random.key(seed), 16)) if on_device else None
+    key, drawn = jax.random.key(seed), []
     layers, hidden = config.num_hidden_layers, config.hidden_size
     kv, head_dim = config.num_key_value_heads, config.head_dim
     qkv = (kv, config.num_attention_heads // kv + 2, head_dim)
     inter, vocab = config.dense_intermediate_size, config.vocab_size
 
     def normal(*shape):
-        if keys is not None:
-            return _device_normal(next(keys), shape, jnp.dtype(dtype))
+        if on_device:
+            drawn.append(shape)  # each array its own key
+            return _device_normal(jax.random.fold_in(key, len(drawn)), shape, jnp.dtype(dtype))
         return (0.02 * rng.standard_normal(shape, np.float32)).astype(dtype)
 
     params = {

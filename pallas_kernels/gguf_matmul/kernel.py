@@ -23,10 +23,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
-from pallas_kernels.int4_matmul.kernel import int4_matmul
+from pallas_kernels.int4_matmul.kernel import BLOCK_T, int4_matmul
 from pallas_kernels.tiles import largest_power_of_two_divisor
-
-BLOCK_T = 16  # rows per program: Triton's smallest dot
 
 
 def _byte_kernel(x_ref, codes_ref, scale_ref, bias_ref, y_ref, *, block_t, block_n, group):

@@ -4,7 +4,7 @@ Pallas kernels dequantize per tile, and the pure-JAX reference of their product.
 The C++ kernel (cpu_kernels/gguf_matmul) reads the blocks as the file stores them; a GPU wants
 aligned planes instead of 18- to 210-byte records with float16 scales in the middle. Every
 format is affine per group of G values: W = code * scale + bias, with scale and bias the
-float32 values gguf's own dequantizer computes (`d`, `d * sc`, `-dmin * m`, ...). The planes
+values gguf's own dequantizer computes (`d`, `d * sc`, `-dmin * m`, ...). The planes
 of a weight of N rows and K inputs:
 
     4-bit formats (Q4_0, Q4_1, Q4_K): codes u8[N, K / 2], packed as pallas_kernels/int4_matmul
@@ -18,8 +18,9 @@ of a weight of N rows and K inputs:
 
 so Q4_0 / Q4_1 cost 5 bits a value (the file 4.5 / 5), Q4_K 6 (4.5), Q5_0 / Q5_1 / Q8_0 9
 (5.5 / 6 / 8.5), Q5_K and Q6_K 10 (5.5 / 6.56): the 5- and 6-bit formats pay for one byte a
-value, which keeps the kernel's loads aligned. Values are gguf's exactly (a zero may differ in sign): each product
-is the one its dequantizer rounds, and adding the bias rounds as gguf's own sum or difference.
+value, which keeps the kernel's loads aligned. Values are gguf's exactly (a zero may differ in
+sign): each product is the one its dequantizer rounds, and adding the bias rounds as gguf's
+own sum or difference.
 
 N: output rows, K: the contracted (input) axis, T: rows of x.
 """

@@ -1,27 +1,33 @@
-"""Speculative decoding against none, on the same requests, in one process.
+"""Speculative decoding's methods against none, on the same requests, in one process.
 
-    python -m tools.bench_spec --rounds=3
+    python -m tools.bench_spec --model=qwen2.5-coder-1.5b --methods=ngram,suffix \
+        --workloads=edit,write,agent --batch_sizes=1,8,32
+    python -m tools.bench_spec --model=qwen2.5-coder-1.5b --methods=draft \
+        --draft_model=qwen2.5-coder-0.5b --workloads=edit,write
 
-Two workloads, each run by an engine without speculation and one with n-gram proposals
-(--speculative_method and the other engine flags set the second; none is the first). A draft
-model: --speculative_method=draft --draft_model=FOLDER (tools/truncated_model.py makes one
-from the default model's first layers).
-- edit: prompts asking to rewrite or lightly edit a given text or code, run one at a time
-  (batch 1), greedy, until the end of sequence or --edit_max_tokens: the output repeats much
-  of the input, which prompt lookup proposes.
-- chat: --num_requests chat prompts together, greedy with ignore_eos, output lengths spread
-  evenly over [--min_output_len, --max_output_len] (tools/bench_throughput.py's workload).
+One engine without speculation and one per method (--methods; the other engine flags apply
+to all), each workload at each batch size (--batch_sizes: that many requests at once, the
+workload's prompts repeated to fill them), the engines taking turns for --rounds after a
+first pass (every shape compiled, the step times measured), greedy:
+- edit: rewrite or lightly edit a given text or code, until the end of sequence or
+  --edit_max_tokens: the output repeats much of the input, which prompt lookup proposes;
+- write: write new code from a description (little of it is in the prompt);
+- agent: the same tool-call shapes over and over (an agent's loop), in turns: each batch of
+  requests runs after the previous one, so recent outputs can propose;
+- chat: chat prompts with ignore_eos, output lengths spread over [--min_output_len,
+  --max_output_len] (tools/bench_throughput.py's workload).
 
-Reports output tokens per second of each engine (medians over --rounds, the engines taking
-turns), the ratio, and the speculative engine's acceptance rate (accepted / proposed tokens)
-and mean acceptance length (tokens a request gains per step that verifies proposals: 1 + the
-accepted ones), and the share of its run spent proposing (the host's n-gram lookups, or the
-draft model's steps).
+Reports per workload, batch size and method: output tokens per second (median over rounds),
+the ratio to none, the acceptance rate (accepted / proposed tokens), the mean acceptance
+length (tokens a request gains per step that verifies proposals: 1 + the accepted ones), the
+accepted share per proposal position, and the share of the run spent proposing (host
+lookups, or the draft model's steps); for suffix decoding the server tree's size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -32,10 +38,13 @@ from jaxinfer.config.flags import define_engine_flags, engine_options_from_flags
 from tools.chat_topics import TOPICS
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("workloads", ["edit", "chat"], "Workloads to run: edit, chat.")
+flags.DEFINE_list("methods", ["ngram"], "Speculative methods to compare with none.")
+flags.DEFINE_list("workloads", ["edit", "chat"], "Workloads: edit, write, agent, chat.")
+flags.DEFINE_list("batch_sizes", ["1"], "Requests at once (each workload at each).")
 flags.DEFINE_integer("rounds", 3, "Rounds of each engine in turn; medians reported.")
 flags.DEFINE_integer("edit_max_tokens", 320, "Most output tokens of an edit request.")
-flags.DEFINE_integer("num_requests", 32, "Requests of the chat workload.")
+flags.DEFINE_integer("write_max_tokens", 256, "Most output tokens of a write request.")
+flags.DEFINE_integer("agent_max_tokens", 160, "Most output tokens of an agent request.")
 flags.DEFINE_integer("min_output_len", 32, "Shortest chat output (tokens).")
 flags.DEFINE_integer("max_output_len", 160, "Longest chat output (tokens).")
 
@@ -99,6 +108,32 @@ EDITS = [
 ]
 
 
+WRITES = [
+    "Write a Python function that parses an ISO 8601 date string into a datetime without "
+    "using datetime.fromisoformat. Output only the code.",
+    "Write a Python class implementing an LRU cache with get and put in O(1). Output only "
+    "the code.",
+    "Write a JavaScript function that debounces another function. Output only the code.",
+    "Write a SQL query that returns the three best-selling products per month from tables "
+    "orders(id, month) and order_items(order_id, product, quantity). Output only the query.",
+]
+
+AGENT_SYSTEM = (
+    "You are an agent that answers by calling tools. Reply with one JSON tool call per line, "
+    'each of the form {"name": "get_weather", "arguments": {"city": "...", "unit": '
+    '"celsius", "days": N}} and nothing else.'
+)
+CITIES = [
+    "Paris", "Lagos", "Lima", "Osaka", "Oslo", "Cairo", "Quito", "Perth", "Dakar", "Hanoi",
+    "Porto", "Turin", "Accra", "Seoul", "Sofia", "Tunis",
+]  # fmt: skip
+
+
+def agent_prompt(i: int) -> str:
+    cities = ", ".join(CITIES[(i + j) % len(CITIES)] for j in range(4))
+    return f"Get the weather for the next {2 + i % 5} days in {cities}."
+
+
 @dataclasses.dataclass
 class Run:
     tokens: int
@@ -109,105 +144,137 @@ class Run:
         return self.tokens / self.seconds
 
 
-def chat_prompt(llm: LLM, text: str) -> list[int]:
+def chat_prompt(llm: LLM, text: str, system: str | None = None) -> list[int]:
     tokenizer = llm.tokenizer
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    messages = [{"role": "system", "content": system}] if system else []
+    rendered = tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}])
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def run_edit(llm: LLM) -> Run:
-    params = SamplingParams(temperature=0, max_tokens=FLAGS.edit_max_tokens)
+def in_turns(llm: LLM, prompts: list[list[int]], params, batch: int) -> Run:
+    """`prompts` in groups of `batch` at once, one group after the other."""
     tokens, start = 0, time.perf_counter()
-    for text in EDITS:  # batch 1: one request at a time
-        output = llm.generate([chat_prompt(llm, text)], params, use_tqdm=False)[0]
-        tokens += len(output.outputs[0].token_ids)
+    for first in range(0, len(prompts), batch):
+        group = prompts[first : first + batch]
+        group_params = params[first : first + batch] if isinstance(params, list) else params
+        for output in llm.generate(group, group_params, use_tqdm=False):
+            tokens += len(output.outputs[0].token_ids)
     return Run(tokens, time.perf_counter() - start)
 
 
-def run_chat(llm: LLM) -> Run:
+def fill(texts: list[str], batch: int) -> list[str]:
+    """The texts, repeated to a multiple of `batch` (at least one pass over them)."""
+    count = -(-len(texts) // batch) * batch
+    return [texts[i % len(texts)] for i in range(count)]
+
+
+def run_edit(llm: LLM, batch: int) -> Run:
+    params = SamplingParams(temperature=0, max_tokens=FLAGS.edit_max_tokens)
+    return in_turns(llm, [chat_prompt(llm, t) for t in fill(EDITS, batch)], params, batch)
+
+
+def run_write(llm: LLM, batch: int) -> Run:
+    params = SamplingParams(temperature=0, max_tokens=FLAGS.write_max_tokens)
+    return in_turns(llm, [chat_prompt(llm, t) for t in fill(WRITES, batch)], params, batch)
+
+
+def run_agent(llm: LLM, batch: int) -> Run:
+    texts = [agent_prompt(i) for i in range(max(8, 2 * batch))]
+    prompts = [chat_prompt(llm, t, AGENT_SYSTEM) for t in fill(texts, batch)]
+    params = SamplingParams(temperature=0, max_tokens=FLAGS.agent_max_tokens)
+    return in_turns(llm, prompts, params, batch)
+
+
+def run_chat(llm: LLM, batch: int) -> Run:
     rng = np.random.default_rng(0)
     prompts = [
         chat_prompt(llm, f"Explain {TOPICS[i % len(TOPICS)]} to a {10 + i}-year-old.")
-        for i in range(FLAGS.num_requests)
+        for i in range(batch)
     ]
-    lengths = np.linspace(FLAGS.min_output_len, FLAGS.max_output_len, FLAGS.num_requests)
+    lengths = np.linspace(FLAGS.min_output_len, FLAGS.max_output_len, batch)
     lengths = rng.permutation(np.round(lengths).astype(int)).tolist()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return Run(sum(len(o.outputs[0].token_ids) for o in outputs), elapsed)
+    return in_turns(llm, prompts, params, batch)
 
 
-WORKLOADS = {"edit": run_edit, "chat": run_chat}
+WORKLOADS = {"edit": run_edit, "write": run_write, "agent": run_agent, "chat": run_chat}
 
 
-def spec_counts(llm: LLM) -> tuple[int, int, int]:
-    spec = llm.engine.stats().spec
-    return spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
-
-
-class ProposeTimer:
-    """Wraps an engine's proposal step (host n-gram lookup, or the draft model's steps) and
-    adds up its seconds."""
-
-    def __init__(self, engine):
-        self.seconds = 0.0
-        propose = engine._propose
-
-        def timed():
-            start = time.perf_counter()
-            propose()
-            self.seconds += time.perf_counter() - start
-
-        engine._propose = timed
+def spec_counts(llm: LLM):
+    return llm.engine.stats().spec
 
 
 def main(argv):
     del argv
     options = engine_options_from_flags()
-    method = options.speculative_method if options.speculative_method != "none" else "ngram"
     engines = {
-        "off": LLM(
+        "none": LLM(
             **dataclasses.asdict(
                 dataclasses.replace(options, speculative_method="none", draft_model=None)
             )
-        ),
-        method: LLM(**dataclasses.asdict(dataclasses.replace(options, speculative_method=method))),
+        )
     }
-    spec_llm = engines[method]
-    timer = ProposeTimer(spec_llm.engine)
+    for method in FLAGS.methods:
+        draft_model = options.draft_model if method == "draft" else None
+        engines[method] = LLM(
+            **dataclasses.asdict(
+                dataclasses.replace(options, speculative_method=method, draft_model=draft_model)
+            )
+        )
     for workload in FLAGS.workloads:
-        run = WORKLOADS[workload]
-        for llm in engines.values():
-            run(llm)  # a first pass: every shape of this workload compiled, caches warm
-        runs = {name: [] for name in engines}
-        before = spec_counts(spec_llm)
-        timer.seconds = 0.0
-        for _ in range(FLAGS.rounds):
-            for name, llm in engines.items():
-                llm.engine.reset_prefix_cache()
-                runs[name].append(run(llm))
-        drafts, proposed, accepted = np.subtract(spec_counts(spec_llm), before)
-        rates = {name: float(np.median([r.rate for r in rs])) for name, rs in runs.items()}
-        ratios = [s.rate / o.rate for s, o in zip(runs[method], runs["off"], strict=True)]
-        print(f"{workload}: output tokens/s " + ", ".join(f"{n} {r:.1f}" for n, r in rates.items()))
-        print(
-            f"  {method} / off: {rates[method] / rates['off']:.2f}x (per round: "
-            + ", ".join(f"{r:.2f}" for r in ratios)
-            + f"); tokens per run: off {runs['off'][0].tokens}, {method} {runs[method][0].tokens}"
+        for batch in map(int, FLAGS.batch_sizes):
+            run = functools.partial(WORKLOADS[workload], batch=batch)
+            for llm in engines.values():
+                run(llm)  # a first pass: every shape compiled, the step times measured
+            runs = {name: [] for name in engines}
+            before = {m: spec_counts(engines[m]) for m in FLAGS.methods}
+            proposing = {m: engines[m].engine.speculation.seconds for m in FLAGS.methods}
+            for _ in range(FLAGS.rounds):
+                for name, llm in engines.items():
+                    llm.engine.reset_prefix_cache()
+                    runs[name].append(run(llm))
+            rates = {name: float(np.median([r.rate for r in rs])) for name, rs in runs.items()}
+            print(
+                f"{workload}, batch {batch}: output tokens/s "
+                + ", ".join(f"{n} {r:.1f}" for n, r in rates.items())
+                + f" ({runs['none'][0].tokens} tokens a run)",
+                flush=True,
+            )
+            for method in FLAGS.methods:
+                seconds = engines[method].engine.speculation.seconds - proposing[method]
+                report(method, engines[method], runs, rates, before[method], seconds)
+
+
+def report(method, llm, runs, rates, before, proposing: float) -> None:
+    spec = spec_counts(llm)
+    drafts = spec.num_drafts - before.num_drafts
+    proposed = spec.num_draft_tokens - before.num_draft_tokens
+    accepted = spec.num_accepted_tokens - before.num_accepted_tokens
+    per_position = np.subtract(
+        spec.accepted_per_position,
+        before.accepted_per_position
+        + [0] * (len(spec.accepted_per_position) - len(before.accepted_per_position)),
+    )
+    ratios = [s.rate / o.rate for s, o in zip(runs[method], runs["none"], strict=True)]
+    rate = accepted / proposed if proposed else 0.0
+    length = 1 + accepted / drafts if drafts else 1.0
+    total = sum(r.seconds for r in runs[method])
+    control = llm.engine.speculation.control
+    print(
+        f"  {method}: {rates[method] / rates['none']:.2f}x (per round: "
+        + ", ".join(f"{r:.2f}" for r in ratios)
+        + f"); acceptance {rate:.2f} ({accepted} of {proposed}), mean acceptance length "
+        f"{length:.2f} over {drafts} request steps; accepted per position "
+        + "/".join(f"{a / drafts:.2f}" for a in per_position if drafts)
+        + f"; proposing {100 * proposing / total:.1f}% of the run"
+        + (
+            f"; steps planned {control.planned}, declined {control.declined}"
+            if control is not None
+            else ""
         )
-        rate = accepted / proposed if proposed else 0.0
-        length = 1 + accepted / drafts if drafts else 1.0
-        print(
-            f"  acceptance rate {rate:.2f} ({accepted} of {proposed} proposed), mean acceptance "
-            f"length {length:.2f} over {drafts} request steps with proposals"
-        )
-        total = sum(r.seconds for r in runs[method])
-        print(
-            f"  proposing ({method}): {timer.seconds:.2f} s of the {total:.1f} s it ran "
-            f"({100 * timer.seconds / total:.1f}%)"
-        )
+        + (f"; suffix tree {llm.engine.speculation.host.memory()}" if method == "suffix" else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -74,10 +74,15 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "none", "ngram" or "draft"
+    method: str  # "none", "ngram", "suffix" or "draft"
     num_speculative_tokens: int  # most proposals per request and step (0 when off)
     prompt_lookup_min: int
     prompt_lookup_max: int
+    adaptive: bool = False  # proposals planned by measured step times (SpecControl)
+    suffix_max_depth: int = 32
+    suffix_cache_max_tokens: int = 16384
+    suffix_min_token_prob: float = 0.1
+    suffix_max_spec_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,5 +223,10 @@ def build_engine_config(
             num_speculative_tokens=num_speculative,
             prompt_lookup_min=options.prompt_lookup_min,
             prompt_lookup_max=options.prompt_lookup_max,
+            adaptive=resolved.speculative_adaptive,
+            suffix_max_depth=options.suffix_max_depth,
+            suffix_cache_max_tokens=options.suffix_cache_max_tokens,
+            suffix_min_token_prob=options.suffix_min_token_prob,
+            suffix_max_spec_factor=options.suffix_max_spec_factor,
         ),
     )

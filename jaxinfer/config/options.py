@@ -22,7 +22,7 @@ WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 QUANTIZATIONS = METHODS
 MATMUL_IMPLS = ("auto", "xla", "cpu")
 GGUF_MODES = ("auto", "on", "off")
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 MAX_SPECULATIVE_TOKENS = 15
 WARMUPS = ("auto", "all", "background")
 
@@ -188,8 +188,10 @@ class EngineOptions:
         "none",
         "Speculative decoding: none; ngram (prompt lookup: the tokens that followed the "
         "latest earlier occurrence of the sequence's last n-gram are proposed and verified "
-        "in one step); or draft (a smaller model with the same tokenizer, draft_model, "
-        "proposes them token by token).",
+        "in one step); suffix (suffix decoding: the most frequent continuation of the "
+        "longest suffix found in a tree of the request's tokens or of recent outputs); or "
+        "draft (a smaller model with the same tokenizer, draft_model, proposes them token "
+        "by token).",
         SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = option(
@@ -205,6 +207,32 @@ class EngineOptions:
     )
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up.")
     prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
+    suffix_max_depth: int = option(
+        32,
+        "suffix: the longest substring the trees hold (matches use up to half of it, the "
+        "rest is for the proposal).",
+    )
+    suffix_cache_max_tokens: int = option(
+        16384,
+        "suffix: output tokens of finished requests the server's tree holds (oldest "
+        "evicted first); its nodes are at most this times suffix_max_depth.",
+    )
+    suffix_min_token_prob: float = option(
+        0.1,
+        "suffix: a proposal stops where its path's probability (the product of each token's "
+        "frequency after the tokens before it) falls below this.",
+    )
+    suffix_max_spec_factor: float = option(
+        1.0, "suffix: at most this many proposals per token of the suffix matched."
+    )
+    speculative_adaptive: bool | None = option(
+        None,
+        "Plan each step's proposals from the step times the engine measures and each "
+        "request's acceptance, taking only as many as pay for their time (none when the "
+        "batch is large or acceptance low); off: proposals where a step has room for free "
+        "(speculative_free_tokens). Unset: on, but off with several processes (their plans "
+        "would differ).",
+    )
     speculative_free_tokens: int | None = option(
         None,
         "Proposals may grow a step to this many tokens (past that they only fill the padding "
@@ -238,6 +266,8 @@ class EngineOptions:
             "tensor_parallel_size",
             "prompt_lookup_min",
             "prompt_lookup_max",
+            "suffix_max_depth",
+            "suffix_cache_max_tokens",
         ):
             _positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -246,6 +276,14 @@ class EngineOptions:
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(
+                f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}"
+            )
+        if not self.suffix_max_spec_factor > 0:
+            raise ValueError(
+                f"suffix_max_spec_factor must be positive, got {self.suffix_max_spec_factor!r}"
+            )
         if (self.speculative_method == "draft") != (self.draft_model is not None):
             raise ValueError(
                 "speculative_method draft needs a draft_model"
@@ -267,6 +305,13 @@ class EngineOptions:
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.speculative_adaptive is not None and not isinstance(
+            self.speculative_adaptive, bool
+        ):
+            raise ValueError(
+                "speculative_adaptive must be true, false or unset, got "
+                f"{self.speculative_adaptive!r}"
+            )
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}"

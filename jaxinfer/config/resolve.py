@@ -12,8 +12,8 @@ The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and 
   (jaxinfer.layers.native_kernels.KernelMatmul).
 - attention "cpu": ragged paged attention walking each request's blocks with an online
   softmax (head_dim a multiple of 8 up to 256, block_size up to 128).
-- GGUF blocks: beside the matmul kernel, the Q4_1 and Q8_0 blocks of the GGUF file the
-  float32 weights were dequantized from, multiplied directly for steps of 1-3 tokens.
+- GGUF blocks: the weights of a GGUF file read in place, in its own block formats
+  (cpu_kernels/gguf_matmul), with float or int8 activations.
 
 batch_invariant (CPU): every product through the C++ matmul kernel in its fixed order, no XLA
 GEMM or GGUF blocks; attention through the C++ kernel; norms through the "invariant"
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from cpu_kernels.build import KernelBuildError
 from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.config import speculative
 from jaxinfer.config.invariant import check_invariant_request
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
@@ -148,7 +149,8 @@ def resolve(
         layer_execution=layer_execution,
         async_scheduling=r.async_scheduling(),
         batch_invariant=r.invariant,
-        speculative_free_tokens=r.speculative_free_tokens(),
+        speculative_free_tokens=speculative.free_tokens(options, r.cpu, r.reasons),
+        speculative_adaptive=speculative.adaptive(options, platform, r.reasons),
         warmup=_warmup(options, platform, layer_execution, r.reasons),
         compilation_cache_dir=r.compilation_cache_dir(),
         reasons=tuple(sorted(r.reasons.items())),
@@ -351,17 +353,6 @@ class _Resolver:
             else "on accelerators"
         )
         return not self.cpu
-
-    def speculative_free_tokens(self) -> int:
-        if self.options.speculative_free_tokens is not None:
-            return self.options.speculative_free_tokens
-        self.reasons["speculative_free_tokens"] = (
-            "on CPU a step of more than a few tokens is bound by compute"
-            if self.cpu
-            else "an accelerator reads the weights longer than it computes in small steps "
-            "(an estimate, not measured)"
-        )
-        return 8 if self.cpu else 64
 
     def compilation_cache_dir(self) -> str | None:
         if not self.options.compilation_cache:

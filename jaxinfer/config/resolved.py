@@ -32,6 +32,7 @@ class ResolvedOptions:
     async_scheduling: bool
     batch_invariant: bool  # every kernel reduces in an order fixed per token
     speculative_free_tokens: int  # proposals may grow a step up to this many tokens
+    speculative_adaptive: bool  # proposals planned by measured step times (SpecControl)
     warmup: str  # "all" or "background" (token buckets compiled while serving)
     compilation_cache_dir: str | None  # None: no persistent compilation cache
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"

@@ -17,8 +17,7 @@ from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import ParentRequest, Request, RequestStatus
 from jaxinfer.engine.scheduling.scheduler import Scheduler
 from jaxinfer.engine.scheduling.stats import SchedulerStats
-from jaxinfer.engine.speculation.ngram import make_proposer
-from jaxinfer.engine.speculation.propose import propose_ngrams, propose_with_draft
+from jaxinfer.engine.speculation.propose import Speculation
 from jaxinfer.engine.startup.start import describe, start_model
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.outputs import RequestMetrics, RequestOutput
@@ -55,8 +54,10 @@ class LLMEngine:
             self.config.cache.enable_prefix_caching,
             sliding_window=arch.released_window,
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, arch.vocab_size)
-        self.proposer = self.draft or make_proposer(self.config.speculative)
+        self.speculation = Speculation(self.config, self.draft)
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.kv_cache_manager, arch.vocab_size, self.speculation.control
+        )
         self.input_processor = InputProcessor(
             self.tokenizer,
             folder / "tokenizer.json",
@@ -186,8 +187,8 @@ class LLMEngine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             stop_token_ids=prepared.stop_token_ids,
         )
-        if self.proposer is not None and params.num_speculative_tokens != 0:
-            request.spec = self.proposer.new_state(params.num_speculative_tokens)
+        if self.speculation.on and params.num_speculative_tokens != 0:
+            request.spec = self.speculation.new_state(params.num_speculative_tokens)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -236,8 +237,12 @@ class LLMEngine:
         return describe(self.config, self.gguf_weights, self.draft)
 
     def stats(self) -> SchedulerStats:
-        """Running and waiting counts, KV usage, prefix-cache queries and hits, preemptions."""
-        return self.scheduler.stats()
+        """Running and waiting counts, KV usage, prefix-cache queries and hits, preemptions,
+        speculative decoding's counts."""
+        stats = self.scheduler.stats()
+        if stats.spec is not None:
+            self.speculation.add_stats(stats.spec)
+        return stats
 
     # -- the step --------------------------------------------------------------------------
 
@@ -264,6 +269,9 @@ class LLMEngine:
         output_builder.record_prompt_logprobs(current, self.requests)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
+        self.speculation.observe_step(
+            current.scheduler_output.num_scheduled_tokens, time.perf_counter() - start
+        )
         newest = self._in_flight or current  # the last step this call enqueued, if any
         self.last_step_timing = StepTiming(
             start=start,
@@ -285,22 +293,6 @@ class LLMEngine:
             (r.constraints is not None and r.constraints.depends_on_tokens)
             or (r.spec is not None and r.spec.limit > 0)
             for r in self.scheduler.running
-        )
-
-    def _propose(self) -> None:
-        """Sets the proposals of each running request caught up to its last token."""
-        running, max_model_len = self.scheduler.running, self.config.scheduler.max_model_len
-        if self.draft is None:
-            propose_ngrams(self.proposer, running, max_model_len)
-            return
-        propose_with_draft(
-            self.draft,
-            running,
-            max_model_len,
-            self.config.cache.block_size,
-            self.scheduler.proposal_room(),
-            self.batch_builder.rows,
-            self.runner,
         )
 
     def _schedule_and_dispatch(self) -> DispatchedStep | None:
@@ -342,10 +334,11 @@ class LLMEngine:
                 metrics.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
             self._detokenize(request, finished)
-        if self.proposer is not None:
-            self._propose()
+        if self.speculation.on:
+            self.speculation.propose(self.scheduler, self.batch_builder.rows, self.runner)
         for request in finished:
             request.metrics.finished_time = now
+            self.speculation.finished(request)
             if not isinstance(request.stop_reason, str):
                 self._detokenizers[request.request_id].finish()
         outputs = []

@@ -75,7 +75,21 @@ class ServerMetrics:
                 "drafts": counter("spec_decode_num_drafts", "Request steps with proposals."),
                 "draft_tokens": counter("spec_decode_num_draft_tokens", "Tokens proposed."),
                 "accepted": counter("spec_decode_num_accepted_tokens", "Proposals accepted."),
+                "seconds": counter(
+                    "spec_decode_proposing_seconds",
+                    "Seconds spent proposing (host lookups, or the draft model's steps).",
+                ),
             }
+            prom.Gauge(
+                "jaxinfer:spec_decode_method",
+                "The speculative method (1 for the engine's).",
+                ["method"],
+                registry=self.registry,
+            ).labels(method=engine.config.speculative.method).set(1)
+            self.suffix_nodes = gauge(
+                "spec_decode_suffix_tree_nodes",
+                "Nodes of suffix decoding's server tree of recent outputs (0: another method).",
+            )
             self.spec_per_position = prom.Counter(
                 "jaxinfer:spec_decode_num_accepted_tokens_per_pos",
                 "Proposals accepted, by their index among a step's proposals.",
@@ -127,9 +141,11 @@ class ServerMetrics:
             ("drafts", spec.num_drafts),
             ("draft_tokens", spec.num_draft_tokens),
             ("accepted", spec.num_accepted_tokens),
+            ("seconds", spec.proposing_seconds),
         ]:
             self.spec[key].inc(value - self._last.get("spec_" + key, 0))
             self._last["spec_" + key] = value
+        self.suffix_nodes.set(spec.suffix_tree_nodes)
         seen = self._last_per_position
         for position, value in enumerate(spec.accepted_per_position):
             before = seen[position] if position < len(seen) else 0

@@ -26,12 +26,14 @@ pytestmark = pytest.mark.engine
 
 SPEC_ATOL = 1e-4  # with proposals against without, common prefix (nats; 1e-6 measured)
 
-# (proposals may grow any step up to the budget, not only small ones)
+# (proposals may grow any step up to the budget, not only small ones, by the rule of thumb:
+# the tests count what is scheduled, which measured step times would make vary)
 SPEC = dict(
     speculative_method="ngram",
     num_speculative_tokens=8,
     prompt_lookup_min=1,
     speculative_free_tokens=64,
+    speculative_adaptive=False,
 )
 
 
@@ -117,6 +119,55 @@ def test_aborts_free_everything(speculative, cases, expected):
     assert pool.num_free_blocks == pool.num_blocks - 1, "blocks leaked"
     # (rows go back with the next step; the ones still held are those released since)
     assert set(engine.batch_builder.rows._rows) <= set(engine.scheduler._released)
+
+
+def test_suffix_decoding_with_adaptive_plans_is_bit_identical(make_llm, cases, expected):
+    """Suffix decoding, its proposals planned by measured step times: the same tokens as
+    decoding without speculation; a second pass over the same prompts finds the first
+    pass's outputs in the server's tree, which stays within its bound."""
+    prompts, params = cases
+    llm = make_llm(
+        "served",
+        batch_invariant=True,
+        num_kv_blocks=32,
+        speculative_method="suffix",
+        num_speculative_tokens=8,
+        suffix_cache_max_tokens=600,
+    )
+    engine = llm.engine
+    assert engine.speculation.control is not None
+    for _ in range(2):
+        before = engine.stats().spec
+        got = completions(llm.generate(prompts, params, use_tqdm=False))
+        assert got == expected
+        spec = engine.stats().spec
+        print(
+            f"accepted {spec.num_accepted_tokens - before.num_accepted_tokens} of "
+            f"{spec.num_draft_tokens - before.num_draft_tokens}"
+        )
+    assert spec.num_accepted_tokens - before.num_accepted_tokens > 50
+    memory = engine.speculation.host.memory()
+    assert 0 < memory["cached_tokens"] <= 600 and memory["nodes"] <= 600 * 32 + 1
+
+
+def test_adaptive_plans_follow_the_step_times(make_llm):
+    """With the step times fixed: where a step's time grows with its tokens, only the
+    padding of the smallest bucket (2 tokens: one proposal) is taken; free verifying takes
+    more."""
+    llm = make_llm("tiny", **(SPEC | {"speculative_adaptive": True}))
+    control = llm.engine.speculation.control
+    control.observe_step = lambda *args: None  # the times below, not measured ones
+    prompt = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    buckets = llm.engine.config.scheduler.token_buckets
+    for seconds, most in ((lambda b: 0.01 * b, 1), (lambda b: 0.01, 8)):
+        control.target.seconds = {b: seconds(b) for b in buckets}
+        seen = record_draft_counts(llm)
+        llm.generate(prompt, greedy, use_tqdm=False)
+        llm.engine.scheduler.schedule = type(llm.engine.scheduler).schedule.__get__(
+            llm.engine.scheduler
+        )
+        assert max(max(counts) for counts in seen) == most
 
 
 def test_logprob_close_without_batch_invariance(make_llm, cases):

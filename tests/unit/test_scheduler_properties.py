@@ -20,7 +20,7 @@ from jaxinfer.engine.execution.step import StepOutput
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request, RequestStatus
 from jaxinfer.engine.scheduling.scheduler import Scheduler
-from jaxinfer.engine.speculation.ngram import SpecState
+from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 

@@ -16,7 +16,8 @@ from jaxinfer.engine.execution.batch import SamplingMetadata
 from jaxinfer.engine.execution.device_inputs import accepted_rows, record_sampled
 from jaxinfer.engine.sampling.sampler import SamplerState, process_logits
 from jaxinfer.engine.scheduling.stats import SpecStats
-from jaxinfer.engine.speculation.ngram import MAX_COOLDOWN, NgramIndex, SpecState
+from jaxinfer.engine.speculation.ngram import NgramIndex
+from jaxinfer.engine.speculation.state import MAX_COOLDOWN, SpecState
 from jaxinfer.layers.kv_cache import KVCacheFormat
 
 
@@ -171,8 +172,12 @@ def test_prometheus_counters():
     stats.spec = spec.snapshot()
     text = metrics.render().decode()
     spec.record(1, 1)
+    spec.proposing_seconds, spec.suffix_tree_nodes = 0.25, 40
     stats.spec = spec.snapshot()
     text = metrics.render().decode()
+    assert 'jaxinfer:spec_decode_method{method="ngram"} 1.0' in text
+    assert "jaxinfer:spec_decode_proposing_seconds_total 0.25" in text
+    assert "jaxinfer:spec_decode_suffix_tree_nodes 40.0" in text
     assert "jaxinfer:spec_decode_num_drafts_total 3.0" in text
     assert 'jaxinfer:kv_cache_capacity_tokens{kv_cache_dtype="auto"} 128.0' in text
     assert "jaxinfer:spec_decode_num_draft_tokens_total 9.0" in text

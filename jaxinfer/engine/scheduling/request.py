@@ -9,7 +9,7 @@ import enum
 import numpy as np
 
 from jaxinfer.engine.sampling.constraints import RequestConstraints
-from jaxinfer.engine.speculation.ngram import SpecState
+from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 

@@ -33,15 +33,23 @@ from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request, RequestStatus
 from jaxinfer.engine.scheduling.stats import SchedulerStats, SpecStats
 from jaxinfer.engine.scheduling.stopping import sampled_enough, stop_status
+from jaxinfer.engine.speculation.control import SpecControl, plan_proposals
 from jaxinfer.sampling_params import SamplingParams
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, vocab_size: int = 0
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        vocab_size: int = 0,
+        control: SpecControl | None = None,
     ):
-        """`vocab_size`: the width of grammar bitmask rows (requests with constraints)."""
+        """`vocab_size`: the width of grammar bitmask rows (requests with constraints).
+        `control`: plans each step's proposals by measured step times (speculative decoding;
+        None: the rule of thumb, proposals only where a step has room for free)."""
         self.config = config
+        self.control = control
         self.kv = kv_cache_manager
         self.vocab_size = vocab_size
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
@@ -177,52 +185,48 @@ class Scheduler:
         )
 
     def _add_proposals(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
-        """Adds the proposals of scheduled requests caught up to their last token, in order,
-        as long as they fit the budget, the pool (no preemption for a proposal) and the step's
-        room: the padding of the token bucket the step fills anyway, or up to
-        spec_free_tokens tokens (steps of so few tokens cost about the same as one: they
-        read the weights more than they compute); at most spec_free_tokens proposals in all,
-        so a step's sample rows stay within SchedulerConfig.sample_bucket. Returns the budget
-        left."""
-        room = self._proposal_room(self.config.max_num_batched_tokens - budget)
-        for index, (request, num_new) in enumerate(scheduled):
-            if room <= 0:
-                break
-            proposals = request.spec_token_ids
-            if (
-                not proposals
-                or num_new != 1
-                or request.num_tokens - request.num_computed_tokens != 1
-                or request.num_output_placeholders
-            ):
-                continue
-            count = min(len(proposals), room)
-            if not self.kv.allocate_blocks(request, 1 + count):
-                continue
-            scheduled[index] = (request, 1 + count)
-            room -= count
-            budget -= count
+        """Adds the proposals of scheduled requests caught up to their last token, as many as
+        pay for their time (plan_proposals), within the budget and the pool (no preemption
+        for a proposal); at most spec_free_tokens proposals in all, so a step's sample rows
+        stay within SchedulerConfig.sample_bucket. Returns the budget left."""
+        entries = [
+            (index, request)
+            for index, (request, num_new) in enumerate(scheduled)
+            if request.spec_token_ids
+            and num_new == 1
+            and request.num_tokens - request.num_computed_tokens == 1
+            and not request.num_output_placeholders
+        ]
+        if not entries:
+            return budget
+        used = self.config.max_num_batched_tokens - budget
+        num_sampling = sum(
+            r.num_computed_tokens + n >= r.num_tokens_with_placeholders for r, n in scheduled
+        )
+        counts = self.plan_proposals(
+            used, num_sampling, [(r, len(r.spec_token_ids)) for _, r in entries]
+        )
+        for (index, request), count in zip(entries, counts, strict=True):
+            if count and self.kv.allocate_blocks(request, 1 + count):
+                scheduled[index] = (request, 1 + count)
+                budget -= count
         return budget
 
-    def proposal_room(self) -> int:
-        """Proposal tokens the next step would take (_add_proposals' room) if it scheduled the
-        running requests' own tokens and nothing else: what a proposer that pays for each
-        proposal (a draft model) makes at most."""
-        used = sum(
-            r.num_tokens_with_placeholders - r.num_computed_tokens
-            for r in self.running
-            if not sampled_enough(r, self.config.max_model_len)
-        )
-        return max(self._proposal_room(min(used, self.config.max_num_batched_tokens)), 0)
+    def plan_proposals(
+        self, used: int, num_sampling: int, wanted: list[tuple[Request, int]], draft_rows: int = 0
+    ) -> list[int]:
+        """Proposals to take of each (request, most it could verify) in a step of `used`
+        tokens of which `num_sampling` requests sample (jaxinfer.engine.speculation.control)."""
+        candidates = [(r.spec.acceptance if r.spec else 0.0, count) for r, count in wanted]
+        return plan_proposals(self.config, self.control, used, num_sampling, candidates, draft_rows)
 
-    def _proposal_room(self, used: int) -> int:
-        """Proposal tokens a step of `used` scheduled tokens has room for: its token bucket's
-        padding, or up to spec_free_tokens tokens, within the budget, and at most
-        spec_free_tokens proposals (the sample rows' bucket)."""
-        config = self.config
-        buckets = config.token_buckets
-        room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
-        return min(room, config.max_num_batched_tokens - used, config.spec_free_tokens)
+    def proposal_room(self) -> tuple[int, int]:
+        """(tokens, sampling requests) of the next step if it scheduled the running
+        requests' own tokens and nothing else: what a proposer that pays for each proposal
+        (a draft model) plans for (plan_proposals)."""
+        running = [r for r in self.running if not sampled_enough(r, self.config.max_model_len)]
+        used = sum(r.num_tokens_with_placeholders - r.num_computed_tokens for r in running)
+        return min(used, self.config.max_num_batched_tokens), len(running)
 
     def _allocate_lookahead(self, scheduled: list[tuple[Request, int]]) -> None:
         """Gives each proposing request that samples in the step blocks for spec_lookahead

@@ -45,7 +45,7 @@ from jaxinfer.engine.sampling.logits_processors import first_argmax
 from jaxinfer.engine.sampling.sampler import request_keys, truncated
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
 from jaxinfer.engine.scheduling.request import Request
-from jaxinfer.engine.speculation.ngram import SpecState
+from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.engine.startup import kv_calibration
 from jaxinfer.layers import invariant
 from jaxinfer.layers.kernel_registry import KernelRegistry

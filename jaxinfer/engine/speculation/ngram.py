@@ -1,4 +1,4 @@
-"""Speculative decoding on the host: n-gram proposals and each request's proposal length.
+"""Speculative decoding's n-gram proposals (prompt lookup).
 
 A request's proposals are scheduled as more tokens of its next step (jaxinfer.engine.scheduling.scheduler):
 the step samples at the request's last token and at each proposal, every position exactly as a
@@ -12,12 +12,8 @@ the tokens themselves, are those of decoding without speculation.
 
 from __future__ import annotations
 
-import dataclasses
-
 from jaxinfer.config import SpeculativeConfig
-
-MAX_COOLDOWN = 64  # most steps a request waits before proposing again after backing off
-RESET_ACCEPTED = 4  # proposals accepted in one step that reset the cooldown
+from jaxinfer.engine.speculation.state import SpecState
 
 
 class NgramIndex:
@@ -55,49 +51,6 @@ class NgramIndex:
         return []
 
 
-@dataclasses.dataclass
-class SpecState:
-    """One request's trust in its proposals, as a length. Every proposal accepted: it grows by
-    two; at least half accepted: one past the accepted ones; fewer: it halves. At 0 the
-    request rests, proposing nothing, for a cooldown (doubling each time, up to MAX_COOLDOWN
-    steps, until a step accepts RESET_ACCEPTED or more), then tries again. While it does not
-    rest it proposes up to its limit: the scheduler only takes proposals where a step has
-    room for them for free, and there as many as fit. So a request whose proposals are
-    mostly wrong soon stops making them (no host work, no rows in the sampler)."""
-
-    limit: int  # the most proposals per step (the request's or the engine's)
-    length: int = 0
-    cooldown: int = 0  # steps left before the next try
-    backoff: int = 4  # the next cooldown
-    index: NgramIndex | None = None
-
-    def __post_init__(self):
-        self.length = self.limit
-
-    def wanted(self) -> int:
-        """Proposals to ask for now (0 while resting; a resting step counts down)."""
-        if self.length == 0 and self.limit > 0:
-            self.cooldown -= 1
-            if self.cooldown <= 0:
-                self.length = 1
-        return self.length
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        if num_proposed == 0:
-            return
-        if num_accepted >= RESET_ACCEPTED:
-            self.backoff = 4
-        if num_accepted == num_proposed:
-            self.length = min(self.limit, self.length + 2)
-        elif 2 * num_accepted >= num_proposed:
-            self.length = num_accepted + 1
-        else:
-            self.length //= 2
-            if self.length == 0:
-                self.cooldown = self.backoff
-                self.backoff = min(2 * self.backoff, MAX_COOLDOWN)
-
-
 class NgramProposer:
     """Prompt lookup: proposes from each request's own tokens (prompt and output)."""
 
@@ -122,11 +75,3 @@ class NgramProposer:
         if count <= 0:
             return []
         return state.index.propose(tokens, count)
-
-
-def make_proposer(config: SpeculativeConfig) -> NgramProposer | None:
-    if config.method == "none":
-        return None
-    if config.method == "ngram":
-        return NgramProposer(config)
-    raise ValueError(f"unknown speculative_method {config.method!r}")

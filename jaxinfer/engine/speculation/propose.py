@@ -1,15 +1,35 @@
 """Each step's proposals: which running requests propose (caught up to their last token, with
-room left), and what they propose, by n-grams or by the draft model."""
+room left), and what they propose, by n-grams, suffix trees or the draft model."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
+from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.execution.row_table import RowTable
 from jaxinfer.engine.scheduling.request import Request
+from jaxinfer.engine.scheduling.scheduler import Scheduler
+from jaxinfer.engine.scheduling.stats import SpecStats
+from jaxinfer.engine.speculation.control import SpecControl
 from jaxinfer.engine.speculation.draft_model import DraftModel
 from jaxinfer.engine.speculation.ngram import NgramProposer
+from jaxinfer.engine.speculation.state import SpecState
+from jaxinfer.engine.speculation.suffix import SuffixProposer
+
+HostProposer = NgramProposer | SuffixProposer
+
+
+def make_proposer(config: SpeculativeConfig) -> HostProposer | None:
+    """The host-side proposer of config.method (None: none, or a draft model's)."""
+    if config.method in ("none", "draft"):
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
+    raise ValueError(f"unknown speculative_method {config.method!r}")
 
 
 def proposal_candidates(
@@ -31,38 +51,101 @@ def proposal_candidates(
         yield request, room
 
 
-def propose_ngrams(proposer: NgramProposer, running: list[Request], max_model_len: int) -> None:
+def propose_on_host(proposer: HostProposer, running: list[Request], max_model_len: int) -> None:
     for request, room in proposal_candidates(running, max_model_len):
         request.spec_token_ids = proposer.propose(request.spec, request.all_token_ids, room)
 
 
 def propose_with_draft(
     draft: DraftModel,
-    running: list[Request],
-    max_model_len: int,
+    scheduler: Scheduler,
     block_size: int,
-    step_room: int,
     rows: RowTable,
     runner: ModelRunner,
-) -> None:
+) -> tuple[int, int]:
     """The draft model's proposals for each running request caught up to its last token,
     up to its proposal length, what max_tokens and max_model_len leave, and the KV slots its
     blocks hold for the tokens the draft writes (the last and each proposal but the final
-    one); in all, at most `step_room` (what the next step has room for: each costs a draft
-    step), given in the order the scheduler takes them."""
+    one); in all, as many as the scheduler's plan says pay for their time and the draft's
+    steps (Scheduler.plan_proposals). Returns (rows, steps) of the draft's run ((0, 0):
+    none)."""
+    running = scheduler.running
     for request in running:
         request.spec_token_ids = []
     wanted = []
-    for request, room in proposal_candidates(running, max_model_len):
+    for request, room in proposal_candidates(running, scheduler.config.max_model_len):
         if not request.spec.wanted():
             continue
         slots = len(request.block_ids) * block_size - request.num_tokens + 1
-        count = min(request.spec.length, room, slots, step_room)
+        count = min(request.spec.length, room, slots)
         if count > 0:
-            step_room -= count
-            wanted.append((rows.row(request.request_id), request, count))
+            wanted.append((request, count))
     if not wanted:
-        return
-    proposals = draft.propose(runner.block_table, runner.sampler_state.bias, wanted)
-    for (_, request, _), tokens in zip(wanted, proposals, strict=True):
+        return 0, 0
+    used, num_sampling = scheduler.proposal_room()
+    counts = scheduler.plan_proposals(used, num_sampling, wanted, draft_rows=len(wanted))
+    chosen = [
+        (rows.row(request.request_id), request, count)
+        for (request, _), count in zip(wanted, counts, strict=True)
+        if count
+    ]
+    if not chosen:
+        return 0, 0
+    proposals = draft.propose(runner.block_table, runner.sampler_state.bias, chosen)
+    for (_, request, _), tokens in zip(chosen, proposals, strict=True):
         request.spec_token_ids = tokens
+    return len(chosen), max(count for _, _, count in chosen)
+
+
+class Speculation:
+    """The engine's proposing: its host proposer (n-gram, suffix) or draft model, the
+    SpecControl that plans each step's proposals from measured times, and the seconds spent
+    proposing."""
+
+    def __init__(self, config: EngineConfig, draft: DraftModel | None):
+        self.config = config
+        self.draft = draft
+        self.host = None if draft is not None else make_proposer(config.speculative)
+        self.control = None
+        if (draft is not None or self.host is not None) and config.speculative.adaptive:
+            self.control = SpecControl(config.scheduler.token_buckets)
+        self.seconds = 0.0  # spent proposing (host lookups, the draft's steps)
+        self._drafted = 0.0  # the draft's steps since the last observed step
+
+    @property
+    def on(self) -> bool:
+        return self.draft is not None or self.host is not None
+
+    def new_state(self, requested: int | None) -> SpecState:
+        return (self.draft or self.host).new_state(requested)
+
+    def propose(self, scheduler: Scheduler, rows: RowTable, runner: ModelRunner) -> None:
+        """Sets the proposals of each running request caught up to its last token."""
+        start = time.perf_counter()
+        if self.draft is None:
+            propose_on_host(self.host, scheduler.running, scheduler.config.max_model_len)
+        else:
+            block_size = self.config.cache.block_size
+            num_rows, steps = propose_with_draft(self.draft, scheduler, block_size, rows, runner)
+            self._drafted += time.perf_counter() - start
+            if self.control is not None:
+                self.control.observe_draft(num_rows, steps, time.perf_counter() - start)
+        self.seconds += time.perf_counter() - start
+
+    def finished(self, request: Request) -> None:
+        if isinstance(self.host, SuffixProposer):
+            self.host.finished(request.output_token_ids)
+
+    def add_stats(self, stats: SpecStats) -> None:
+        """Fills in what the scheduler does not know: the time spent proposing, the suffix
+        tree's size."""
+        stats.proposing_seconds = self.seconds
+        if isinstance(self.host, SuffixProposer):
+            stats.suffix_tree_nodes = self.host.cache.num_nodes
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of `num_tokens` scheduled tokens took `seconds`, the draft's proposing in
+        it included (taken out: the plan pays for the draft by its own times)."""
+        if self.control is not None:
+            self.control.observe_step(num_tokens, seconds - self._drafted)
+        self._drafted = 0.0

@@ -1,0 +1,168 @@
+"""Speculation that knows when to stop: each step takes the number of proposals that maximizes
+the expected tokens per second, from the step times the engine measures and each request's
+acceptance.
+
+A step of T scheduled tokens runs as its token bucket, whose time the engine measures on every
+step it runs (StepCosts, a moving average per bucket). Proposals grow the step into a later
+bucket, and, with a draft model, cost the draft's one-token steps too. A request that accepts
+each proposal with probability p (its history, SpecState.acceptance) gains p + p^2 + ... +
+p^k tokens from k proposals (the first rejection ends them), so the step's expected tokens
+are its sampling requests plus those gains, and the plan is the total number of proposals P
+(the largest gains first) that maximizes
+
+    (sampling requests + gains of the P proposals) / (time of bucket(T + P) + draft steps)
+
+P = 0 when nothing pays: a large batch (no bucket has room for free), a low acceptance (the
+gains are small) or a slow verify step (the bucket's time grows with its tokens, as on a
+CPU). Until the buckets a step could take have been measured, the scheduler's rule of thumb
+decides (proposals only where they cost nothing, SchedulerConfig.spec_free_tokens), and the
+steps it runs are how the buckets get measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from jaxinfer.config import SchedulerConfig
+
+EMA_WEIGHT = 0.2  # weight of the newest step time in a bucket's average
+
+
+class StepCosts:
+    """Seconds per step, by key (a token bucket, or a draft's request bucket): a moving
+    average of what the engine measured; between measured keys, linear in the key."""
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, key: int, seconds: float) -> None:
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + EMA_WEIGHT * (seconds - old)
+
+    def estimate(self, key: int) -> float | None:
+        """The key's time: measured, or interpolated between the nearest measured keys on
+        either side; None past the measured ones (not known)."""
+        if key in self.seconds:
+            return self.seconds[key]
+        keys = sorted(self.seconds)
+        index = bisect.bisect_left(keys, key)
+        if index == 0 or index == len(keys):
+            return None
+        low, high = keys[index - 1], keys[index]
+        share = (key - low) / (high - low)
+        return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A request that may verify proposals in the next step."""
+
+    acceptance: float  # the chance that each next proposal is accepted (SpecState.acceptance)
+    most: int  # proposals it could verify (its proposals, its limit, the room)
+
+
+@dataclasses.dataclass
+class SpecControl:
+    """Plans each step's proposals from measured times (see the module docstring)."""
+
+    buckets: tuple[int, ...]  # the token buckets, ascending
+    target: StepCosts = dataclasses.field(default_factory=StepCosts)  # by token bucket
+    draft: StepCosts = dataclasses.field(default_factory=StepCosts)  # a draft step, by rows
+    planned: int = 0  # steps planned by measured times (not by the rule of thumb)
+    declined: int = 0  # of which chose no proposal where the rule of thumb would have some
+
+    def bucket(self, num_tokens: int) -> int:
+        return self.buckets[
+            min(bisect.bisect_left(self.buckets, num_tokens), len(self.buckets) - 1)
+        ]
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of `num_tokens` scheduled tokens took `seconds` (host and device, without
+        proposing the next step's tokens)."""
+        self.target.observe(self.bucket(num_tokens), seconds)
+
+    def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
+        """The draft proposed for `num_rows` requests in `num_steps` one-token steps."""
+        if num_steps > 0:
+            self.draft.observe(num_rows, seconds / num_steps)
+
+    def plan(
+        self,
+        used: int,
+        num_sampling: int,
+        candidates: list[Candidate],
+        free_room: int,
+        most: int,
+        draft_rows: int = 0,
+    ) -> list[int]:
+        """Proposals per candidate for a step of `used` tokens of which `num_sampling`
+        requests sample. `free_room`: what the rule of thumb would take (used where times
+        are not known yet); `most`: the most proposals the step may take in all (the budget,
+        the sample rows). `draft_rows`: with a draft model, the rows it proposes for (its
+        steps are paid per proposal depth, for every row at once)."""
+        gains = sorted(
+            (
+                (c.acceptance ** (depth + 1), index)
+                for index, c in enumerate(candidates)
+                for depth in range(c.most)
+            ),
+            reverse=True,
+        )
+        total = min(len(gains), most)
+        base = self.target.estimate(self.bucket(used))
+        draft_step = self.draft.estimate(draft_rows) if draft_rows else 0.0
+        costs = [self.target.estimate(self.bucket(used + p)) for p in range(total + 1)]
+        if base is None or draft_step is None or None in costs:
+            return self._take(candidates, gains[: min(total, free_room)])
+        self.planned += 1
+        best, best_rate, expected, depths = 0, num_sampling / base, float(num_sampling), {}
+        for p in range(1, total + 1):
+            gain, index = gains[p - 1]
+            expected += gain
+            depths[index] = depths.get(index, 0) + 1
+            rate = expected / (costs[p] + draft_step * max(depths.values()))
+            if rate > best_rate:
+                best, best_rate = p, rate
+        if best == 0 and min(total, free_room) > 0:
+            self.declined += 1
+        return self._take(candidates, gains[:best])
+
+    @staticmethod
+    def _take(candidates: list[Candidate], gains: list[tuple[float, int]]) -> list[int]:
+        counts = [0] * len(candidates)
+        for _, index in gains:
+            counts[index] += 1
+        return counts
+
+
+def free_room(config: SchedulerConfig, used: int) -> int:
+    """The rule of thumb: proposal tokens a step of `used` scheduled tokens has room for at
+    no cost, its token bucket's padding or up to spec_free_tokens tokens, within the budget,
+    and at most spec_free_tokens proposals (the sample rows' bucket)."""
+    buckets = config.token_buckets
+    room = max(buckets[bisect.bisect_left(buckets, used)], config.spec_free_tokens) - used
+    return min(room, config.max_num_batched_tokens - used, config.spec_free_tokens)
+
+
+def plan_proposals(
+    config: SchedulerConfig,
+    control: SpecControl | None,
+    used: int,
+    num_sampling: int,
+    wanted: list[tuple[float, int]],
+    draft_rows: int = 0,
+) -> list[int]:
+    """Proposals to take of each (acceptance, most it could verify) in a step of `used`
+    tokens of which `num_sampling` requests sample: SpecControl's plan where there is one,
+    else the rule of thumb in order (free_room)."""
+    room = free_room(config, used)
+    most = min(config.max_num_batched_tokens - used, config.spec_free_tokens)
+    if control is not None:
+        candidates = [Candidate(acceptance, min(count, most)) for acceptance, count in wanted]
+        return control.plan(used, num_sampling, candidates, room, most, draft_rows)
+    counts = []
+    for _, count in wanted:
+        counts.append(min(count, max(room, 0)))
+        room -= counts[-1]
+    return counts

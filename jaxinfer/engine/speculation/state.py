@@ -1,0 +1,65 @@
+"""One request's speculative decoding state: how many proposals it makes, and how often they
+are accepted."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+MAX_COOLDOWN = 64  # most steps a request waits before proposing again after backing off
+RESET_ACCEPTED = 4  # proposals accepted in one step that reset the cooldown
+ACCEPTANCE_DECAY = 0.8  # weight of the earlier steps in a request's acceptance, per step
+
+
+@dataclasses.dataclass
+class SpecState:
+    """One request's trust in its proposals, as a length. Every proposal accepted: it grows by
+    two; at least half accepted: one past the accepted ones; fewer: it halves. At 0 the
+    request rests, proposing nothing, for a cooldown (doubling each time, up to MAX_COOLDOWN
+    steps, until a step accepts RESET_ACCEPTED or more), then tries again. While it does not
+    rest it proposes up to its limit, and each step takes as many as pay for their time
+    (jaxinfer.engine.speculation.control, from `acceptance`). So a request whose proposals
+    are mostly wrong soon stops making them (no host work, no rows in the sampler)."""
+
+    limit: int  # the most proposals per step (the request's or the engine's)
+    length: int = 0
+    cooldown: int = 0  # steps left before the next try
+    backoff: int = 4  # the next cooldown
+    index: Any = None  # the proposer's per-request lookup (NgramIndex, RequestSuffix)
+    # Recent proposals accepted and steps that rejected one, decayed per step: a geometric
+    # model's evidence (each proposal is tried only if those before it were accepted).
+    accepted: float = 1.0
+    rejections: float = 1.0
+
+    def __post_init__(self):
+        self.length = self.limit
+
+    def wanted(self) -> int:
+        """Proposals to ask for now (0 while resting; a resting step counts down)."""
+        if self.length == 0 and self.limit > 0:
+            self.cooldown -= 1
+            if self.cooldown <= 0:
+                self.length = 1
+        return self.length
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that the next proposal is accepted, given the ones before it were."""
+        return self.accepted / (self.accepted + self.rejections)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed == 0:
+            return
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
+        self.rejections = ACCEPTANCE_DECAY * self.rejections + (num_accepted < num_proposed)
+        if num_accepted >= RESET_ACCEPTED:
+            self.backoff = 4
+        if num_accepted == num_proposed:
+            self.length = min(self.limit, self.length + 2)
+        elif 2 * num_accepted >= num_proposed:
+            self.length = num_accepted + 1
+        else:
+            self.length //= 2
+            if self.length == 0:
+                self.cooldown = self.backoff
+                self.backoff = min(2 * self.backoff, MAX_COOLDOWN)

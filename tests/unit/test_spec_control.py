@@ -1,0 +1,130 @@
+"""SpecControl: each step's proposals planned from measured step times and acceptance."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from jaxinfer.engine.speculation.control import Candidate, SpecControl, StepCosts
+from jaxinfer.engine.speculation.state import SpecState
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def control_with(costs: dict[int, float]) -> SpecControl:
+    control = SpecControl(BUCKETS)
+    for bucket, seconds in costs.items():
+        control.observe_step(bucket, seconds)
+    return control
+
+
+def brute_force(control, used, num_sampling, candidates, most, draft_rows=0):
+    """The best allocation over every way of giving each candidate 0..most proposals."""
+    best_rate = -1.0
+    for counts in itertools.product(*(range(c.most + 1) for c in candidates)):
+        total = sum(counts)
+        if total > most:
+            continue
+        gain = sum(
+            c.acceptance ** (d + 1)
+            for c, k in zip(candidates, counts, strict=True)
+            for d in range(k)
+        )
+        seconds = control.target.estimate(control.bucket(used + total))
+        if draft_rows and max(counts):
+            seconds += control.draft.estimate(draft_rows) * max(counts)
+        rate = (num_sampling + gain) / seconds
+        best_rate = max(best_rate, rate)
+    return best_rate
+
+
+def rate_of(control, used, num_sampling, candidates, counts, draft_rows=0):
+    gain = sum(
+        c.acceptance ** (d + 1) for c, k in zip(candidates, counts, strict=True) for d in range(k)
+    )
+    seconds = control.target.estimate(control.bucket(used + sum(counts)))
+    if draft_rows and max(counts):
+        seconds += control.draft.estimate(draft_rows) * max(counts)
+    return (num_sampling + gain) / seconds
+
+
+def test_step_costs_average_and_interpolate():
+    costs = StepCosts()
+    costs.observe(2, 1.0)
+    costs.observe(2, 2.0)
+    assert costs.estimate(2) == pytest.approx(1.2)  # a moving average
+    costs.observe(8, 3.0)
+    assert costs.estimate(4) == pytest.approx(1.2 + (3.0 - 1.2) / 3)
+    assert costs.estimate(1) is None and costs.estimate(16) is None  # not measured around
+
+
+def test_free_verification_takes_every_proposal():
+    """Verify steps as cheap as one token's: every proposal pays."""
+    control = control_with({b: 0.010 for b in BUCKETS})
+    candidates = [Candidate(0.5, 5)]
+    assert control.plan(1, 1, candidates, free_room=0, most=7) == [5]
+
+
+def test_costly_verification_or_low_acceptance_takes_none():
+    """A step's time grows with its tokens (a CPU bound by compute): low acceptance never
+    pays, high acceptance pays for a few."""
+    control = control_with({b: 0.040 * b for b in BUCKETS})  # linear: nothing is free
+    assert control.plan(1, 1, [Candidate(0.3, 5)], free_room=7, most=7) == [0]
+    assert control.declined == 1
+    control = control_with({1: 0.040, 2: 0.058, 4: 0.076, 8: 0.125, 16: 0.27})
+    counts = control.plan(1, 1, [Candidate(0.9, 7)], free_room=7, most=7)
+    assert 0 < counts[0] <= 7
+
+
+def test_a_full_bucket_takes_proposals_only_where_they_pay():
+    """32 decodes fill bucket 32; the next bucket costs 1.5x: only acceptance that gains more
+    than half a step's tokens is worth it."""
+    control = control_with({32: 1.0, 64: 1.5})
+    low = [Candidate(0.2, 5) for _ in range(32)]
+    assert sum(control.plan(32, 32, low, free_room=0, most=8)) == 0
+    high = [Candidate(0.95, 5) for _ in range(32)]
+    assert sum(control.plan(32, 32, high, free_room=0, most=32)) == 32
+
+
+def test_unmeasured_buckets_take_the_rule_of_thumb():
+    control = control_with({1: 0.01})  # bucket 2 and up never ran
+    candidates = [Candidate(0.1, 5), Candidate(0.9, 5)]
+    counts = control.plan(2, 2, candidates, free_room=3, most=8)
+    assert sum(counts) == 3 and counts[1] >= counts[0]  # the likelier ones first
+    assert control.planned == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_is_as_good_as_brute_force(seed):
+    import random
+
+    rng = random.Random(seed)
+    times = {1: 0.01}
+    for bucket in BUCKETS[1:]:
+        times[bucket] = times[BUCKETS[BUCKETS.index(bucket) - 1]] * rng.uniform(1.0, 1.9)
+    control = control_with(times)
+    control.draft.observe(3, rng.uniform(0.0, 0.01))
+    candidates = [Candidate(rng.uniform(0, 1), rng.randint(0, 4)) for _ in range(3)]
+    used = rng.randint(1, 20)
+    most = rng.randint(0, 8)
+    for draft_rows in (0, 3):
+        counts = control.plan(used, 2, candidates, free_room=0, most=most, draft_rows=draft_rows)
+        assert sum(counts) <= most
+        assert all(k <= c.most for k, c in zip(counts, candidates, strict=True))
+        best = brute_force(control, used, 2, candidates, most, draft_rows)
+        got = rate_of(control, used, 2, candidates, counts, draft_rows)
+        # The plan takes the largest gains first: optimal without a draft; with one, its
+        # steps are paid by depth, which can favour spreading over requests.
+        assert got == pytest.approx(best) if not draft_rows else got >= 0.8 * best
+
+
+def test_acceptance_follows_recent_steps():
+    state = SpecState(limit=5)
+    assert state.acceptance == pytest.approx(0.5)  # the prior
+    for _ in range(10):
+        state.record(5, 5)
+    assert state.acceptance > 0.95
+    for _ in range(20):
+        state.record(5, 0)
+    assert state.acceptance < 0.1

@@ -206,6 +206,8 @@ def spec_counts(llm: LLM):
 
 def main(argv):
     del argv
+    if FLAGS.draft_model is not None:  # (the flags must make one valid engine: the draft's)
+        FLAGS.speculative_method = "draft"
     options = engine_options_from_flags()
     engines = {
         "none": LLM(

@@ -17,9 +17,11 @@ def configure(
     registry: KernelRegistry | None = None,
     gguf_source: Path | None = None,
     platform: Platform | None = None,
+    draft_folder: Path | None = None,
 ) -> tuple[EngineConfig, ModelKernels]:
     """Resolves `options` on this platform (jaxinfer.config.resolve) for the model in
-    `folder`; `registry`: where kernel names are looked up (default: the built-in ones)."""
+    `folder`; `registry`: where kernel names are looked up (default: the built-in ones);
+    `draft_folder`: the draft model's (its KV cache shares the memory budget)."""
     resolution = resolve(
         options,
         platform or Platform.detect(options.cache_dir),
@@ -27,4 +29,5 @@ def configure(
         registry if registry is not None else default_registry(),
         gguf_source,
     )
-    return build_engine_config(options, resolution.options, folder), resolution.kernels
+    config = build_engine_config(options, resolution.options, folder, draft_folder)
+    return config, resolution.kernels

@@ -164,8 +164,13 @@ def check_expert_split(arch: LlamaConfig, tp: int, expert_parallel: bool) -> Non
 
 
 def build_engine_config(
-    options: EngineOptions, resolved: ResolvedOptions, model_path: Path
+    options: EngineOptions,
+    resolved: ResolvedOptions,
+    model_path: Path,
+    draft_path: Path | None = None,
 ) -> EngineConfig:
+    """`draft_path`: a draft model's folder (speculative_method draft), whose KV cache has the
+    model's blocks: kv_cache_memory_gb pays for both."""
     arch = read_config(model_path / "config.json")
     tp = options.tensor_parallel_size
     check_tp_size(arch, tp)
@@ -181,9 +186,12 @@ def build_engine_config(
             f"({arch.max_position_embeddings})"
         )
     kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
-    bytes_per_block = kv_format.bytes_per_block(  # on each device: the cache is split by KV heads
-        options.block_size, arch.num_hidden_layers, arch.num_key_value_heads // tp, arch.head_dim
-    )
+    bytes_per_block = 0  # on each device: the caches are split by KV heads
+    for cached in [arch] + ([read_config(draft_path / "config.json")] if draft_path else []):
+        heads = cached.num_key_value_heads * kv_replicas(cached, tp) // tp
+        bytes_per_block += kv_format.bytes_per_block(
+            options.block_size, cached.num_hidden_layers, heads, cached.head_dim
+        )
     num_blocks = options.num_kv_blocks or max(
         2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
     )

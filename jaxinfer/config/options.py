@@ -202,8 +202,14 @@ class EngineOptions:
     draft_model: str | None = option(
         None,
         "draft: the proposing model, a Hugging Face folder or a .gguf file with the model's "
-        "vocabulary. Its KV cache has the model's number of blocks, in memory of its own "
-        "beyond kv_cache_memory_gb.",
+        "vocabulary. Its KV cache has the model's number of blocks: kv_cache_memory_gb pays "
+        "for both caches.",
+    )
+    draft_int8_activations: bool | None = option(
+        None,
+        "draft: int8_activations for the draft model alone (its proposals need not be "
+        "exact: the verification is). Unset: on where the draft's weights are GGUF blocks "
+        "or int4 on CPU, else the model's setting.",
     )
     prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up.")
     prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
@@ -320,6 +326,8 @@ class EngineOptions:
             raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
         if not isinstance(self.expert_parallel, bool):
             raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
+        if self.draft_int8_activations is not None and self.draft_model is None:
+            raise ValueError("draft_int8_activations is only used with a draft_model")
         for name in ("quantization_symmetric", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -309,7 +309,8 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         host_step = self.batch_builder.build(scheduler_output)
         built = time.perf_counter()
-        sampled, prompt_logprobs = self.runner.execute(host_step)
+        extend = self.speculation.draft_extend(scheduler_output.scheduled, self.requests)
+        sampled, prompt_logprobs = self.runner.execute(host_step, draft_extend=extend)
         return DispatchedStep(
             scheduler_output,
             sampled,

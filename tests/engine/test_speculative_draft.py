@@ -66,6 +66,20 @@ def test_identical_draft_accepts_every_proposal(make_llm, tiny_model_dir, baseli
     )
     assert got == expected
     assert proposed > 100 and accepted == proposed
+    # The draft runs over a target step only where its own steps did not write the step's
+    # K/V: one request's prompt chunks (16 tokens a step, fewer on a prefix-cache hit), not
+    # its decode steps.
+    draft, steps, extends = spec.engine.draft, [], []
+    extend, execute = draft.extend, spec.engine.runner.execute
+    draft.extend = lambda batch: extends.append(1) or extend(batch)
+    spec.engine.runner.execute = lambda *args, **kw: steps.append(1) or execute(*args, **kw)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    assert completions(spec.generate(prompts[:1], long, use_tqdm=False)) == completions(
+        baseline.generate(prompts[:1], long, use_tqdm=False)
+    )
+    draft.extend, spec.engine.runner.execute = extend, execute
+    print(f"{len(extends)} extends in {len(steps)} steps")
+    assert len(extends) <= -(-len(prompts[0]) // 16) and len(steps) - len(extends) >= 8
     # At temperature 1 the draft draws from q = p (the same logits, bit for bit under
     # batch_invariant, the same top-k/top-p), so min(1, p/q) = 1: every proposal kept.
     for extra in ({}, {"top_k": 20, "top_p": 0.9}):

@@ -87,9 +87,11 @@ def test_a_full_bucket_takes_proposals_only_where_they_pay():
     assert sum(control.plan(32, 32, high, free_room=0, most=32)) == 32
 
 
-def test_unmeasured_buckets_take_the_rule_of_thumb():
-    control = control_with({1: 0.01})  # bucket 2 and up never ran
+def test_unmeasured_buckets_are_measured_first():
     candidates = [Candidate(0.1, 5), Candidate(0.9, 5)]
+    # The step's own bucket never ran: no proposals, so that it is measured.
+    assert SpecControl(BUCKETS).plan(2, 2, candidates, free_room=3, most=8) == [0, 0]
+    control = control_with({2: 0.01})  # bucket 4 and up never ran: the rule of thumb
     counts = control.plan(2, 2, candidates, free_room=3, most=8)
     assert sum(counts) == 3 and counts[1] >= counts[0]  # the likelier ones first
     assert control.planned == 0

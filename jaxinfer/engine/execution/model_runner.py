@@ -329,7 +329,7 @@ class ModelRunner:
         return chunks
 
     def execute(
-        self, step: HostStep
+        self, step: HostStep, draft_extend: bool = True
     ) -> tuple[SamplerOutput, list[tuple[jax.Array, jax.Array, jax.Array]]]:
         """Enqueues one step: the per-request rows that changed, the model and the sampler. Returns
         at once; the result stays on the device until fetched.
@@ -337,7 +337,7 @@ class ModelRunner:
         The step's host arrays go straight into the jitted programs, which transfer them
         (a separate `jax.device_put` of the ~20 small arrays, or another program dispatch,
         costs more). The "scan" step is two programs (the model with its batch assembly, then
-        the sampler with the bookkeeping of what it sampled)."""
+        the sampler with the bookkeeping of what it sampled). `draft_extend`: the draft too."""
         self.apply_updates(step.updates)
         inputs = step.inputs
         if self.layer_execution == "scan":
@@ -355,9 +355,10 @@ class ModelRunner:
             logits = self._logits(self.top_params, hidden, batch)
         draft_probs = None
         if self.draft is not None:
-            if self.layer_execution == "scan":
+            if draft_extend and self.layer_execution == "scan":
                 batch = self._assemble(inputs, self.block_table, self.last_tokens)
-            self.draft.extend(batch)
+            if draft_extend:  # (else the draft's own steps wrote this step's K/V)
+                self.draft.extend(batch)
             draft_probs = self.draft.draft_probs
         sampled, self.last_tokens, self.sampler_state = self.sample_program(
             logits,

@@ -309,6 +309,8 @@ class Scheduler:
         self._release(request)
         request.spec_token_ids = []
         request.num_computed_tokens = 0
+        if request.spec is not None:
+            request.spec.draft_computed = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)  # ahead of later arrivals
         self.num_preemptions += 1

@@ -14,9 +14,10 @@ are its sampling requests plus those gains, and the plan is the total number of 
 
 P = 0 when nothing pays: a large batch (no bucket has room for free), a low acceptance (the
 gains are small) or a slow verify step (the bucket's time grows with its tokens, as on a
-CPU). Until the buckets a step could take have been measured, the scheduler's rule of thumb
-decides (proposals only where they cost nothing, SchedulerConfig.spec_free_tokens), and the
-steps it runs are how the buckets get measured.
+CPU). A step whose own bucket has not been measured takes no proposal (and so measures it);
+until the buckets it could grow into have been measured (or lie between measured ones), the
+scheduler's rule of thumb decides (proposals only where they cost nothing,
+SchedulerConfig.spec_free_tokens), and the steps it runs measure them.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ class SpecControl:
         )
         total = min(len(gains), most)
         base = self.target.estimate(self.bucket(used))
+        if base is None:  # this step measures it
+            return [0] * len(candidates)
         draft_step = self.draft.estimate(draft_rows) if draft_rows else 0.0
         costs = [self.target.estimate(self.bucket(used + p)) for p in range(total + 1)]
-        if base is None or draft_step is None or None in costs:
+        if draft_step is None or None in costs:  # (unmeasured: the rule of thumb measures)
             return self._take(candidates, gains[: min(total, free_room)])
         self.planned += 1
         best, best_rate, expected, depths = 0, num_sampling / base, float(num_sampling), {}

@@ -3,14 +3,19 @@ proposes each request's next tokens, one at a time.
 
 The draft's KV cache has the target's blocks (same count and size) and is addressed by the
 target's block tables and slots, so it needs no allocator of its own and rolling back costs
-nothing:
+nothing. Each proposing request's SpecState.draft_computed counts the leading tokens whose
+K/V the draft holds (moved back over rejected proposals, to 0 on preemption):
 
-- every target step also runs the draft over the same flat batch (`extend`), so the draft
-  holds K/V for exactly the tokens the target computed (prompt chunks, decode tokens,
-  proposals; a prefix-cache hit's blocks were written by both when first computed);
-- after verification, `propose` runs up to k one-token steps for each proposing request,
-  from its last token. K/V at positions past a request's accepted tokens is stale until
-  written again, and every read stops at the request's own length.
+- `propose` runs up to k steps for each proposing request. The first feeds its last two
+  tokens (the one before the last is a proposal the draft never fed when every proposal was
+  accepted, and is rewritten with the same K/V otherwise); each later step feeds the
+  proposal just drawn. So the draft does not recompute the tokens its own steps wrote: the
+  target's verify step needs no draft step of its own;
+- `extend` runs the draft over a target step's whole flat batch only where some request's
+  tokens are not covered that way (prompt chunks, a decode whose earlier tokens the draft
+  missed: LLMEngine asks Speculation.draft_extend). K/V at positions past a request's
+  accepted tokens is stale until written again, and every read stops at the request's own
+  length.
 
 The K/V of the tokens the draft proposes is written ahead of the target, into blocks the
 scheduler gives proposing requests in advance (SchedulerConfig.spec_lookahead); a request
@@ -24,7 +29,7 @@ and keep q (by request row and proposal index) for the target's rejection sampli
 target's whatever q is.
 
 R: proposing requests (padded), S: per-request device rows, K: num_speculative_tokens,
-V: vocabulary, MB: blocks per request.
+V: vocabulary, MB: blocks per request, W: tokens per row in a step (2 in the first, else 1).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class DraftRows:
 
     rows: np.ndarray  # i32[R], the request's device row (padding: the padding row)
     tokens: np.ndarray  # i32[R], its last token
+    previous: np.ndarray  # i32[R], the token before it
     positions: np.ndarray  # i32[R], that token's position
     limits: np.ndarray  # i32[R], proposals wanted (0 in padding rows)
     sampling: SamplingMetadata  # [R]: temperature, top-k/p, min-p, bias, seed, output position
@@ -74,28 +80,34 @@ class DraftRows:
 def decode_batch(
     block_table: jax.Array,  # i32[S, MB], the target's
     rows: DraftRows,
-    tokens: jax.Array,  # i32[R], the tokens fed at this step
+    tokens: jax.Array,  # i32[R * W], the tokens fed at this step, W per row
     step: jax.Array,  # i32[], the draft step (0: the request's last token)
     *,
     block_size: int,
+    width: int,
 ) -> BatchInputs:
-    """One token per request at position positions + step. A row past its limit is padding:
-    position 0, its K/V into the null block, attending to its first token only."""
+    """W tokens per request, the last at position positions + step. A row past its limit is
+    padding: positions from 0, its K/V into the null block, attending to its own tokens."""
+    num_rows = rows.rows.shape[0]
     active = step < rows.limits  # [R]
-    positions = jnp.where(active, rows.positions + step, 0)
+    last = jnp.where(active, rows.positions + step, width - 1)  # [R]
+    positions = (last[:, None] + jnp.arange(1 - width, 1)).reshape(-1)  # [R * W]
     table = block_table[rows.rows]  # [R, MB]
     index = jnp.minimum(positions // block_size, table.shape[1] - 1)
-    block = jnp.take_along_axis(table, index[:, None], axis=1)[:, 0]
-    slots = jnp.where(active, block * block_size + positions % block_size, NULL_BLOCK * block_size)
-    num_rows = tokens.shape[0]
+    block = table[jnp.repeat(jnp.arange(num_rows), width), index]
+    slots = jnp.where(
+        jnp.repeat(active, width),
+        block * block_size + positions % block_size,
+        NULL_BLOCK * block_size,
+    )
     return BatchInputs(
         token_ids=tokens,
         positions=positions,
         slot_mapping=slots,
         block_tables=table,
-        seq_lens=positions + 1,
-        query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32),
-        logits_indices=jnp.arange(num_rows, dtype=jnp.int32),
+        seq_lens=last + 1,
+        query_start_loc=jnp.arange(num_rows + 1, dtype=jnp.int32) * width,
+        logits_indices=jnp.arange(num_rows, dtype=jnp.int32) * width + width - 1,
         num_seqs=rows.num_seqs,
     )
 
@@ -148,9 +160,12 @@ class DraftModel:
             ((sched.max_num_seqs + 1) * self.num_speculative, self.vocab_size),
             jnp.float32,
         )  # [S * K, V]
-        self._decode_batch = jax.jit(
-            functools.partial(decode_batch, block_size=target.cache.block_size)
-        )
+        self._decode_batch = {
+            width: jax.jit(
+                functools.partial(decode_batch, block_size=target.cache.block_size, width=width)
+            )
+            for width in (1, 2)
+        }
         self._draw = jax.jit(
             functools.partial(
                 draw_proposals,
@@ -168,22 +183,31 @@ class DraftModel:
         """Writes the draft's K/V for a target step's tokens (the same flat batch)."""
         self.runner.hidden_states(batch)
 
+    def _step(self, block_table, rows, tokens, step, bias):
+        """One draft step: its proposals i32[R] (and q kept in draft_probs)."""
+        width = tokens.shape[0] // rows.rows.shape[0]
+        batch = self._decode_batch[width](block_table, rows, tokens, step)
+        logits = self.runner.run_logits(self.runner.hidden_states(batch), batch)
+        tokens, self.draft_probs = self._draw(logits, rows, bias, self.draft_probs, step)
+        return tokens
+
     def propose(
         self,
         block_table: jax.Array,  # i32[S, MB], the target's, with this step's rows
         bias: jax.Array,  # f32[S, V]
         requests: list[tuple[int, Request, int]],  # (device row, request, proposals wanted)
     ) -> list[list[int]]:
-        """Each request's proposals after its last token (as many as wanted)."""
+        """Each request's proposals after its last token (as many as wanted); the draft must
+        hold the K/V of all but its last two tokens (SpecState.draft_computed), and then
+        holds it up to the last proposal but one."""
         rows = self._rows(requests)
-        tokens = rows.tokens
+        tokens = np.stack([rows.previous, rows.tokens], axis=1).reshape(-1)  # [R * 2]
         proposed = []
         for step in range(max(count for _, _, count in requests)):
-            step = np.int32(step)
-            batch = self._decode_batch(block_table, rows, tokens, step)
-            logits = self.runner.run_logits(self.runner.hidden_states(batch), batch)
-            tokens, self.draft_probs = self._draw(logits, rows, bias, self.draft_probs, step)
+            tokens = self._step(block_table, rows, tokens, np.int32(step), bias)
             proposed.append(tokens)
+        for _, request, count in requests:
+            request.spec.draft_computed = request.num_tokens + count - 1
         host = np.stack(jax.device_get(proposed), axis=1)  # [R, steps]
         return [host[i, :count].tolist() for i, (_, _, count) in enumerate(requests)]
 
@@ -191,6 +215,7 @@ class DraftModel:
         return DraftRows(
             rows=np.full(size, self.padding_row, np.int32),
             tokens=np.zeros(size, np.int32),
+            previous=np.zeros(size, np.int32),
             positions=np.zeros(size, np.int32),
             limits=np.zeros(size, np.int32),
             sampling=SamplingMetadata.neutral(size, self.padding_row),
@@ -204,6 +229,7 @@ class DraftModel:
         for i, (row, request, wanted) in enumerate(requests):
             rows.rows[i] = row
             rows.tokens[i] = request.all_token_ids[-1]
+            rows.previous[i] = request.all_token_ids[-2]
             rows.positions[i] = request.num_tokens - 1
             rows.limits[i] = wanted
             sampling.fill(
@@ -217,13 +243,13 @@ class DraftModel:
         return rows
 
     def warmup(self, block_table: jax.Array, bias: jax.Array) -> None:
-        """Compiles the one-token step of every request bucket (all padding rows)."""
-        step = np.int32(0)
+        """Compiles the steps of every request bucket (all padding rows): the first, two
+        tokens a row, and the later ones."""
         for size in self.buckets:
             rows = self._padding_rows(size)
-            batch = self._decode_batch(block_table, rows, rows.tokens, step)
-            logits = self.runner.run_logits(self.runner.hidden_states(batch), batch)
-            _, self.draft_probs = self._draw(logits, rows, bias, self.draft_probs, step)
+            for width in (2, 1):
+                tokens = np.zeros(size * width, np.int32)
+                self._step(block_table, rows, tokens, np.int32(0), bias)
         jax.block_until_ready(self.draft_probs)
 
 
@@ -234,9 +260,9 @@ def load_draft(
     partitioner: Partitioner,
     registry: KernelRegistry | None = None,
 ) -> DraftModel:
-    """The draft model options.draft_model names, configured like the target (same options,
-    the target's max_model_len and number of KV blocks) and checked to share its vocabulary
-    (`target_vocab`: the target tokenizer's token -> id)."""
+    """The draft model options.draft_model names, configured like the target (same options
+    but draft_int8_activations, the target's max_model_len and number of KV blocks) and
+    checked to share its vocabulary (`target_vocab`: the target tokenizer's token -> id)."""
     cache_dir = Path(options.cache_dir)
     folder = resolve_model(options.draft_model, cache_dir)
     gguf_source = source_gguf(options.draft_model, folder)
@@ -244,12 +270,22 @@ def load_draft(
         options,
         model=options.draft_model,
         draft_model=None,
+        draft_int8_activations=None,
         speculative_method="none",
         max_model_len=target.model.max_model_len,
         num_kv_blocks=target.cache.num_blocks,
+        int8_activations=options.draft_int8_activations is not False,
     )
     try:
-        config, kernels = configure(draft_options, folder, registry, gguf_source)
+        try:
+            config, kernels = configure(draft_options, folder, registry, gguf_source)
+        except ValueError as error:  # unset: int8 only where the draft's weights take it
+            if options.draft_int8_activations is not None or "int8_activations" not in str(error):
+                raise
+            draft_options = dataclasses.replace(
+                draft_options, int8_activations=options.int8_activations
+            )
+            config, kernels = configure(draft_options, folder, registry, gguf_source)
     except ValueError as error:
         raise ValueError(f"draft_model {options.draft_model!r}: {error}") from error
     tokenizer = TokenizerWrapper(folder)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.execution.row_table import RowTable
+from jaxinfer.engine.execution.step import ScheduledRequest
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.engine.scheduling.scheduler import Scheduler
 from jaxinfer.engine.scheduling.stats import SpecStats
@@ -65,36 +66,48 @@ def propose_with_draft(
 ) -> tuple[int, int]:
     """The draft model's proposals for each running request caught up to its last token,
     up to its proposal length, what max_tokens and max_model_len leave, and the KV slots its
-    blocks hold for the tokens the draft writes (the last and each proposal but the final
-    one); in all, as many as the scheduler's plan says pay for their time and the draft's
-    steps (Scheduler.plan_proposals). Returns (rows, steps) of the draft's run ((0, 0):
-    none)."""
+    blocks hold for the tokens the draft writes (the one before the last, the last and each
+    proposal but the final one); in all, as many as the scheduler's plan says pay for their
+    time and the draft's steps (Scheduler.plan_proposals). A request that proposes nothing
+    now but whose final proposal, all accepted, the draft never fed takes the first step
+    anyway (its proposal dropped): else the draft would miss that token for good. Returns
+    (rows, steps) of the draft's run ((0, 0): none)."""
     running = scheduler.running
     for request in running:
         request.spec_token_ids = []
-    wanted = []
+        if request.spec is not None:  # (back over the proposals the last step rejected)
+            spec = request.spec
+            spec.draft_computed = min(spec.draft_computed, request.num_computed_tokens)
+    wanted, idle = [], []
     for request, room in proposal_candidates(running, scheduler.config.max_model_len):
-        if not request.spec.wanted():
-            continue
+        spec = request.spec
+        # (the draft feeds the last two tokens first: it must hold the ones before, and the
+        # last one's slot must be the request's)
         slots = len(request.block_ids) * block_size - request.num_tokens + 1
-        count = min(request.spec.length, room, slots)
-        if count > 0:
-            wanted.append((request, count))
-    if not wanted:
-        return 0, 0
-    used, num_sampling = scheduler.proposal_room()
-    counts = scheduler.plan_proposals(used, num_sampling, wanted, draft_rows=len(wanted))
+        if spec.draft_computed < request.num_tokens - 2 or slots < 1:
+            continue
+        count = min(spec.length, room, slots) if spec.wanted() else 0
+        (wanted if count > 0 else idle).append((request, count))
+    counts = []
+    if wanted:
+        used, num_sampling = scheduler.proposal_room()
+        counts = scheduler.plan_proposals(used, num_sampling, wanted, draft_rows=len(wanted))
     chosen = [
         (rows.row(request.request_id), request, count)
         for (request, _), count in zip(wanted, counts, strict=True)
         if count
     ]
-    if not chosen:
+    behind = [
+        (rows.row(request.request_id), request, 1)
+        for request, count in idle + [w for w, c in zip(wanted, counts, strict=True) if not c]
+        if request.spec.draft_computed == request.num_tokens - 2
+    ]
+    if not chosen and not behind:
         return 0, 0
-    proposals = draft.propose(runner.block_table, runner.sampler_state.bias, chosen)
-    for (_, request, _), tokens in zip(chosen, proposals, strict=True):
+    proposals = draft.propose(runner.block_table, runner.sampler_state.bias, chosen + behind)
+    for (_, request, _), tokens in zip(chosen, proposals, strict=False):
         request.spec_token_ids = tokens
-    return len(chosen), max(count for _, _, count in chosen)
+    return len(chosen) + len(behind), max(count for _, _, count in chosen + behind)
 
 
 class Speculation:
@@ -131,6 +144,30 @@ class Speculation:
             if self.control is not None:
                 self.control.observe_draft(num_rows, steps, time.perf_counter() - start)
         self.seconds += time.perf_counter() - start
+
+    def draft_extend(self, scheduled: tuple[ScheduledRequest, ...], requests) -> bool:
+        """Whether the draft must run over a step's flat batch (DraftModel.extend): some
+        request's tokens in it are not covered by the draft's own steps (a prompt chunk, or
+        a decode whose earlier tokens the draft missed). If so, it covers them all.
+        `requests`: by id."""
+        if self.draft is None:
+            return False
+        states = [(requests[item.request_id].spec, item) for item in scheduled]
+        if all(
+            spec is not None
+            and item.num_new_tokens - len(item.draft_token_ids) == 1
+            and spec.draft_computed >= item.num_computed_tokens
+            for spec, item in states
+        ):
+            return False
+        for spec, item in states:
+            # A gap before the step's tokens stays one, but for an admission's prefix-cache
+            # hit, whose blocks the draft wrote when they were first computed.
+            if spec is not None and (
+                spec.draft_computed >= item.num_computed_tokens or item.row_init is not None
+            ):
+                spec.draft_computed = item.num_computed_tokens + item.num_new_tokens
+        return True
 
     def finished(self, request: Request) -> None:
         if isinstance(self.host, SuffixProposer):

@@ -30,6 +30,8 @@ class SpecState:
     # model's evidence (each proposal is tried only if those before it were accepted).
     accepted: float = 1.0
     rejections: float = 1.0
+    # A draft model's: the leading tokens whose K/V its cache holds (DraftModel).
+    draft_computed: int = 0
 
     def __post_init__(self):
         self.length = self.limit

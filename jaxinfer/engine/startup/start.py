@@ -54,7 +54,12 @@ def start_model(
     the built-in implementations). `show_progress`: a progress bar of the warm-up."""
     folder = resolve_model(options.model, Path(options.cache_dir))
     gguf_source = source_gguf(options.model, folder)
-    config, model_kernels = configure(options, folder, kernels, gguf_source)
+    draft_folder = None
+    if options.draft_model is not None:
+        draft_folder = resolve_model(options.draft_model, Path(options.cache_dir))
+    config, model_kernels = configure(
+        options, folder, kernels, gguf_source, draft_folder=draft_folder
+    )
     resolved = config.resolved
     if resolved.compilation_cache_dir is not None:
         compilation_cache.enable(Path(resolved.compilation_cache_dir))
@@ -154,6 +159,9 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         "quantization": config.resolved.weight_format,
         "gguf_block_weights": list(gguf_weights),
         "draft_model": None if draft is None else str(draft.config.model.path),
+        "draft_int8_activations": None
+        if draft is None
+        else getattr(draft.runner.kernels.matmul, "int8_activations", False),
         "resolved": config.resolved.describe(),
     }
 

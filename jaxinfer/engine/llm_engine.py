@@ -269,9 +269,7 @@ class LLMEngine:
         output_builder.record_prompt_logprobs(current, self.requests)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
-        self.speculation.observe_step(
-            current.scheduler_output.num_scheduled_tokens, time.perf_counter() - start
-        )
+        self.speculation.observe_step(current.scheduler_output, time.perf_counter() - start)
         newest = self._in_flight or current  # the last step this call enqueued, if any
         self.last_step_timing = StepTiming(
             start=start,

@@ -161,7 +161,7 @@ def test_adaptive_plans_follow_the_step_times(make_llm):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     buckets = llm.engine.config.scheduler.token_buckets
     for seconds, most in ((lambda b: 0.01 * b, 1), (lambda b: 0.01, 8)):
-        control.target.seconds = {b: seconds(b) for b in buckets}
+        control.costs(1).seconds = {b: seconds(b) for b in buckets}  # (one request)
         seen = record_draft_counts(llm)
         llm.generate(prompt, greedy, use_tqdm=False)
         llm.engine.scheduler.schedule = type(llm.engine.scheduler).schedule.__get__(

@@ -21,9 +21,14 @@ def substring_counts(sequences: list[list[int]], depth: int) -> collections.Coun
 
 
 def tree_counts(tree: SuffixTree) -> collections.Counter:
+    """Each substring's count, checking every node's sum and most frequent continuation."""
     counts, stack = collections.Counter(), [((), tree.root)]
     while stack:
         path, node = stack.pop()
+        children = node.children or {}
+        assert node.total == sum(child.count for child in children.values())
+        if children:
+            assert children[node.best].count == max(c.count for c in children.values())
         for token, child in (node.children or {}).items():
             counts[(*path, token)] = child.count
             stack.append(((*path, token), child))

@@ -3,7 +3,8 @@ the expected tokens per second, from the step times the engine measures and each
 acceptance.
 
 A step of T scheduled tokens runs as its token bucket, whose time the engine measures on every
-step it runs (StepCosts, a moving average per bucket). Proposals grow the step into a later
+step it runs (StepCosts, a moving average per bucket, kept apart by the number of requests
+that sample: a prompt chunk of a bucket's size costs another time than decodes of it). Proposals grow the step into a later
 bucket, and, with a draft model, cost the draft's one-token steps too. A request that accepts
 each proposal with probability p (its history, SpecState.acceptance) gains p + p^2 + ... +
 p^k tokens from k proposals (the first rejection ends them), so the step's expected tokens
@@ -15,9 +16,10 @@ are its sampling requests plus those gains, and the plan is the total number of 
 P = 0 when nothing pays: a large batch (no bucket has room for free), a low acceptance (the
 gains are small) or a slow verify step (the bucket's time grows with its tokens, as on a
 CPU). A step whose own bucket has not been measured takes no proposal (and so measures it);
-until the buckets it could grow into have been measured (or lie between measured ones), the
-scheduler's rule of thumb decides (proposals only where they cost nothing,
-SchedulerConfig.spec_free_tokens), and the steps it runs measure them.
+buckets it could grow into that have not been measured (nor lie between measured ones) are
+left out, but one plan in EXPLORE_EVERY takes proposals into the next of them, which
+measures it. Until the draft model's step has been measured, the scheduler's rule of thumb
+decides (proposals only where they cost nothing, SchedulerConfig.spec_free_tokens).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 from jaxinfer.config import SchedulerConfig
 
 EMA_WEIGHT = 0.2  # weight of the newest step time in a bucket's average
+EXPLORE_EVERY = 32  # a plan in this many tries a bucket not measured yet (if one would do)
 
 
 class StepCosts:
@@ -68,20 +71,26 @@ class SpecControl:
     """Plans each step's proposals from measured times (see the module docstring)."""
 
     buckets: tuple[int, ...]  # the token buckets, ascending
-    target: StepCosts = dataclasses.field(default_factory=StepCosts)  # by token bucket
+    # Step times by sampling requests (a power of two: their sample rows and attention cost
+    # too), then by token bucket.
+    target: dict[int, StepCosts] = dataclasses.field(default_factory=dict)
     draft: StepCosts = dataclasses.field(default_factory=StepCosts)  # a draft step, by rows
     planned: int = 0  # steps planned by measured times (not by the rule of thumb)
     declined: int = 0  # of which chose no proposal where the rule of thumb would have some
+    explored: int = 0  # of which took proposals into a bucket not measured yet
+
+    def costs(self, num_sampling: int) -> StepCosts:
+        return self.target.setdefault(1 << max(num_sampling - 1, 0).bit_length(), StepCosts())
 
     def bucket(self, num_tokens: int) -> int:
         return self.buckets[
             min(bisect.bisect_left(self.buckets, num_tokens), len(self.buckets) - 1)
         ]
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` scheduled tokens took `seconds` (host and device, without
-        proposing the next step's tokens)."""
-        self.target.observe(self.bucket(num_tokens), seconds)
+    def observe_step(self, num_tokens: int, num_sampling: int, seconds: float) -> None:
+        """A step of `num_tokens` scheduled tokens, `num_sampling` requests sampling, took
+        `seconds` (host and device, without proposing the next step's tokens)."""
+        self.costs(num_sampling).observe(self.bucket(num_tokens), seconds)
 
     def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
         """The draft proposed for `num_rows` requests in `num_steps` one-token steps."""
@@ -111,19 +120,28 @@ class SpecControl:
             reverse=True,
         )
         total = min(len(gains), most)
-        base = self.target.estimate(self.bucket(used))
+        table = self.costs(num_sampling)
+        base = table.estimate(self.bucket(used))
         if base is None:  # this step measures it
             return [0] * len(candidates)
         draft_step = self.draft.estimate(draft_rows) if draft_rows else 0.0
-        costs = [self.target.estimate(self.bucket(used + p)) for p in range(total + 1)]
-        if draft_step is None or None in costs:  # (unmeasured: the rule of thumb measures)
+        if draft_step is None:  # (the rule of thumb runs the draft, which measures it)
             return self._take(candidates, gains[: min(total, free_room)])
+        costs = [table.estimate(self.bucket(used + p)) for p in range(total + 1)]
         self.planned += 1
+        unknown = [p for p in range(1, total + 1) if costs[p] is None]
+        if unknown and self.planned % EXPLORE_EVERY == 0:  # measure the next bucket up
+            self.explored += 1
+            bucket = self.bucket(used + unknown[0])
+            last = max(p for p in unknown if self.bucket(used + p) == bucket)
+            return self._take(candidates, gains[:last])
         best, best_rate, expected, depths = 0, num_sampling / base, float(num_sampling), {}
         for p in range(1, total + 1):
             gain, index = gains[p - 1]
             expected += gain
             depths[index] = depths.get(index, 0) + 1
+            if costs[p] is None:
+                continue
             rate = expected / (costs[p] + draft_step * max(depths.values()))
             if rate > best_rate:
                 best, best_rate = p, rate

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.execution.row_table import RowTable
-from jaxinfer.engine.execution.step import ScheduledRequest
+from jaxinfer.engine.execution.step import ScheduledRequest, SchedulerOutput
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.engine.scheduling.scheduler import Scheduler
 from jaxinfer.engine.scheduling.stats import SpecStats
@@ -180,9 +180,11 @@ class Speculation:
         if isinstance(self.host, SuffixProposer):
             stats.suffix_tree_nodes = self.host.cache.num_nodes
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` scheduled tokens took `seconds`, the draft's proposing in
-        it included (taken out: the plan pays for the draft by its own times)."""
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """A step took `seconds`, the draft's proposing in it included (taken out: the plan
+        pays for the draft by its own times)."""
         if self.control is not None:
-            self.control.observe_step(num_tokens, seconds - self._drafted)
+            num_sampling = sum(item.samples for item in output.scheduled)
+            seconds -= self._drafted
+            self.control.observe_step(output.num_scheduled_tokens, num_sampling, seconds)
         self._drafted = 0.0

@@ -28,11 +28,17 @@ from jaxinfer.engine.speculation.state import SpecState
 
 
 class Node:
-    __slots__ = ("children", "count")
+    """A substring: its count, its continuations (children by token), the sum of their
+    counts and the most frequent one (kept as counts change, so a proposal's step costs
+    the same however many continuations a node has)."""
+
+    __slots__ = ("best", "children", "count", "total")
 
     def __init__(self):
         self.children: dict[int, Node] | None = None
         self.count = 0
+        self.total = 0  # the children's counts
+        self.best = -1  # the token of the child with the largest count (-1: none)
 
     def child(self, token: int) -> Node:
         """The child for `token`, made if missing (counted by the caller)."""
@@ -42,6 +48,18 @@ class Node:
         if node is None:
             node = self.children[token] = Node()
         return node
+
+    def counted(self, token: int, child: Node) -> None:
+        """`child` (for `token`) was counted once more."""
+        self.total += 1
+        if self.best < 0 or child.count > self.children[self.best].count:
+            self.best = token
+
+    def uncounted(self, token: int) -> None:
+        """The child for `token` was counted once less (and deleted at 0)."""
+        self.total -= 1
+        if token == self.best:
+            self.best = max(self.children, key=lambda t: self.children[t].count, default=-1)
 
 
 class SuffixTree:
@@ -62,6 +80,7 @@ class SuffixTree:
             child = node.child(token)
             self.num_nodes += not before
             child.count += 1
+            node.counted(token, child)
             grown.append(child)
         return grown[-(self.depth - 1) :] if self.depth > 1 else []
 
@@ -81,6 +100,8 @@ class SuffixTree:
                 if child.count == 0:
                     del node.children[token]
                     self.num_nodes -= _size(child)
+                node.uncounted(token)
+                if child.count == 0:
                     break
                 node = child
 
@@ -113,8 +134,9 @@ class SuffixTree:
         most = min(most, int(max_spec_factor * length + 0.5))
         proposal, probability, score = [], 1.0, 0.0
         while len(proposal) < most and node.children:
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
-            probability *= child.count / sum(c.count for c in node.children.values())
+            token = node.best
+            child = node.children[token]
+            probability *= child.count / node.total
             if probability < min_token_prob:
                 break
             proposal.append(token)

@@ -23,8 +23,8 @@ PROMPTS = [
 OPTIONS = dict(
     max_model_len=512,
     max_num_seqs=4,
-    max_num_batched_tokens=128,
-    token_buckets=(2, 8, 128),
+    max_num_batched_tokens=64,
+    token_buckets=(8, 64),
     block_size=16,
     num_kv_blocks=64,
     batch_invariant=True,
@@ -43,7 +43,7 @@ def greedy_outputs(llm, speculate: bool) -> list[list[int]]:
         for text in PROMPTS
     ]
     params = SamplingParams(
-        temperature=0, max_tokens=40, num_speculative_tokens=None if speculate else 0
+        temperature=0, max_tokens=24, num_speculative_tokens=None if speculate else 0
     )
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -70,4 +70,4 @@ def test_greedy_outputs_are_the_models_own(model, method, model_cache_dir):
     accepted = spec.num_accepted_tokens - before.num_accepted_tokens
     print(f"{method}: accepted {accepted} of {proposed}")
     assert got == expected
-    assert accepted > 10
+    assert accepted > 5

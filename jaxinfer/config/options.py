@@ -241,9 +241,10 @@ class EngineOptions:
     )
     speculative_free_tokens: int | None = option(
         None,
-        "Proposals may grow a step to this many tokens (past that they only fill the padding "
-        "of the step's token bucket), and a step verifies at most this many: steps this small "
-        "cost about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
+        "A step verifies at most this many proposals; where step times are not measured "
+        "(speculative_adaptive off, or not yet), proposals may grow a step to this many tokens "
+        "(past that they only fill the padding of its token bucket): steps this small cost "
+        "about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
     )
 
     random_seed: int | None = option(

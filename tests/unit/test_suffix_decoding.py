@@ -117,7 +117,7 @@ def test_server_tree_proposes_what_recent_outputs_said_and_stays_bounded():
     proposer = SuffixProposer(config())
     call = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # the shape of a tool call
     proposer.finished([1, *call])
-    state = proposer.new_state(None)
+    state = proposer.new_state(8)
     prompt = [40, 41, 42, 5, 6, 7, 8]  # never seen the call's tail itself
     assert proposer.propose(state, prompt, room=8) == [9, 10, 11, 12]  # factor 1: 4 matched
     rng = random.Random(0)
@@ -132,7 +132,7 @@ def test_server_tree_proposes_what_recent_outputs_said_and_stays_bounded():
 def test_own_tokens_win_over_the_server_tree_when_they_score_higher():
     proposer = SuffixProposer(config())
     proposer.finished([1, 2, 3, 99])
-    state = proposer.new_state(None)
+    state = proposer.new_state(8)
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]  # own history says 4, twice
     assert proposer.propose(state, tokens, room=1) == [4]
     assert proposer.propose(state, tokens, room=0) == []

@@ -175,8 +175,7 @@ class DraftModel:
             donate_argnames=("draft_probs",),
         )
 
-    def new_state(self, requested: int | None) -> SpecState:
-        limit = self.num_speculative if requested is None else min(self.num_speculative, requested)
+    def new_state(self, limit: int) -> SpecState:
         return SpecState(limit=limit)
 
     def extend(self, batch: BatchInputs) -> None:

@@ -57,21 +57,12 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def new_state(self, requested: int | None) -> SpecState:
-        limit = self.config.num_speculative_tokens
-        if requested is not None:
-            limit = min(limit, requested)
-        return SpecState(
-            limit=limit,
-            index=NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max),
-        )
+    def new_state(self, limit: int) -> SpecState:
+        index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return SpecState(limit=limit, index=index)
 
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`: what max_tokens and
-        max_model_len leave) after `tokens`, unless it rests. The scheduler takes them only
-        where a step has room for them for free (jaxinfer.engine.scheduling.scheduler), and as many as
-        fit there: within such room a step costs the same however many it holds."""
-        count = min(state.limit if state.wanted() else 0, room)
-        if count <= 0:
-            return []
-        return state.index.propose(tokens, count)
+        max_model_len leave) after `tokens`, unless it rests; the scheduler takes as many as
+        pay for their time (jaxinfer.engine.speculation.control)."""
+        return state.index.propose(tokens, state.proposals(room))

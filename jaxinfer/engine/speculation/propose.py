@@ -130,7 +130,11 @@ class Speculation:
         return self.draft is not None or self.host is not None
 
     def new_state(self, requested: int | None) -> SpecState:
-        return (self.draft or self.host).new_state(requested)
+        """A request's state; `requested`: its own limit (None: the engine's)."""
+        limit = self.config.speculative.num_speculative_tokens
+        if requested is not None:
+            limit = min(limit, requested)
+        return (self.draft or self.host).new_state(limit)
 
     def propose(self, scheduler: Scheduler, rows: RowTable, runner: ModelRunner) -> None:
         """Sets the proposals of each running request caught up to its last token."""

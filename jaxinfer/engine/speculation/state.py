@@ -44,6 +44,11 @@ class SpecState:
                 self.length = 1
         return self.length
 
+    def proposals(self, room: int) -> int:
+        """Proposals a host proposer makes now: up to the limit, at most `room` (what
+        max_tokens and max_model_len leave), none while resting."""
+        return max(min(self.limit if self.wanted() else 0, room), 0)
+
     @property
     def acceptance(self) -> float:
         """The chance that the next proposal is accepted, given the ones before it were."""

@@ -178,16 +178,13 @@ class SuffixProposer:
         self.cached: collections.deque[list[int]] = collections.deque()  # oldest first
         self.cached_tokens = 0
 
-    def new_state(self, requested: int | None) -> SpecState:
-        limit = self.config.num_speculative_tokens
-        if requested is not None:
-            limit = min(limit, requested)
+    def new_state(self, limit: int) -> SpecState:
         return SpecState(limit=limit, index=RequestSuffix(SuffixTree(self.config.suffix_max_depth)))
 
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`) after `tokens`, unless
         it rests (SpecState)."""
-        count = min(state.limit if state.wanted() else 0, room)
+        count = state.proposals(room)
         state.index.extend(tokens)
         if count <= 0:
             return []

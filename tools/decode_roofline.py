@@ -31,6 +31,7 @@ from jaxinfer.models.llama import build_llama
 from jaxinfer.models.params import head_name, random_params
 from jaxinfer.models.shapes import shape
 from tools.decode import decode_batch, read_bytes
+from tools.device_profile import format_kernel_times, kernel_times
 from tools.device_rates import memory_bandwidth
 
 FLAGS = flags.FLAGS
@@ -38,6 +39,11 @@ flags.DEFINE_string("shape", "llama3_8b", "Model shape (jaxinfer.models.shapes).
 flags.DEFINE_list("batch_sizes", ["1", "32", "128"], "Decode batch sizes.")
 flags.DEFINE_integer("context", 1024, "Tokens in each request's context (the new one included).")
 flags.DEFINE_integer("steps", 10, "Timed steps per batch size (after two warm-up steps).")
+flags.DEFINE_list(
+    "profile_batch_sizes",
+    [],
+    "Batch sizes whose step is also profiled: device time per kernel (tools.device_profile).",
+)
 flags.DEFINE_string("output_json", None, "Also write the rows here.")
 
 
@@ -120,8 +126,19 @@ def main(argv):
         print(
             f"batch {batch_size:4d}: step {row['step_ms']:8.2f} ms, roofline "
             f"{row['roofline_ms']:7.2f} ms ({row['percent_of_roofline']:.0f}%), "
-            f"{row['tokens_per_s']:.0f} tokens/s"
+            f"{row['tokens_per_s']:.0f} tokens/s",
+            flush=True,
         )
+        if str(batch_size) in FLAGS.profile_batch_sizes:
+            cache = [kv_cache]  # donated by each step, so each takes the last one's
+
+            def one_step(cache=cache, batch=batch):
+                cache[0], logits = step(state, cache[0], batch)
+                return logits
+
+            row["kernels"] = kernel_times(one_step)
+            kv_cache = cache[0]
+            print(format_kernel_times(row["kernels"]), flush=True)
     if FLAGS.output_json:
         meta = dict(
             device=jax.devices()[0].device_kind,

@@ -8,14 +8,14 @@ import jax
 import jax.numpy as jnp
 
 
-def timed(fn, *args, repeats: int = 10) -> float:
+def timed(fn, *args, repeats: int = 10, sample_s: float = 2e-3) -> float:
     """Median seconds per call of fn(*args) after one warm-up call. Each sample enqueues enough
-    back-to-back calls to last about 2 ms before waiting, so a GPU kernel of tens of
+    back-to-back calls to last about `sample_s` before waiting, so a GPU kernel of tens of
     microseconds is timed on the device rather than by the host's dispatch of one call."""
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    calls = max(1, min(64, int(2e-3 / max(time.perf_counter() - start, 1e-6))))
+    calls = max(1, min(512, int(sample_s / max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -24,6 +24,7 @@ class ModelConfig:
     max_model_len: int
     # Weight-only quantization at load (jaxinfer.layers.quantization); None: as the checkpoint.
     quantization: Quantization | None = None
+    random_weights: bool = False  # load_format "dummy": drawn on the device, nothing read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +204,7 @@ def build_engine_config(
             dtype=dtype,
             max_model_len=max_model_len,
             quantization=quantization_of(options),
+            random_weights=options.load_format == "dummy",
         ),
         cache=CacheConfig(
             block_size=options.block_size,

@@ -20,8 +20,9 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 LAYER_EXECUTIONS = ("auto", "scan", "per_layer")
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 QUANTIZATIONS = METHODS
-MATMUL_IMPLS = ("auto", "xla", "cpu")
+MATMUL_IMPLS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 GGUF_MODES = ("auto", "on", "off")
+LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 MAX_SPECULATIVE_TOKENS = 15
 WARMUPS = ("auto", "all", "background")
@@ -41,6 +42,12 @@ class EngineOptions:
         None,
         "None for the default model (SmolLM2-135M-Instruct), a Hugging Face folder or "
         "a .gguf file.",
+    )
+    load_format: str = option(
+        "auto",
+        "auto (the model's checkpoint) or dummy (random weights drawn on the device, for "
+        "benchmarks of a model's shape: its folder needs only config.json and a tokenizer).",
+        LOAD_FORMATS,
     )
     dtype: str = option(
         "auto",
@@ -168,7 +175,9 @@ class EngineOptions:
     )
     matmul_impl: str = option(
         "auto",
-        "The out_in projections and LM head: cpu (C++ kernel), xla, or auto (cpu where it runs).",
+        "The out_in projections and LM head: cpu (C++ kernel), xla, pallas (the Pallas kernel "
+        "whose tiles do not depend on the rows: batch_invariant's on a GPU), pallas_interpret, "
+        "or auto (cpu where it runs; pallas under batch_invariant on a GPU).",
         MATMUL_IMPLS,
     )
     gguf_weights: str = option(

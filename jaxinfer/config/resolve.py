@@ -18,6 +18,8 @@ The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and 
 batch_invariant (CPU): every product through the C++ matmul kernel in its fixed order, no XLA
 GEMM or GGUF blocks; attention through the C++ kernel; norms through the "invariant"
 reference and the sampler's sums as fixed trees (jaxinfer.config.invariant has the rules).
+On a GPU: the projections through the Pallas matmul kernel (jaxinfer.layers.pallas_matmul),
+the Pallas attention and norm kernels in their invariant forms, float weights only.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from cpu_kernels.build import KernelBuildError
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import speculative
 from jaxinfer.config.invariant import check_invariant_request
+from jaxinfer.config.native import native_kernel, native_reasons
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
 from jaxinfer.config.resolved import Resolution, ResolvedOptions
@@ -39,24 +41,12 @@ from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.linear import IN_OUT, OUT_IN
 from jaxinfer.layers.native_kernels import KernelMatmul
+from jaxinfer.layers.pallas_matmul import PallasMatmul
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 
 logger = logging.getLogger(__name__)
 
-
-def _common_reasons(platform: Platform, tp: int, dtype: str) -> list[str]:
-    """Why no C++ kernel can run with these settings (empty when they can)."""
-    reasons = []
-    if platform.backend != "cpu":
-        reasons.append(f"it runs on XLA:CPU, not {platform.backend}")
-    if tp != 1:
-        reasons.append("it runs on one device (tensor_parallel_size=1)")
-    if dtype != "float32":
-        reasons.append(f"it takes float32 activations, not {dtype}")
-    unavailable = platform.native_unavailable()
-    if unavailable is not None:
-        reasons.append(unavailable)
-    return reasons
+PALLAS_MATMULS = ("pallas", "pallas_interpret")
 
 
 def _warmup(
@@ -80,23 +70,6 @@ def _warmup(
     return "all" if why else "background"
 
 
-def _native(platform: Platform, name: str, option: str, value: str, reasons: list[str]):
-    """(the C++ kernel `name`, why not): where `value` was asked for explicitly ("cpu"/"on"),
-    a reason is a ValueError and a failed build a KernelBuildError."""
-    required = value != "auto"
-    if reasons:
-        if required:
-            raise ValueError(f"{option} {value!r} cannot be used here: " + "; ".join(reasons))
-        return None, "; ".join(reasons)
-    try:
-        return platform.load_native(name), ""
-    except KernelBuildError as error:
-        if required:
-            raise
-        logger.warning("C++ kernel for %s unavailable (%s); going without it", option, error)
-        return None, f"its build failed ({error})"
-
-
 def resolve(
     options: EngineOptions,
     platform: Platform,
@@ -118,7 +91,8 @@ def resolve(
     int4 = options.quantization == "int4" or arch.quantization is not None
     int4_kernel = r.pick_if_used("int4_matmul", options.int4_matmul_impl, int4)
     layout = r.weight_layout(ffn)
-    matmul_fn = r.matmul_kernel(layout)
+    pallas_matmul = r.pallas_matmul(layout)
+    matmul_fn = None if pallas_matmul is not None else r.matmul_kernel(layout)
     if matmul_fn is not None and int4:
         int4_kernel = "cpu"
         r.reasons["int4_matmul"] = "the C++ matmul kernel's int4 product"
@@ -143,7 +117,7 @@ def resolve(
         weight_layout=layout,
         weight_format=r.weight_format(),
         int4_matmul=int4_kernel,
-        matmul="cpu" if matmul_fn is not None else "xla",
+        matmul="cpu" if matmul_fn is not None else getattr(pallas_matmul, "name", "xla"),
         gguf_blocks=gguf_fn is not None,
         gguf_blocks_required=options.gguf_weights == "on",
         layer_execution=layer_execution,
@@ -155,7 +129,8 @@ def resolve(
         compilation_cache_dir=r.compilation_cache_dir(),
         reasons=tuple(sorted(r.reasons.items())),
     )
-    return Resolution(resolved, r.kernels(resolved, attention_fn, matmul_fn, gguf_fn))
+    kernels = r.kernels(resolved, attention_fn, matmul_fn, gguf_fn, pallas_matmul)
+    return Resolution(resolved, kernels)
 
 
 class _Resolver:
@@ -182,6 +157,9 @@ class _Resolver:
         if name == "auto" and self.invariant and kind == "norm" and self.cpu:
             reasons[kind] = "batch_invariant: the reference with one row per reduction"
             return "invariant"
+        if name == "auto" and self.invariant and kind in ("ffn", "grouped_matmul", "int4_matmul"):
+            reasons[kind] = "batch_invariant: the reference, its products through the matmul kernel"
+            return "reference"
         if name == "auto":
             single_gpu = self.platform.backend == "gpu" and tp == 1
             name = "pallas" if single_gpu else "reference"
@@ -237,9 +215,11 @@ class _Resolver:
         options, reasons = self.options, self.reasons
         reference_ffn = self.registry.get("ffn", ffn) is fused_ffn_reference
         layout = options.weight_layout
-        if layout == "auto" and self.invariant:
+        if layout == "auto" and (self.invariant or self.options.matmul_impl in PALLAS_MATMULS):
             layout = OUT_IN
-            reasons["weight_layout"] = "batch_invariant: the matmul kernel's layout"
+            reasons["weight_layout"] = "the matmul kernel's layout" + (
+                " (batch_invariant)" if self.invariant else ""
+            )
         if layout == "auto":
             layout = OUT_IN if self.cpu and reference_ffn else IN_OUT
             reasons["weight_layout"] = (
@@ -260,16 +240,40 @@ class _Resolver:
             )
         return layout
 
+    def pallas_matmul(self, layout: str) -> PallasMatmul | None:
+        """The Pallas matmul kernel for the "out_in" products, where asked for or where
+        batch_invariant runs on a GPU; else None."""
+        options, arch, name = self.options, self.arch, self.options.matmul_impl
+        if name == "auto" and self.invariant and not self.cpu:
+            name = "pallas"
+            self.reasons["matmul"] = "batch_invariant on a GPU: tiles fixed for every row count"
+        if name not in PALLAS_MATMULS:
+            return None
+        why = []
+        if layout != OUT_IN:
+            why.append(f"it takes the 'out_in' weight layout, not {layout!r}")
+        if options.quantization is not None or arch.quantization is not None:
+            why.append("it takes float weights (the model's are quantized)")
+        if arch.moe is not None:
+            why.append("a MoE model's experts have no grouped product beside it")
+        if self.tp != 1:
+            why.append("it runs on one device (tensor_parallel_size=1)")
+        if name == "pallas" and self.cpu:
+            why.append("it compiles for a GPU (pallas_interpret runs it on CPU)")
+        if why:
+            raise ValueError(f"matmul_impl {name!r} cannot be used here: " + "; ".join(why))
+        return PallasMatmul(interpret=name == "pallas_interpret")
+
     def matmul_kernel(self, layout: str):
         """The C++ matmul kernel, or None (XLA's dot)."""
         options = self.options
         if options.matmul_impl == "xla":
             return None
-        why = _common_reasons(self.platform, self.tp, self.dtype)
+        why = native_reasons(self.platform, self.tp, self.dtype)
         if layout != OUT_IN:
             why.append("it takes the 'out_in' weight layout")
         asked = "cpu" if self.invariant else options.matmul_impl  # invariant: required
-        matmul_fn, why_not = _native(self.platform, "matmul", "matmul_impl", asked, why)
+        matmul_fn, why_not = native_kernel(self.platform, "matmul", "matmul_impl", asked, why)
         if options.matmul_impl == "auto":
             self.reasons["matmul"] = "the C++ kernel runs here" if matmul_fn else why_not
             if self.invariant:
@@ -282,15 +286,16 @@ class _Resolver:
         options, arch = self.options, self.arch
         attention_fn, why_not = None, ""
         if options.attention_impl in ("auto", "cpu"):
-            why = _common_reasons(self.platform, self.tp, self.dtype)
+            why = native_reasons(self.platform, self.tp, self.dtype)
             if arch.head_dim % 8 or arch.head_dim > 256:
                 why.append(
                     f"it takes a head_dim that is a multiple of 8 up to 256, not {arch.head_dim}"
                 )
             if options.block_size > 128:
                 why.append(f"it takes a block_size up to 128, not {options.block_size}")
-            asked = "cpu" if self.invariant else options.attention_impl  # invariant: required
-            attention_fn, why_not = _native(
+            # invariant on CPU: the C++ kernel is required
+            asked = "cpu" if self.invariant and self.cpu else options.attention_impl
+            attention_fn, why_not = native_kernel(
                 self.platform, "paged_attention", "attention_impl", asked, why
             )
         if attention_fn is not None:
@@ -323,7 +328,7 @@ class _Resolver:
             why.append("a MoE model's experts are not read in place yet")
         if self.gguf_source is None:
             why.append("the model was not converted from a GGUF file (or its folder lost it)")
-        gguf_fn, why_not = _native(
+        gguf_fn, why_not = native_kernel(
             self.platform, "gguf_matmul", "gguf_weights", options.gguf_weights, why
         )
         if options.gguf_weights == "auto":
@@ -359,7 +364,9 @@ class _Resolver:
             return None
         return self.options.compilation_cache_dir or str(Path(self.options.cache_dir) / "xla")
 
-    def kernels(self, resolved: ResolvedOptions, attention_fn, matmul_fn, gguf_fn) -> ModelKernels:
+    def kernels(
+        self, resolved: ResolvedOptions, attention_fn, matmul_fn, gguf_fn, pallas_matmul
+    ) -> ModelKernels:
         """The callables the model runs, for the choices in `resolved`."""
         registry, invariant = self.registry, self.invariant
         if attention_fn is None:
@@ -378,7 +385,7 @@ class _Resolver:
             int4_matmul=registry.get(
                 "int4_matmul", "reference" if int4_kernel == "cpu" else int4_kernel
             ),
-            matmul=None
+            matmul=pallas_matmul
             if matmul_fn is None
             else KernelMatmul(
                 matmul_fn,

@@ -16,7 +16,7 @@ from jaxinfer.model_loader.gguf_weights import load_gguf_params
 from jaxinfer.model_loader.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.llama import build_llama
-from jaxinfer.models.params import PARAM_AXES, as_weights, to_layout
+from jaxinfer.models.params import PARAM_AXES, as_weights, random_params, to_layout
 from jaxinfer.parallel.sharding import Partitioner
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,12 @@ def load_model(
     weight_layout = config.resolved.weight_layout
     arch, dtype = config.model.arch, config.model.dtype
     replicas = config.parallel.kv_replicas
+    if config.model.random_weights:  # load_format "dummy"
+        params = random_params(arch, dtype, on_device=True)
+        graphdef, state = build_llama(
+            arch, params, dtype, partitioner, weight_layout, config.model.quantization
+        )
+        return graphdef, state, []
     if gguf_file is not None and config.resolved.gguf_blocks:
         params, kept = load_gguf_params(gguf_file, arch, np.dtype(dtype))
         if not kept and config.resolved.gguf_blocks_required:

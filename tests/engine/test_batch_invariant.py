@@ -178,3 +178,24 @@ def test_moe_model_bit_identical(tmp_path_factory):
     alone = record(llm.generate([FIXED_PROMPT], FIXED, use_tqdm=False)[0])
     for count in (5, 15):
         assert among(llm, random.Random(10 + count), count) == alone
+
+
+def test_pallas_kernels_bit_identical(make_llm):
+    """The GPU form of the mode: projections through the Pallas matmul kernel, attention and
+    norms through their Pallas kernels in fixed order (compiled on a GPU, interpreted here)."""
+    import jax
+
+    impl = "pallas" if jax.default_backend() == "gpu" else "pallas_interpret"
+    kernels = {f"{kind}_impl": impl for kind in ("matmul", "attention", "norm")}
+    options = dict(max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(1, 16))
+    llm = make_llm("tiny", **{**WIDE, **options, **kernels, "batch_invariant": True})
+    resolved = llm.engine.describe()["resolved"]
+    assert [resolved[k]["value"] for k in ("matmul", "attention", "norm", "ffn")] == [
+        impl,
+        impl,
+        impl,
+        "reference",
+    ]
+    alone = record(llm.generate([FIXED_PROMPT], FIXED, use_tqdm=False)[0])
+    for count in (2, 7):
+        assert among(llm, random.Random(20 + count), count) == alone

@@ -29,7 +29,11 @@ def _untracked() -> set[str]:
     "script, first, gpu_stages",
     [
         ("gpu_smoke.sh", "jax", ["nvidia_smi", "kernel_check", "engine", "kernel_tests"]),
-        ("gpu_check.sh", "gpu_env", ["kernel_bench", "tune_pallas", "decode_roofline"]),
+        (
+            "gpu_check.sh",
+            "gpu_env",
+            ["kernel_bench", "tune_pallas", "decode_roofline", "bench_shape", "invariance"],
+        ),
     ],
 )
 def test_gpu_script_on_cpu_skips_the_gpu_stages(tmp_path, script, first, gpu_stages):

@@ -84,11 +84,27 @@ def test_decode_roofline_reports_each_batch(tmp_path):
         "--batch_sizes=1,4",
         "--context=48",
         "--steps=1",
+        "--profile_batch_sizes=4",
         f"--output_json={output}",
     )
     rows = json.loads(output.read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 4]
     assert all(row["step_ms"] > 0 and row["roofline_ms"] > 0 for row in rows)
+    kernels = rows[1]["kernels"]  # the profile: device (here XLA:CPU) time per kernel
+    assert kernels and all(k["ms"] > 0 for k in kernels) and "kernels" not in rows[0]
+    assert sum(k["share"] for k in kernels) == pytest.approx(1.0)
+
+
+def test_shape_bench_serves_every_request_with_random_weights(tmp_path):
+    output = tmp_path / "shape.json"
+    args = ["--shape=smollm2", "--num_requests=6", "--max_input_len=40", "--max_output_len=8"]
+    args += ["--min_input_len=8", "--min_output_len=2", "--token_buckets=64"]
+    args += ["--max_num_batched_tokens=64", "--kv_cache_memory_gb=0.25", "--layer_execution=scan"]
+    run("-m", "tools.bench_shape", *args, f"--output_json={output}")
+    row = json.loads(output.read_text())["row"]
+    assert row["requests"] == 6 and row["output_tokens_per_s"] > 0
+    assert 0.3 < row["weights_gb"] < 0.6  # SmolLM2-135M's layers and head in float32
+    assert 0 < row["percent_of_roofline"] < 100
 
 
 def test_moe_bench_reports_each_token_count(tmp_path):
@@ -141,7 +157,7 @@ def test_pallas_sweep_checks_every_configuration_against_the_reference(tmp_path)
         f"--output_json={output}",
     )
     rows = json.loads(output.read_text())["rows"]
-    cases = ("decode b2 c32", "gate_up t2", "gate_up t16")
+    cases = ("gate_up t2", "gate_up t16", "decode b2 c32")  # the FFN first
     assert [(r["case"], r["config"] == "defaults") for r in rows] == [
         (case, first) for case in cases for first in (True, False)
     ]

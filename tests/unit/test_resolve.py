@@ -14,6 +14,7 @@ from jaxinfer.config.platform import Platform
 from jaxinfer.config.resolve import resolve
 from jaxinfer.layers.kernel_registry import default_registry
 from jaxinfer.layers.native_kernels import KernelMatmul
+from jaxinfer.layers.pallas_matmul import PallasMatmul
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -205,3 +206,29 @@ def test_warmup_in_the_background_only_where_it_can_run():
     assert "per-layer" in per_layer.describe()["warmup"]["reason"]
     with pytest.raises(ValueError, match="warmup 'background' cannot be used here: several"):
         settle(lockstep, warmup="background")
+
+
+def test_batch_invariant_on_a_gpu_takes_the_pallas_kernels_in_fixed_order():
+    resolution = settle(GPU, batch_invariant=True)
+    resolved = resolution.options
+    chosen = (resolved.matmul, resolved.attention, resolved.norm, resolved.ffn)
+    assert chosen == ("pallas", "pallas", "pallas", "reference")
+    assert resolved.weight_layout == "out_in"
+    assert isinstance(resolution.kernels.matmul, PallasMatmul)
+    assert not resolution.kernels.matmul.interpret
+    assert resolution.kernels.attention.keywords == {"batch_invariant": True}
+    assert "batch_invariant" in resolved.describe()["matmul"]["reason"]
+    with pytest.raises(ValueError, match="takes float weights"):
+        settle(GPU, batch_invariant=True, quantization="int8")
+    with pytest.raises(ValueError, match="batch_invariant needs matmul_impl"):
+        settle(GPU, batch_invariant=True, matmul_impl="xla")
+    with pytest.raises(ValueError, match="compiles for a GPU"):
+        settle(NO_NATIVE, matmul_impl="pallas")
+    interpreted = settle(
+        NO_NATIVE,
+        batch_invariant=True,
+        matmul_impl="pallas_interpret",
+        attention_impl="pallas_interpret",
+    )
+    assert interpreted.options.matmul == "pallas_interpret"
+    assert interpreted.kernels.matmul.interpret

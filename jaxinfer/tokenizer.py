@@ -64,21 +64,28 @@ class TokenizerWrapper:
         add_generation_prompt: bool = True,
         max_chars: int | None = None,
         tools: list[dict] | None = None,
+        extra: dict | None = None,
     ) -> str:
         """Renders the model's chat template in the sandbox; a template that fails raises
         jinja2's TemplateError (SecurityError when it breaks the sandbox) or whatever else
-        its code raised, and one producing more than max_chars a ValueError."""
+        its code raised, and one producing more than max_chars a ValueError. `extra`: more
+        variables (a request's chat_template_kwargs)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        variables = self.template_variables(messages, add_generation_prompt, tools)
+        variables = self.template_variables(messages, add_generation_prompt, tools, extra)
         if max_chars is None:
             return self._template.render(**variables)
         return chat_template.render_bounded(self._template, variables, max_chars)
 
     def template_variables(
-        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        extra: dict | None = None,
     ) -> dict:
-        """What a chat template renders from (`tools` as transformers passes them)."""
+        """What a chat template renders from (`tools` as transformers passes them; `extra`
+        beside them, never in place of one: a ValueError)."""
         variables = {
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
@@ -87,7 +94,10 @@ class TokenizerWrapper:
         }
         if tools is not None:
             variables["tools"] = tools
-        return variables
+        taken = set(extra or ()) & {*variables, "tools"}
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(taken)}")
+        return {**variables, **(extra or {})}
 
 
 def _token_text(value) -> str | None:

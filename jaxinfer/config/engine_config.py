@@ -25,6 +25,7 @@ class ModelConfig:
     # Weight-only quantization at load (jaxinfer.layers.quantization); None: as the checkpoint.
     quantization: Quantization | None = None
     random_weights: bool = False  # load_format "dummy": drawn on the device, nothing read
+    reasoning_parser: str | None = None  # how its outputs write reasoning (jaxinfer.reasoning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,7 @@ def build_engine_config(
             max_model_len=max_model_len,
             quantization=quantization_of(options),
             random_weights=options.load_format == "dummy",
+            reasoning_parser=options.reasoning_parser,
         ),
         cache=CacheConfig(
             block_size=options.block_size,

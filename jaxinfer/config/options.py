@@ -23,6 +23,7 @@ QUANTIZATIONS = METHODS
 MATMUL_IMPLS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 GGUF_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "dummy")
+REASONING_STYLES = ("qwen3", "deepseek_r1")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
 MAX_SPECULATIVE_TOKENS = 15
 WARMUPS = ("auto", "all", "background")
@@ -256,6 +257,14 @@ class EngineOptions:
         "about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
     )
 
+    reasoning_parser: str | None = option(
+        None,
+        "How the model writes its reasoning: qwen3 (a <think>...</think> block where the "
+        "output or the prompt opens one) or deepseek_r1 (the output starts in the block): the "
+        "server splits it into reasoning_content, and a structured output or a tool call's "
+        "grammar applies from the end of the block. Unset: no reasoning is parsed.",
+        REASONING_STYLES,
+    )
     random_seed: int | None = option(
         None,
         "Root of the seeds of requests that set none: each one's seed derives from it and the "

@@ -22,6 +22,7 @@ from jaxinfer.engine.startup.start import describe, start_model
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.parallel.distributed import seed_root
+from jaxinfer.reasoning import ReasoningParser
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ class LLMEngine:
         warm-up's compilation (the log has its progress either way)."""
         started = start_model(options, kernels, show_progress)
         self.config, self.tokenizer, self.runner = started.config, started.tokenizer, started.runner
+        style = self.config.model.reasoning_parser
+        self.reasoning = ReasoningParser(style) if style is not None else None
         self.eos_token_ids, self.draft = started.eos_token_ids, started.draft
         self.partitioner, self.gguf_weights = started.partitioner, started.gguf_weights
         self.batch_builder, self.background_compile = (
@@ -169,8 +172,14 @@ class LLMEngine:
         cache_salt: str | None,
     ) -> Request:
         matcher = prepared.grammar.deep_copy() if prepared.grammar is not None else None
+        waits = None  # the token the grammar waits for: the end of the output's reasoning
+        if matcher is not None and self.reasoning is not None:
+            prompt = prepared.prompt or self.tokenizer.decode(
+                prepared.prompt_token_ids[-16:], False
+            )
+            waits = self.reasoning.grammar_start(prompt, self.tokenizer.encode)
         constraints = RequestConstraints(
-            matcher, prepared.bad_words, params.min_tokens, prepared.stop_mask
+            matcher, prepared.bad_words, params.min_tokens, prepared.stop_mask, waits
         )
         request = Request(
             request_id=request_id,

@@ -88,14 +88,23 @@ class Formatter:
         return choice
 
     def chat_choice(
-        self, c: CompletionOutput, with_logprobs: bool, tool_plan: ToolPlan | None = None
+        self,
+        c: CompletionOutput,
+        with_logprobs: bool,
+        tool_plan: ToolPlan | None = None,
+        split: tuple[str | None, str | None] | None = None,
     ) -> dict:
-        """A whole answer; with tools, its calls parsed out of the text."""
-        message: dict = {"role": "assistant", "content": c.text}
+        """A whole answer; with tools, its calls parsed out of the text. `split`: its
+        (reasoning, content) where the server parses reasoning (jaxinfer.reasoning); the
+        calls are parsed out of the content only."""
+        reasoning, text = (None, c.text) if split is None else split
+        message: dict = {"role": "assistant", "content": text}
+        if split is not None:
+            message["reasoning_content"] = reasoning
         finish_reason = c.finish_reason
-        if tool_plan is not None and tool_plan.parses:
-            content, calls = tool_calls.parse(c.text, tool_plan)
-            message = {"role": "assistant", "content": content}
+        if tool_plan is not None and tool_plan.parses and text is not None:
+            content, calls = tool_calls.parse(text, tool_plan)
+            message["content"] = content
             if calls:
                 message["tool_calls"] = calls
                 finish_reason = tool_finish_reason(finish_reason, tool_plan)
@@ -136,9 +145,12 @@ def json_response(body: dict) -> fastapi.Response:
 class Usage:
     """Token counts of one request, added up as its outputs arrive (deltas or finals)."""
 
-    def __init__(self):
+    def __init__(self, reasoning: bool = False):
+        """`reasoning`: the server parses reasoning, so the body counts its tokens too
+        (`reasoning_tokens`, added by the caller)."""
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.reasoning_tokens: int | None = 0 if reasoning else None
         self._prompts: set[str] = set()
 
     def add(self, output: RequestOutput) -> None:
@@ -148,11 +160,14 @@ class Usage:
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def body(self) -> dict:
-        return {
+        body = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.reasoning_tokens is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return body
 
 
 async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:

@@ -190,6 +190,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -9,21 +9,19 @@ that goes away at any point ends them.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
 
 import fastapi
 import pydantic
-from fastapi.responses import StreamingResponse
 
+from jaxinfer.reasoning import reasoning_tokens
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import streams as engine_streams
 from jaxinfer.server import tool_calls
-from jaxinfer.server.admission import SequenceLimiter, Ticket
-from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxinfer.server.admission import SequenceLimiter
+from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError
 from jaxinfer.server.errors import APIError
-from jaxinfer.server.formatting import Formatter, Usage, json_response, sse, tool_finish_reason
+from jaxinfer.server.formatting import Formatter, Usage, json_response, tool_finish_reason
 from jaxinfer.server.isolated_render import IsolatedRenderer
 from jaxinfer.server.protocol import (
     ChatCompletionRequest,
@@ -32,42 +30,10 @@ from jaxinfer.server.protocol import (
     TokenizeRequest,
 )
 from jaxinfer.server.request_ids import engine_id, response_id
+from jaxinfer.server.streams import EngineStreamingResponse, Held
 
 BAD_REQUEST = (ValueError, TypeError, pydantic.ValidationError)
 MAX_ERROR_CHARS = 1000  # of a template's error message in a response
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """Server-sent events whose engine requests end with the response, however it ends:
-    finished, failed, or abandoned by a client that stopped reading."""
-
-    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]):
-        super().__init__(sse(chunks), media_type="text/event-stream")
-        self._chunks = chunks
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-            for generator in (self.body_iterator, self._chunks):
-                # (RuntimeError: still running in its own task, which ends it)
-                with contextlib.suppress(RuntimeError):
-                    await generator.aclose()
-
-
-class _Held:
-    """What one HTTP request holds: its ticket and its engine streams."""
-
-    def __init__(self, ticket: Ticket):
-        self.ticket = ticket
-        self.streams: list[RequestStream] = []
-
-    def release(self) -> None:
-        for stream in self.streams:
-            stream.close()
-        self.ticket.release()
 
 
 class OpenAIServing:
@@ -100,6 +66,7 @@ class OpenAIServing:
         self.limiter = SequenceLimiter(max_queued_requests)
         self.formatter = Formatter(self.tokenizer, served_model_name)
         self.template_reads_tools = tool_calls.template_reads_tools(self.tokenizer.chat_template)
+        self.reasoning = engine.engine.reasoning  # ReasoningParser, or None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -116,7 +83,7 @@ class OpenAIServing:
             prompts = body.prompts()
         except BAD_REQUEST as error:
             raise APIError(400, str(error)) from None
-        held = _Held(self.limiter.take(len(prompts) * params.n))
+        held = Held(self.limiter.take(len(prompts) * params.n))
         try:
             await self._start(held, prompts, params, add_special_tokens=True)
             created = int(time.time())
@@ -164,30 +131,41 @@ class OpenAIServing:
             conversation = body.conversation()
         except BAD_REQUEST as error:
             raise APIError(400, str(error)) from None
-        held = _Held(self.limiter.take(params.n))
+        held = Held(self.limiter.take(params.n))
         try:
             tools = None if tool_plan is None else tool_plan.rendered_tools
             text = await self.render(
-                conversation, body.add_generation_prompt, body.chat_template, tools
+                conversation,
+                body.add_generation_prompt,
+                body.chat_template,
+                tools,
+                body.chat_template_kwargs,
             )
             await self._start(held, [text], params, add_special_tokens=False)
             created = int(time.time())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 chunks = self._chat_chunks(
-                    request_id, created, held.streams[0], params, include_usage, tool_plan
+                    request_id, created, held.streams[0], params, include_usage, tool_plan, text
                 )
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
             (final,) = await engine_streams.finals(held.streams)
 
             def build() -> fastapi.Response:
-                usage = Usage()
+                usage = Usage(reasoning=self.reasoning is not None)
                 usage.add(final)
-                choices = [
-                    self.formatter.chat_choice(c, params.logprobs is not None, tool_plan)
-                    for c in final.outputs
-                ]
+                choices = []
+                for c in final.outputs:
+                    split = None
+                    if self.reasoning is not None:
+                        split = self.reasoning.split(text, c.text)
+                        usage.reasoning_tokens += reasoning_tokens(
+                            self.reasoning, text, c.token_ids, self.tokenizer.decode
+                        )
+                    choices.append(
+                        self.formatter.chat_choice(c, params.logprobs is not None, tool_plan, split)
+                    )
                 extra = {"usage": usage.body()}
                 if final.prompt_logprobs is not None:
                     extra["prompt_logprobs"] = self.formatter.prompt_logprobs(final.prompt_logprobs)
@@ -236,6 +214,7 @@ class OpenAIServing:
         add_generation_prompt: bool,
         chat_template: str | None,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         """The prompt text of a conversation: the model's template on a worker thread, or the
         request's own in a bounded child process; any failure of the template is a 400.
@@ -255,9 +234,10 @@ class OpenAIServing:
                     add_generation_prompt,
                     self.max_rendered_chars,
                     tools,
+                    template_kwargs,
                 )
             variables = self.tokenizer.template_variables(
-                conversation, add_generation_prompt, tools
+                conversation, add_generation_prompt, tools, template_kwargs
             )
             return await self.isolated.render(chat_template, variables)
         except Exception as error:  # a template's code may raise anything: its error
@@ -268,7 +248,7 @@ class OpenAIServing:
 
     async def _start(
         self,
-        held: _Held,
+        held: Held,
         prompts: list[str | list[int]],
         params: SamplingParams,
         add_special_tokens: bool,
@@ -318,11 +298,13 @@ class OpenAIServing:
             )
 
     async def _chat_chunks(
-        self, request_id, created, stream, params, include_usage, tool_plan=None
+        self, request_id, created, stream, params, include_usage, tool_plan=None, prompt=""
     ):
         parsing = tool_plan is not None and tool_plan.parses
         calls = [tool_calls.CallStream(tool_plan) for _ in range(params.n)] if parsing else None
         called = [False] * params.n
+        reasoning = self.reasoning
+        splitters = [reasoning.splitter(prompt) for _ in range(params.n)] if reasoning else None
 
         def chunk(choices, **extra):
             return self.formatter.body(
@@ -335,19 +317,30 @@ class OpenAIServing:
                 for i in range(params.n)
             ]
         )
-        usage = Usage()
+        usage = Usage(reasoning=reasoning is not None)
         async for output in stream:
             usage.add(output)
             for c in output.outputs:
+                if splitters is not None and splitters[c.index].in_reasoning:
+                    usage.reasoning_tokens += len(c.token_ids)  # (text or not)
                 if not c.text and c.finish_reason is None:
                     continue
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = {"content": self.formatter.chat_logprobs(c.token_ids, c.logprobs)}
-                deltas = [{"content": c.text}] if c.text else []
+                text, deltas = c.text, []
+                if splitters is not None:  # the reasoning first, the rest as content
+                    splitter = splitters[c.index]
+                    thought, text = splitter.feed(c.text)
+                    if c.finish_reason is not None:
+                        more_thought, more_text = splitter.finish()
+                        thought, text = thought + more_thought, text + more_text
+                    deltas = [{"reasoning_content": thought}] if thought else []
+                deltas += [{"content": text}] if text else []
                 finish_reason = c.finish_reason
                 if parsing:
-                    deltas = calls[c.index].feed(c.text)
+                    deltas = [d for d in deltas if "reasoning_content" in d]
+                    deltas += calls[c.index].feed(text)
                     if c.finish_reason is not None:
                         deltas += calls[c.index].finish()
                     called[c.index] |= any("tool_calls" in d for d in deltas)

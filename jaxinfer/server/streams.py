@@ -1,14 +1,20 @@
 """Reading a request's engine streams: the final outputs (non-streamed answers) or every
-output as it comes, merged over the streams of its prompts and samples."""
+output as it comes, merged over the streams of its prompts and samples; what an HTTP request
+holds (Held) and the streamed response that releases it however it ends."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
 
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.server.admission import Ticket
 from jaxinfer.server.async_engine import EngineDeadError, RequestStream
 from jaxinfer.server.errors import APIError
+from jaxinfer.server.formatting import sse
 
 
 async def finals(streams: list[RequestStream]) -> list[RequestOutput]:
@@ -47,3 +53,36 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
     finally:
         for task in tasks:
             task.cancel()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Server-sent events whose engine requests end with the response, however it ends:
+    finished, failed, or abandoned by a client that stopped reading."""
+
+    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]):
+        super().__init__(sse(chunks), media_type="text/event-stream")
+        self._chunks = chunks
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            for generator in (self.body_iterator, self._chunks):
+                # (RuntimeError: still running in its own task, which ends it)
+                with contextlib.suppress(RuntimeError):
+                    await generator.aclose()
+
+
+class Held:
+    """What one HTTP request holds: its ticket and its engine streams."""
+
+    def __init__(self, ticket: Ticket):
+        self.ticket = ticket
+        self.streams: list[RequestStream] = []
+
+    def release(self) -> None:
+        for stream in self.streams:
+            stream.close()
+        self.ticket.release()

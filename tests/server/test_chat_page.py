@@ -67,3 +67,32 @@ def test_a_message_gets_a_streamed_answer_in_chromium(url, tmp_path):
         # It all ran under the page's strict Content-Security-Policy.
         assert not [text for text in console if "Content Security Policy" in text], console
         browser.close()
+
+
+def test_reasoning_is_shown_folded_above_the_answer(tmp_path_factory):
+    """A reasoning model (the tiny one whose template opens a <think> block) behind a server
+    that parses reasoning: the page shows it in a closed <details> above the answer."""
+    from tests.support.models import make_thinking_model
+
+    folder = make_thinking_model(tmp_path_factory.mktemp("thinking_page"))
+    engine = build_engine(folder, "served", reasoning_parser="qwen3")
+    url, server = serve(build_app(AsyncEngine(engine), ServerConfig(served_model_name="tiny")))
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(url)
+            expect(page.locator("#model")).to_have_text("tiny")
+            page.fill("#max_tokens", "12")
+            page.fill("#prompt", "Why?")
+            page.keyboard.press("Enter")
+            answer = page.locator(".msg.assistant").first
+            expect(answer.locator(".stats")).to_contain_text("tokens/s", timeout=60_000)
+            reasoning = answer.locator("details.reasoning")
+            expect(reasoning).to_be_visible()
+            assert reasoning.get_attribute("open") is None  # folded
+            assert len(reasoning.text_content()) > len("Reasoning")  # the summary, and text
+            assert "<think>" not in answer.inner_text()
+            browser.close()
+    finally:
+        server.should_exit = True

@@ -3,6 +3,7 @@ byte-level tokenizer, for tests against HF's own outputs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -43,6 +44,33 @@ def make_tiny_model(folder: Path, seed: int = 0, **overrides) -> Path:
                 param.mul_(4.0)
     model.eval().save_pretrained(folder, safe_serialization=True)
     write_tiny_tokenizer(folder, config_kwargs["vocab_size"])
+    return folder
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+THINK_END_ID = 321
+
+
+def make_thinking_model(folder: Path) -> Path:
+    """The tiny model with `<think>` and `</think>` tokens (320, 321; not special, so kept in
+    the text) and a template that opens the block unless enable_thinking is false (as Qwen3's
+    thinking templates do): a reasoning model's shape of output, for the reasoning parser."""
+    from tokenizers import Tokenizer
+
+    make_tiny_model(folder, vocab_size=322)
+    write_tiny_tokenizer(folder, 320)  # 320 tokens, then the two tags
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tokenizer.add_tokens(["<think>", "</think>"]) == 2
+    assert tokenizer.token_to_id("</think>") == THINK_END_ID
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
 

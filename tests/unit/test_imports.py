@@ -15,7 +15,7 @@ LAYERS = (
     ("jaxinfer.chat_template", "jaxinfer.tokenizer"),
     ("jaxinfer.parallel",),
     ("jaxinfer.layers",),
-    ("jaxinfer.config",),
+    ("jaxinfer.config", "jaxinfer.reasoning"),
     ("jaxinfer.models",),
     ("jaxinfer.model_loader",),
     ("jaxinfer.engine",),

@@ -293,3 +293,42 @@ def test_the_extremes_of_the_ranges_keep_every_mask(temperature, repetition_pena
     assert set(tokens.tolist()) <= {3, 40}, tokens
     sampled_logprobs, _, _ = token_logprobs(jnp.asarray(logits), out.token_ids, 2)
     assert np.all(np.isfinite(np.asarray(sampled_logprobs)))
+
+
+def test_a_grammar_waits_for_the_end_of_the_reasoning(tmp_path):
+    """With reasoning_end set the grammar neither masks nor consumes until that token is
+    accepted (a proposal of it in a step's drafts constrains the rows after it, and is undone
+    with the drafts); then it masks as usual."""
+    import types
+
+    from tokenizers import Tokenizer
+
+    from jaxinfer.engine.sampling.constraints import GrammarCompiler, step_bitmask
+    from jaxinfer.sampling_params import StructuredOutputsParams
+    from tools.tiny_tokenizer import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path, 320)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    end, a, z = 321, tokenizer.token_to_id("a"), tokenizer.token_to_id("z")
+    compiler = GrammarCompiler(tmp_path / "tokenizer.json", 322, [2])
+    matcher = compiler.template(StructuredOutputsParams(choice=["ab"])).deep_copy()
+    constraints = RequestConstraints(matcher, None, 0, None, reasoning_end=end)
+    request = types.SimpleNamespace(
+        constraints=constraints, num_output_placeholders=0, output_token_ids=[z]
+    )
+
+    def allows(row, token):
+        return bool((int(row.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
+
+    rows = step_bitmask(request, 1, (z, end, a), 322)
+    assert (rows[0] == -1).all() and (rows[1] == -1).all()  # still reasoning: free
+    assert allows(rows[2], a) and not allows(rows[2], z)  # after the end tag: the grammar's
+    assert constraints.reasoning_end == end  # the drafts were not accepted
+    constraints.accept(z)
+    assert constraints.reasoning_end == end and not matcher.is_stopped()
+    constraints.accept(end)
+    assert constraints.reasoning_end is None
+    (row,) = step_bitmask(request, 3, (), 322)
+    assert allows(row, a) and not allows(row, z) and not allows(row, end)

@@ -175,11 +175,15 @@ class RequestConstraints:
         bad_words: BadWords | None,
         min_tokens: int,
         stop_mask: np.ndarray | None,
+        reasoning_end: int | None = None,
     ):
         self.matcher = matcher
         self.bad_words = bad_words if bad_words else None
         self.min_tokens = min_tokens
         self.stop_mask = stop_mask  # i32[W], applied while output_position < min_tokens
+        # The token that ends the output's reasoning block, while it is still open: until it
+        # is sampled the grammar neither masks nor consumes (EngineOptions.reasoning_parser).
+        self.reasoning_end = reasoning_end if matcher is not None else None
 
     @property
     def depends_on_tokens(self) -> bool:
@@ -195,7 +199,7 @@ class RequestConstraints:
     ) -> None:
         """Writes row `index` of bitmask (i32[U, W], preset to all-allowed)."""
         row = bitmask[index]
-        if self.matcher is not None:
+        if self.matcher is not None and self.reasoning_end is None:
             llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, index)
         if self.bad_words is not None:
             clear_bits(row, self.bad_words.banned_after(output_ids))
@@ -203,7 +207,10 @@ class RequestConstraints:
             row &= self.stop_mask
 
     def accept(self, token_id: int) -> None:
-        if self.matcher is not None:
+        if self.reasoning_end is not None:
+            if token_id == self.reasoning_end:
+                self.reasoning_end = None  # the grammar starts with the next token
+        elif self.matcher is not None:
             self.matcher.consume_token(token_id)
 
     @property
@@ -237,15 +244,22 @@ def step_bitmask(
     values = np.full((len(drafts) + 1, bitmask_width(vocab_size)), -1, np.int32)
     outputs = request.output_token_ids
     consumed = 0
-    for j in range(len(drafts) + 1):
-        if constraints.active(output_position + j):
-            constraints.fill(values, j, outputs + list(drafts[:j]), output_position + j)
-        if j == len(drafts) or not _allows(values[j], drafts[j]):
-            break
-        if constraints.matcher is not None:
-            if constraints.matcher.is_stopped() or not constraints.matcher.consume_token(drafts[j]):
+    reasoning_end = constraints.reasoning_end  # restored below: the drafts are not accepted
+    try:
+        for j in range(len(drafts) + 1):
+            if constraints.active(output_position + j):
+                constraints.fill(values, j, outputs + list(drafts[:j]), output_position + j)
+            if j == len(drafts) or not _allows(values[j], drafts[j]):
                 break
-            consumed += 1
+            if constraints.reasoning_end is not None:  # the grammar waits (see __init__)
+                constraints.accept(drafts[j])
+            elif constraints.matcher is not None:
+                matcher = constraints.matcher
+                if matcher.is_stopped() or not matcher.consume_token(drafts[j]):
+                    break
+                consumed += 1
+    finally:
+        constraints.reasoning_end = reasoning_end
     if consumed:
         constraints.matcher.rollback(consumed)
     return values

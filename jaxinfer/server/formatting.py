@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import fastapi
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.server import tool_calls
 from jaxinfer.server.async_engine import EngineDeadError
 from jaxinfer.server.errors import error_body
 from jaxinfer.server.tool_calls import ToolPlan
@@ -91,23 +90,19 @@ class Formatter:
         self,
         c: CompletionOutput,
         with_logprobs: bool,
-        tool_plan: ToolPlan | None = None,
-        split: tuple[str | None, str | None] | None = None,
+        tool_plan: ToolPlan | None,
+        parts: tuple[str | None, str | None, list[dict]],
+        with_reasoning: bool,
     ) -> dict:
-        """A whole answer; with tools, its calls parsed out of the text. `split`: its
-        (reasoning, content) where the server parses reasoning (jaxinfer.reasoning); the
-        calls are parsed out of the content only."""
-        reasoning, text = (None, c.text) if split is None else split
-        message: dict = {"role": "assistant", "content": text}
-        if split is not None:
+        """A whole answer from its (reasoning, content, tool calls): chat_output.whole."""
+        reasoning, content, calls = parts
+        message: dict = {"role": "assistant", "content": content}
+        if with_reasoning:
             message["reasoning_content"] = reasoning
         finish_reason = c.finish_reason
-        if tool_plan is not None and tool_plan.parses and text is not None:
-            content, calls = tool_calls.parse(text, tool_plan)
-            message["content"] = content
-            if calls:
-                message["tool_calls"] = calls
-                finish_reason = tool_finish_reason(finish_reason, tool_plan)
+        if calls:
+            message["tool_calls"] = calls
+            finish_reason = tool_finish_reason(finish_reason, tool_plan)
         return {
             "index": c.index,
             "message": message,

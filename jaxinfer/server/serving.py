@@ -9,17 +9,18 @@ that goes away at any point ends them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import fastapi
 import pydantic
 
-from jaxinfer.reasoning import reasoning_tokens
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.server import chat_output, tool_calls
 from jaxinfer.server import streams as engine_streams
-from jaxinfer.server import tool_calls
 from jaxinfer.server.admission import SequenceLimiter
 from jaxinfer.server.async_engine import AsyncEngine, EngineDeadError
+from jaxinfer.server.chat_output import ChoiceParser
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.formatting import Formatter, Usage, json_response, tool_finish_reason
 from jaxinfer.server.isolated_render import IsolatedRenderer
@@ -31,9 +32,20 @@ from jaxinfer.server.protocol import (
 )
 from jaxinfer.server.request_ids import engine_id, response_id
 from jaxinfer.server.streams import EngineStreamingResponse, Held
+from jaxinfer.server.tool_calls import ToolPlan
 
 BAD_REQUEST = (ValueError, TypeError, pydantic.ValidationError)
 MAX_ERROR_CHARS = 1000  # of a template's error message in a response
+
+
+@dataclasses.dataclass
+class ChatStart:
+    """A chat request admitted: what it holds, its sampling, tools and rendered prompt."""
+
+    held: Held
+    params: SamplingParams
+    tool_plan: ToolPlan | None
+    prompt: str
 
 
 class OpenAIServing:
@@ -119,10 +131,10 @@ class OpenAIServing:
             if held is not None:
                 held.release()
 
-    async def chat(self, body: ChatCompletionRequest, client_id: str | None = None):
-        """client_id: the X-Request-Id header, if any: it labels the response (response_id)."""
+    async def start_chat(self, body: ChatCompletionRequest) -> ChatStart:
+        """A chat request validated, rendered and admitted (any chat API's first half); the
+        caller releases `held` (or hands it to a streamed response)."""
         self.check_model(body.model)
-        request_id = response_id("chatcmpl", client_id)
         if body.chat_template is not None and not self.allow_request_chat_template:
             raise APIError(400, "chat_template in a request is not allowed on this server")
         try:
@@ -134,20 +146,38 @@ class OpenAIServing:
         held = Held(self.limiter.take(params.n))
         try:
             tools = None if tool_plan is None else tool_plan.rendered_tools
-            text = await self.render(
+            prompt = await self.render(
                 conversation,
                 body.add_generation_prompt,
                 body.chat_template,
                 tools,
                 body.chat_template_kwargs,
             )
-            await self._start(held, [text], params, add_special_tokens=False)
+            await self._start(held, [prompt], params, add_special_tokens=False)
+        except BaseException:
+            held.release()
+            raise
+        return ChatStart(held, params, tool_plan, prompt)
+
+    def choice_parser(self, start: ChatStart) -> ChoiceParser:
+        return ChoiceParser(self.reasoning, start.tool_plan, start.prompt)
+
+    def whole_choice(self, start: ChatStart, c) -> tuple[tuple, int]:
+        """((reasoning, content, tool calls), reasoning tokens) of a final output's choice."""
+        parts = chat_output.whole(self.reasoning, start.tool_plan, start.prompt, c.text)
+        decode = self.tokenizer.decode
+        return parts, chat_output.count_reasoning(self.reasoning, start.prompt, c.token_ids, decode)
+
+    async def chat(self, body: ChatCompletionRequest, client_id: str | None = None):
+        """client_id: the X-Request-Id header, if any: it labels the response (response_id)."""
+        request_id = response_id("chatcmpl", client_id)
+        start = await self.start_chat(body)
+        held, params, tool_plan = start.held, start.params, start.tool_plan
+        try:
             created = int(time.time())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                chunks = self._chat_chunks(
-                    request_id, created, held.streams[0], params, include_usage, tool_plan, text
-                )
+                chunks = self._chat_chunks(request_id, created, start, include_usage)
                 response, held = EngineStreamingResponse(chunks, held.release), None
                 return response
             (final,) = await engine_streams.finals(held.streams)
@@ -157,15 +187,13 @@ class OpenAIServing:
                 usage.add(final)
                 choices = []
                 for c in final.outputs:
-                    split = None
-                    if self.reasoning is not None:
-                        split = self.reasoning.split(text, c.text)
-                        usage.reasoning_tokens += reasoning_tokens(
-                            self.reasoning, text, c.token_ids, self.tokenizer.decode
-                        )
-                    choices.append(
-                        self.formatter.chat_choice(c, params.logprobs is not None, tool_plan, split)
+                    parts, thought_tokens = self.whole_choice(start, c)
+                    if usage.reasoning_tokens is not None:
+                        usage.reasoning_tokens += thought_tokens
+                    choice = self.formatter.chat_choice(
+                        c, params.logprobs is not None, tool_plan, parts, self.reasoning is not None
                     )
+                    choices.append(choice)
                 extra = {"usage": usage.body()}
                 if final.prompt_logprobs is not None:
                     extra["prompt_logprobs"] = self.formatter.prompt_logprobs(final.prompt_logprobs)
@@ -297,14 +325,9 @@ class OpenAIServing:
                 request_id, created, "text_completion", [], usage=usage.body()
             )
 
-    async def _chat_chunks(
-        self, request_id, created, stream, params, include_usage, tool_plan=None, prompt=""
-    ):
-        parsing = tool_plan is not None and tool_plan.parses
-        calls = [tool_calls.CallStream(tool_plan) for _ in range(params.n)] if parsing else None
-        called = [False] * params.n
-        reasoning = self.reasoning
-        splitters = [reasoning.splitter(prompt) for _ in range(params.n)] if reasoning else None
+    async def _chat_chunks(self, request_id, created, start: ChatStart, include_usage):
+        params, tool_plan = start.params, start.tool_plan
+        parsers = [self.choice_parser(start) for _ in range(params.n)]
 
         def chunk(choices, **extra):
             return self.formatter.body(
@@ -317,37 +340,24 @@ class OpenAIServing:
                 for i in range(params.n)
             ]
         )
-        usage = Usage(reasoning=reasoning is not None)
-        async for output in stream:
+        usage = Usage(reasoning=self.reasoning is not None)
+        async for output in start.held.streams[0]:
             usage.add(output)
             for c in output.outputs:
-                if splitters is not None and splitters[c.index].in_reasoning:
+                parser = parsers[c.index]
+                if parser.in_reasoning:
                     usage.reasoning_tokens += len(c.token_ids)  # (text or not)
                 if not c.text and c.finish_reason is None:
                     continue
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = {"content": self.formatter.chat_logprobs(c.token_ids, c.logprobs)}
-                text, deltas = c.text, []
-                if splitters is not None:  # the reasoning first, the rest as content
-                    splitter = splitters[c.index]
-                    thought, text = splitter.feed(c.text)
-                    if c.finish_reason is not None:
-                        more_thought, more_text = splitter.finish()
-                        thought, text = thought + more_thought, text + more_text
-                    deltas = [{"reasoning_content": thought}] if thought else []
-                deltas += [{"content": text}] if text else []
+                deltas = parser.feed(c.text, final=c.finish_reason is not None)
                 finish_reason = c.finish_reason
-                if parsing:
-                    deltas = [d for d in deltas if "reasoning_content" in d]
-                    deltas += calls[c.index].feed(text)
-                    if c.finish_reason is not None:
-                        deltas += calls[c.index].finish()
-                    called[c.index] |= any("tool_calls" in d for d in deltas)
-                    if called[c.index]:
-                        finish_reason = tool_finish_reason(finish_reason, tool_plan)
+                if parser.called:
+                    finish_reason = tool_finish_reason(finish_reason, tool_plan)
                 if not deltas and finish_reason is None:
-                    continue  # text held back: it may open a call
+                    continue  # text held back: it may open a call or a tag
                 # Each delta its own chunk (a call is one); the step's logprobs ride on the
                 # first, the finish on the last.
                 deltas = deltas or [{}]

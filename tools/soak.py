@@ -52,6 +52,7 @@ flags.DEFINE_string("output", None, "Write the report here as JSON.")
 flags.DEFINE_integer("seed", 0, "Seed of the request mix.")
 flags.DEFINE_float("start_timeout", 900.0, "Seconds the server may take to start.")
 
+MESSAGES = "/v1/messages"
 SHARED_IDS = [f"shared-{i}" for i in range(3)]  # X-Request-Ids several clients send at once
 SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 TOPICS = ["the sea", "bread", "chess", "volcanoes", "owls", "rain", "trains", "music"]
@@ -157,6 +158,30 @@ async def stream(
         return Result(kind, expect, None, time.perf_counter() - start, repr(error))
 
 
+async def message_stream(client, kind, body, keep_events: int | None) -> Result:
+    """An Anthropic Messages stream read to its message_stop (keep_events None) or dropped
+    after keep_events events."""
+    start = time.perf_counter()
+    expect = "ok" if keep_events is None else "gone"
+    try:
+        async with client.stream("POST", MESSAGES, json={**body, "stream": True}, timeout=120) as r:
+            events, stopped = 0, False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("type") == "error":
+                    return Result(kind, expect, 500, time.perf_counter() - start, line[:200])
+                events += 1
+                stopped |= event.get("type") == "message_stop"
+                if keep_events is not None and events >= keep_events:
+                    return Result(kind, expect, None, time.perf_counter() - start, "dropped")
+            status = r.status_code if stopped or r.status_code >= 400 else 599
+            return Result(kind, expect, status, time.perf_counter() - start, "")
+    except httpx.TransportError as error:
+        return Result(kind, expect, None, time.perf_counter() - start, repr(error))
+
+
 def invalid_request(rng: random.Random) -> tuple[str, dict | None, bytes | None]:
     """(path, json body, raw content) of a request the API must refuse with a 4xx."""
     chat, completions = "/v1/chat/completions", "/v1/completions"
@@ -185,6 +210,9 @@ def invalid_request(rng: random.Random) -> tuple[str, dict | None, bytes | None]
         (chat, {"messages": user, "chat_template": "{{ 1 / 0 }}"}, None),
         (chat, {"messages": user, "chat_template": loop}, None),  # runs past its time limit
         (completions, None, b'{"prompt": "' + b"x" * (5 << 20) + b'"}'),  # over the body limit
+        (MESSAGES, {"messages": user}, None),  # no max_tokens
+        (MESSAGES, {"messages": user, "max_tokens": 4, "temperature": 3}, None),
+        (MESSAGES, {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
     ]
     return rng.choice(cases)
 
@@ -205,8 +233,11 @@ async def one_request(client, rng: random.Random) -> Result:
             "shared_id_stream",
             "shared_id_dropper",
             "template_dropper",
+            "messages",
+            "messages_stream",
+            "messages_dropped",
         ],
-        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3],
+        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3, 6, 6, 4],
     )[0]
     chat, completions = "/v1/chat/completions", "/v1/completions"
     if kind == "chat":
@@ -246,6 +277,13 @@ async def one_request(client, rng: random.Random) -> Result:
     if kind == "template_dropper":  # leaves while its template spins in a child
         body = chat_body(rng, chat_template=SPIN)
         return await send(client, kind, "gone", chat, body, timeout=rng.uniform(0.1, 0.3))
+    if kind == "messages":  # Anthropic's Messages API
+        return await send(client, kind, "ok", MESSAGES, chat_body(rng))
+    if kind == "messages_stream":
+        return await message_stream(client, kind, chat_body(rng), keep_events=None)
+    if kind == "messages_dropped":
+        body = chat_body(rng, max_tokens=200)
+        return await message_stream(client, kind, body, keep_events=rng.randint(1, 4))
     if kind == "large_top_k":
         return await send(client, kind, "ok", completions, completion_body(rng, top_k=2**31))
     words = [f"{rng.choice(TOPICS)} {i}" for i in range(1000)]

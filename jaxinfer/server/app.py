@@ -20,6 +20,8 @@ import fastapi
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from jaxinfer.server.anthropic import AnthropicServing
+from jaxinfer.server.anthropic_protocol import MessagesRequest
 from jaxinfer.server.async_engine import AsyncEngine
 from jaxinfer.server.errors import APIError, error_response, install_error_handlers
 from jaxinfer.server.guard import Guard, HostPolicy, check_api_key
@@ -188,6 +190,13 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: fastapi.Request):
         client_id = request.headers.get("x-request-id")
         return await until_disconnect(request, serving.chat(body, client_id))
+
+    anthropic = AnthropicServing(serving)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: fastapi.Request):
+        """Anthropic's Messages API (jaxinfer.server.anthropic)."""
+        return await until_disconnect(request, anthropic.messages(body))
 
     return app
 

@@ -71,7 +71,7 @@ class Guard:
     """Args:
     app: the ASGI app it guards.
     api_key: when set, paths under PROTECTED (the API and its description) need
-        `Authorization: Bearer <key>`.
+        `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send it).
     max_body_bytes: a larger body (declared or streamed in chunks) gets 413.
     host_policy: Host headers answered (None: any).
     """
@@ -88,31 +88,33 @@ class Guard:
         self.app = app
         # Compared as bytes, as the header arrives (ServerConfig refuses keys that are not
         # visible ASCII, which no header could carry as typed).
-        self.expected = None if api_key is None else b"Bearer " + api_key.encode("ascii")
+        self.key = None if api_key is None else api_key.encode("ascii")
         self.max_body_bytes = max_body_bytes
         self.host_policy = host_policy
+
+    def _keyed(self, headers: dict) -> bool:
+        """The key as `Authorization: Bearer <key>` or (Anthropic's clients) `x-api-key`."""
+        bearer = hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + self.key)
+        return bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        path = scope["path"]
         if self.host_policy is not None:
             host = headers.get(b"host", b"").decode("latin-1")
             if not self.host_policy.allows(host):
                 message = f"host {host!r} is not served here (see --allowed_hosts)"
-                return await error_response(400, message, "invalid_request_error")(
+                return await error_response(400, message, "invalid_request_error", path)(
                     scope, receive, send
                 )
-        if (
-            self.expected is not None
-            and scope["path"].startswith(self.PROTECTED)
-            and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
-        ):
-            return await error_response(401, "invalid or missing API key", "auth_error")(
+        if self.key is not None and path.startswith(self.PROTECTED) and not self._keyed(headers):
+            return await error_response(401, "invalid or missing API key", "auth_error", path)(
                 scope, receive, send
             )
         limit = self.max_body_bytes
-        too_large = error_response(413, f"body over {limit} bytes", "request_too_large")
+        too_large = error_response(413, f"body over {limit} bytes", "request_too_large", path)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return await too_large(scope, receive, send)

@@ -59,8 +59,14 @@ class EngineStreamingResponse(StreamingResponse):
     """Server-sent events whose engine requests end with the response, however it ends:
     finished, failed, or abandoned by a client that stopped reading."""
 
-    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]):
-        super().__init__(sse(chunks), media_type="text/event-stream")
+    def __init__(
+        self,
+        chunks: AsyncIterator[dict],
+        on_close: Callable[[], None],
+        encode: Callable[[AsyncIterator[dict]], AsyncIterator[str]] = sse,
+    ):
+        """`encode`: the chunks as server-sent events (OpenAI's by default)."""
+        super().__init__(encode(chunks), media_type="text/event-stream")
         self._chunks = chunks
         self._on_close = on_close
 

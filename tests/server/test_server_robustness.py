@@ -505,3 +505,36 @@ def test_host_policy():
     assert everywhere.allows("10.0.0.2:8000") and everywhere.allows("[fe80::1]:80")
     assert everywhere.allows("GPU-box.lan:8000") and not everywhere.allows("attacker.example")
     assert HostPolicy.for_server("127.0.0.1", ["*"]) is None
+
+
+def test_invalid_messages_are_400s_in_anthropics_shape(server, healthy_after):
+    """/v1/messages answers in Anthropic's error shape, its limits those of chat."""
+    path, user = "/v1/messages", {"role": "user", "content": "hi"}
+
+    def anthropic_error(response, status: int) -> str:
+        assert response.status_code == status, response.text
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return body["error"]["message"]
+
+    cases = [
+        ({"messages": [user]}, "max_tokens"),
+        ({"messages": [], "max_tokens": 4}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 4}, "role"),
+        ({"messages": [user], "max_tokens": 4, "temperature": 1.5}, "temperature"),
+        ({"messages": [user], "max_tokens": 4, "stop_sequences": ["x"] * 65}, "stop"),
+        ({"messages": [user], "max_tokens": 100_000}, "max_model_len"),
+        ({"messages": [user], "max_tokens": 4, "unknown": 1}, "unknown"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio"}]}], "max_tokens": 4},
+            "audio",
+        ),
+    ]
+    for body, message in cases:
+        assert message in anthropic_error(post(server.url, path, body), 400), body
+    assert anthropic_error(post(server.url, path, {**cases[0][0], "max_tokens": 4,
+                                                  "model": "nope"}), 404)  # fmt: skip
+    nested = b"[" * 100_000 + b"]" * 100_000
+    anthropic_error(raw_post(server.url, path, nested), 400)
+    good = post(server.url, path, {"messages": [user], "max_tokens": 3})
+    assert good.status_code == 200 and good.json()["type"] == "message"

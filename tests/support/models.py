@@ -62,7 +62,7 @@ def make_thinking_model(folder: Path) -> Path:
     thinking templates do): a reasoning model's shape of output, for the reasoning parser."""
     from tokenizers import Tokenizer
 
-    make_tiny_model(folder, vocab_size=322)
+    make_tiny_model(folder, vocab_size=322, max_position_embeddings=2048)
     write_tiny_tokenizer(folder, 320)  # 320 tokens, then the two tags
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert tokenizer.add_tokens(["<think>", "</think>"]) == 2

@@ -52,7 +52,7 @@ flags.DEFINE_string("output", None, "Write the report here as JSON.")
 flags.DEFINE_integer("seed", 0, "Seed of the request mix.")
 flags.DEFINE_float("start_timeout", 900.0, "Seconds the server may take to start.")
 
-MESSAGES = "/v1/messages"
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
 SHARED_IDS = [f"shared-{i}" for i in range(3)]  # X-Request-Ids several clients send at once
 SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 TOPICS = ["the sea", "bread", "chess", "volcanoes", "owls", "rain", "trains", "music"]
@@ -159,21 +159,25 @@ async def stream(
 
 
 async def message_stream(client, kind, body, keep_events: int | None) -> Result:
-    """An Anthropic Messages stream read to its message_stop (keep_events None) or dropped
-    after keep_events events."""
+    return await event_stream(client, kind, MESSAGES, body, ("message_stop",), keep_events)
+
+
+async def event_stream(client, kind, path, body, last: tuple, keep_events: int | None) -> Result:
+    """A stream of named events (Anthropic's Messages, OpenAI's Responses) read to one of
+    the `last` types (keep_events None), or dropped after keep_events events."""
     start = time.perf_counter()
     expect = "ok" if keep_events is None else "gone"
     try:
-        async with client.stream("POST", MESSAGES, json={**body, "stream": True}, timeout=120) as r:
+        async with client.stream("POST", path, json={**body, "stream": True}, timeout=120) as r:
             events, stopped = 0, False
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 event = json.loads(line[6:])
-                if event.get("type") == "error":
+                if event.get("type") == "error" or "error" in event:
                     return Result(kind, expect, 500, time.perf_counter() - start, line[:200])
                 events += 1
-                stopped |= event.get("type") == "message_stop"
+                stopped |= event.get("type") in last
                 if keep_events is not None and events >= keep_events:
                     return Result(kind, expect, None, time.perf_counter() - start, "dropped")
             status = r.status_code if stopped or r.status_code >= 400 else 599
@@ -213,6 +217,8 @@ def invalid_request(rng: random.Random) -> tuple[str, dict | None, bytes | None]
         (MESSAGES, {"messages": user}, None),  # no max_tokens
         (MESSAGES, {"messages": user, "max_tokens": 4, "temperature": 3}, None),
         (MESSAGES, {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
+        (RESPONSES, {"input": [{"type": "web_search_call"}]}, None),
+        (RESPONSES, {"input": "hi", "previous_response_id": "resp_evicted"}, None),
     ]
     return rng.choice(cases)
 
@@ -236,8 +242,10 @@ async def one_request(client, rng: random.Random) -> Result:
             "messages",
             "messages_stream",
             "messages_dropped",
+            "responses",
+            "responses_stream",
         ],
-        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3, 6, 6, 4],
+        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3, 6, 6, 4, 6, 6],
     )[0]
     chat, completions = "/v1/chat/completions", "/v1/completions"
     if kind == "chat":
@@ -284,6 +292,12 @@ async def one_request(client, rng: random.Random) -> Result:
     if kind == "messages_dropped":
         body = chat_body(rng, max_tokens=200)
         return await message_stream(client, kind, body, keep_events=rng.randint(1, 4))
+    if kind in ("responses", "responses_stream"):  # OpenAI's Responses API
+        body = {"input": f"Tell me about {rng.choice(TOPICS)}.", "max_output_tokens": 24}
+        if kind == "responses":
+            return await send(client, kind, "ok", RESPONSES, body)
+        last = ("response.completed", "response.incomplete")
+        return await event_stream(client, kind, RESPONSES, body, last, keep_events=None)
     if kind == "large_top_k":
         return await send(client, kind, "ok", completions, completion_body(rng, top_k=2**31))
     words = [f"{rng.choice(TOPICS)} {i}" for i in range(1000)]

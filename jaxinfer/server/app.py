@@ -34,6 +34,8 @@ from jaxinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from jaxinfer.server.responses import ResponsesServing
+from jaxinfer.server.responses_protocol import ResponsesRequest
 from jaxinfer.server.serving import OpenAIServing
 
 VERSION = importlib.metadata.version("jaxinfer")
@@ -192,11 +194,22 @@ def build_app(
         return await until_disconnect(request, serving.chat(body, client_id))
 
     anthropic = AnthropicServing(serving)
+    responses = ResponsesServing(serving)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: fastapi.Request):
         """Anthropic's Messages API (jaxinfer.server.anthropic)."""
         return await until_disconnect(request, anthropic.messages(body))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: fastapi.Request):
+        """OpenAI's Responses API (jaxinfer.server.responses)."""
+        return await until_disconnect(request, responses.create(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        """A stored response (404 once evicted, or when it was not stored)."""
+        return responses.retrieve(response_id)
 
     return app
 

@@ -538,3 +538,26 @@ def test_invalid_messages_are_400s_in_anthropics_shape(server, healthy_after):
     anthropic_error(raw_post(server.url, path, nested), 400)
     good = post(server.url, path, {"messages": [user], "max_tokens": 3})
     assert good.status_code == 200 and good.json()["type"] == "message"
+
+
+def test_invalid_responses_requests_are_400s(server, healthy_after):
+    path = "/v1/responses"
+    cases = [
+        ({}, "input"),
+        ({"input": []}, "input must not be empty"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"type": "image_generation_call"}]}, "not supported"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"input": "hi", "tool_choice": "required"}, "needs tools"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "schema"),
+        ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "hi", "max_output_tokens": 100_000}, "max_model_len"),
+        ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ]
+    for body, message in cases:
+        assert message in assert_error(post(server.url, path, body), 400), body
+    assert "not found" in assert_error(
+        post(server.url, path, {"input": "hi", "previous_response_id": "resp_x"}), 404
+    )
+    good = post(server.url, path, {"input": "hi", "max_output_tokens": 3})
+    assert good.status_code == 200 and good.json()["object"] == "response"

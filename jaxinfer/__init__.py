@@ -14,13 +14,16 @@ _EXPORTS = {
     "CompletionOutput": "jaxinfer.outputs",
     "RequestOutput": "jaxinfer.outputs",
     "SamplingParams": "jaxinfer.sampling_params",
+    "PoolingParams": "jaxinfer.pooling_params",
 }
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]  # _EXPORTS' keys
+# _EXPORTS' keys
+__all__ = ["LLM", "CompletionOutput", "PoolingParams", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
     from jaxinfer.outputs import CompletionOutput, RequestOutput
+    from jaxinfer.pooling_params import PoolingParams
     from jaxinfer.sampling_params import SamplingParams
 
 

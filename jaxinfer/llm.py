@@ -11,6 +11,7 @@ from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.pooling_params import PoolingParams, check_dimensions
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -74,6 +75,23 @@ class LLM:
         params_list = _params_per_prompt(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm, add_special_tokens=False)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One embedding per prompt (RequestOutput.embedding, f32[E]), pooled as
+        `pooling_params` says (default: the engine's pooling_type, normalized); the prompts
+        run through the same steps as generation, batched together."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        config = self.engine.config.model
+        pooling = pooling_params or PoolingParams(config.pooling_type)
+        check_dimensions(pooling, config.arch.hidden_size)
+        params = [pooling.sampling_params()] * len(prompts)
+        return self._run(list(prompts), params, use_tqdm, True, pooling=pooling)
+
     def _run(
         self,
         prompts: list[Prompt],
@@ -81,6 +99,7 @@ class LLM:
         use_tqdm: bool,
         add_special_tokens: bool,
         priority: Sequence[int] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = []
@@ -89,9 +108,10 @@ class LLM:
             for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
                 # Only the final outputs are returned: the engine builds nothing else.
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                request = engine.add_request(
-                    prompt, params, add_special_tokens=add_special_tokens, priority=rank
-                )
+                prepared = engine.prepare_request(prompt, params, add_special_tokens)
+                if pooling is not None:
+                    prepared = dataclasses.replace(prepared, pooling=pooling)
+                request = engine.add_prepared(prepared, priority=rank)
                 ids.append(request.request_id)
         except Exception:
             for request_id in ids:

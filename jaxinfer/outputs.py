@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -54,6 +56,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token the
     # top-N ids and the token itself, as for output logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request's vector (PoolingParams), once it has finished: f32[E].
+    embedding: np.ndarray | None = None
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:

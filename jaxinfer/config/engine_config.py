@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ class ModelConfig:
     quantization: Quantization | None = None
     random_weights: bool = False  # load_format "dummy": drawn on the device, nothing read
     reasoning_parser: str | None = None  # how its outputs write reasoning (jaxinfer.reasoning)
+    pooling_type: str = "last"  # how embedding requests pool (EngineOptions.pooling_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +209,7 @@ def build_engine_config(
             quantization=quantization_of(options),
             random_weights=options.load_format == "dummy",
             reasoning_parser=options.reasoning_parser,
+            pooling_type=pooling_type(options.pooling_type, model_path),
         ),
         cache=CacheConfig(
             block_size=options.block_size,
@@ -242,3 +245,24 @@ def build_engine_config(
             suffix_max_spec_factor=options.suffix_max_spec_factor,
         ),
     )
+
+
+def pooling_type(asked: str, folder: Path) -> str:
+    """EngineOptions.pooling_type settled: "auto" reads a sentence-transformers folder's
+    pooling module (modules.json, then its config.json), else takes the last token."""
+    if asked != "auto":
+        return asked
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        path = next(m["path"] for m in modules if m.get("type", "").endswith(".Pooling"))
+        config = json.loads((folder / path / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        return "last"
+    for key, kind in (
+        ("pooling_mode_mean_tokens", "mean"),
+        ("pooling_mode_cls_token", "cls"),
+        ("pooling_mode_lasttoken", "last"),
+    ):
+        if config.get(key):
+            return kind
+    return "last"

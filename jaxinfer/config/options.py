@@ -46,8 +46,7 @@ class EngineOptions:
     )
     load_format: str = option(
         "auto",
-        "auto (the model's checkpoint) or dummy (random weights drawn on the device, for "
-        "benchmarks of a model's shape: its folder needs only config.json and a tokenizer).",
+        "auto (the checkpoint) or dummy (random weights drawn on the device, none read).",
         LOAD_FORMATS,
     )
     dtype: str = option(
@@ -176,9 +175,8 @@ class EngineOptions:
     )
     matmul_impl: str = option(
         "auto",
-        "The out_in projections and LM head: cpu (C++ kernel), xla, pallas (the Pallas kernel "
-        "whose tiles do not depend on the rows: batch_invariant's on a GPU), pallas_interpret, "
-        "or auto (cpu where it runs; pallas under batch_invariant on a GPU).",
+        "The out_in projections and LM head: cpu (C++ kernel), xla, pallas (tiles fixed for any "
+        "rows: batch_invariant on a GPU), pallas_interpret, or auto (cpu where it runs).",
         MATMUL_IMPLS,
     )
     gguf_weights: str = option(
@@ -257,12 +255,17 @@ class EngineOptions:
         "about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
     )
 
+    pooling_type: str = option(
+        "auto",
+        "Embeddings pool the prompt's final-norm states: last (token), mean, cls (first), or "
+        "auto (a sentence-transformers folder's pooling, else last).",
+        ("auto", "last", "mean", "cls"),
+    )
     reasoning_parser: str | None = option(
         None,
-        "How the model writes its reasoning: qwen3 (a <think>...</think> block where the "
-        "output or the prompt opens one) or deepseek_r1 (the output starts in the block): the "
-        "server splits it into reasoning_content, and a structured output or a tool call's "
-        "grammar applies from the end of the block. Unset: no reasoning is parsed.",
+        "The model's <think> blocks: qwen3 (where the output or the prompt opens one) or "
+        "deepseek_r1 (outputs start in one), split off as reasoning_content; grammars apply "
+        "after the block. Unset: no reasoning is parsed.",
         REASONING_STYLES,
     )
     random_seed: int | None = option(

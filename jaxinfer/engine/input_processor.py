@@ -18,6 +18,7 @@ import llguidance
 import numpy as np
 
 from jaxinfer.engine.sampling.constraints import BadWords, GrammarCompiler, bias_row, stop_mask
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import TokenizerWrapper
 
@@ -38,6 +39,7 @@ class PreparedRequest:
         grammar: the compiled structured-output matcher, never advanced: each sample takes a
             copy.
         stop_token_ids: the request's stop tokens, for membership tests at every step.
+        pooling: an embedding request's pooling (its sample is not reported), or None.
     """
 
     prompt: str | None
@@ -48,6 +50,7 @@ class PreparedRequest:
     stop_mask: np.ndarray | None
     grammar: llguidance.LLMatcher | None
     stop_token_ids: frozenset[int]
+    pooling: PoolingParams | None = None
 
 
 class InputProcessor:

@@ -9,6 +9,7 @@ import time
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine import output_builder
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxinfer.engine.execution import pooling
 from jaxinfer.engine.execution.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
 from jaxinfer.engine.sampling.constraints import RequestConstraints
@@ -195,6 +196,7 @@ class LLMEngine:
             constraints=constraints if constraints.active(0) else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             stop_token_ids=prepared.stop_token_ids,
+            pooling=prepared.pooling,
         )
         if self.speculation.on and params.num_speculative_tokens != 0:
             request.spec = self.speculation.new_state(params.num_speculative_tokens)
@@ -276,6 +278,7 @@ class LLMEngine:
         overlapped = self._in_flight is not None and not current.sampled.token_ids.is_ready()
         step_output = output_builder.step_output(current.scheduler_output, current.sampled)
         output_builder.record_prompt_logprobs(current, self.requests)
+        output_builder.record_pooled(current, self.requests)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
         self.speculation.observe_step(current.scheduler_output, time.perf_counter() - start)
@@ -318,13 +321,11 @@ class LLMEngine:
         built = time.perf_counter()
         extend = self.speculation.draft_extend(scheduler_output.scheduled, self.requests)
         sampled, prompt_logprobs = self.runner.execute(host_step, draft_extend=extend)
+        rows = host_step.pooling
+        pooled = None if rows is None else pooling.dispatch(self.runner, rows)
+        prompt_rows, dispatched = host_step.prompt_logprobs, time.perf_counter()
         return DispatchedStep(
-            scheduler_output,
-            sampled,
-            host_step.prompt_logprobs,
-            prompt_logprobs,
-            built,
-            time.perf_counter(),
+            scheduler_output, sampled, prompt_rows, prompt_logprobs, built, dispatched, rows, pooled
         )
 
     def _process(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from jaxinfer.engine.execution import pooling
 from jaxinfer.engine.execution.step import DispatchedStep, SchedulerOutput, StepOutput
 from jaxinfer.engine.sampling.sampler import SamplerOutput
 from jaxinfer.engine.scheduling.request import Request, RequestStatus
@@ -57,6 +58,9 @@ def request_output(request: Request, detokenizer: IncrementalDetokenizer) -> Req
     prompt_logprobs = request.prompt_logprobs
     if request.sampling_params.output_kind is RequestOutputKind.DELTA and not first_report:
         prompt_logprobs = None  # reported once, with the first delta
+    embedding = None
+    if request.pooling is not None and request.status.finished:
+        embedding = pooling.embedding(request)
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
@@ -65,6 +69,7 @@ def request_output(request: Request, detokenizer: IncrementalDetokenizer) -> Req
         finished=request.status.finished,
         metrics=request.metrics,
         prompt_logprobs=prompt_logprobs,
+        embedding=embedding,
     )
 
 
@@ -130,6 +135,14 @@ def record_prompt_logprobs(step: DispatchedStep, requests: dict[str, Request]) -
                     )
                 )
         offset += count
+
+
+def record_pooled(step: DispatchedStep, requests: dict[str, Request]) -> None:
+    """Adds the step's pooled sums to its embedding requests (jaxinfer.engine.execution.pooling);
+    a request's first chunk (again after a preemption) starts its sums afresh."""
+    if step.pooling_rows is not None:
+        scheduled = step.scheduler_output.scheduled
+        pooling.record(requests, scheduled, step.pooling_rows, fetch(step.pooled))
 
 
 def logprob_entry(ids, logprobs, count: int, token: int, token_logprob) -> dict[int, float]:

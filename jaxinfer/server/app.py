@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxinfer.server.anthropic import AnthropicServing
 from jaxinfer.server.anthropic_protocol import MessagesRequest
 from jaxinfer.server.async_engine import AsyncEngine
+from jaxinfer.server.embeddings import EmbeddingRequest, EmbeddingsServing
 from jaxinfer.server.errors import APIError, error_response, install_error_handlers
 from jaxinfer.server.guard import Guard, HostPolicy, check_api_key
 from jaxinfer.server.headers import ResponseHeaders
@@ -195,6 +196,7 @@ def build_app(
 
     anthropic = AnthropicServing(serving)
     responses = ResponsesServing(serving)
+    embeddings = EmbeddingsServing(serving)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: fastapi.Request):
@@ -205,6 +207,11 @@ def build_app(
     async def create_response(body: ResponsesRequest, request: fastapi.Request):
         """OpenAI's Responses API (jaxinfer.server.responses)."""
         return await until_disconnect(request, responses.create(body))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: fastapi.Request):
+        """Embeddings (jaxinfer.server.embeddings)."""
+        return await until_disconnect(request, embeddings.create(body))
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

@@ -15,6 +15,7 @@ import time
 import fastapi
 import pydantic
 
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import chat_output, tool_calls
 from jaxinfer.server import streams as engine_streams
@@ -280,15 +281,18 @@ class OpenAIServing:
         prompts: list[str | list[int]],
         params: SamplingParams,
         add_special_tokens: bool,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Prepares and admits every prompt (all or none: `held` closes them on failure), each
         under an engine id of the server's own (engine_id): unique per admission, so no
         client can name, end or steer another's request, and an unseeded request draws a
-        fresh seed (the engine derives it from the id)."""
+        fresh seed (the engine derives it from the id). `pooling`: embedding requests."""
         try:
             prepared = [
                 await self.engine.prepare(prompt, params, add_special_tokens) for prompt in prompts
             ]
+            if pooling is not None:
+                prepared = [dataclasses.replace(p, pooling=pooling) for p in prepared]
             for request in prepared:
                 length = len(request.prompt_token_ids)
                 if (

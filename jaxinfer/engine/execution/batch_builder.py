@@ -14,6 +14,7 @@ from jaxinfer.engine.execution.batch import (
     SamplingMetadata,
     StepInputs,
 )
+from jaxinfer.engine.execution.pooling import pooled_span, pooling_rows
 from jaxinfer.engine.execution.row_table import RowTable
 from jaxinfer.engine.execution.step import (
     HostStep,
@@ -116,6 +117,7 @@ class BatchBuilder:
         fresh: list[tuple[int, ScheduledRequest]] = []
         constrained: list[tuple[int, ScheduledRequest]] = []
         prompt_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, position, count)
+        pool_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, offset, count)
         start = 0
         sample = 0  # the next sample row
         for index, item in enumerate(items):
@@ -151,6 +153,8 @@ class BatchBuilder:
                 end - num_rows, end, dtype=np.int32
             )
             self._sampling_rows(sampling, sample, row, item)
+            if item.pooling is not None:
+                pool_spans.append((index, start, *pooled_span(item, first, count)))
             if item.params.prompt_logprobs is not None:
                 # Token p's hidden state scores prompt token p + 1.
                 last = min(first + count, item.num_prompt_tokens - 1)
@@ -174,7 +178,8 @@ class BatchBuilder:
             bias=self._bias_rows([x for x in fresh if x[1].row_init.bias is not None]),
             bitmask=self._bitmask_rows(constrained),
         )
-        return HostStep(inputs, sampling, flags, updates, self._prompt_rows(items, prompt_spans))
+        prompt_rows = self._prompt_rows(items, prompt_spans)
+        return HostStep(inputs, sampling, flags, updates, prompt_rows, pooling_rows(pool_spans))
 
     @staticmethod
     def _prompt_rows(

@@ -279,7 +279,6 @@ class ModelRunner:
         return self.run_final_add(hidden, residual)
 
     # The per-layer programs one at a time (per_layer execution), for tools that time them.
-
     def run_embedding(self, batch: BatchInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(hidden [T, E], residual [T, E], cos_sin f32[T, 2, D / 2]) before the first layer."""
         return self._embed(self.top_params, batch)
@@ -353,6 +352,7 @@ class ModelRunner:
             batch = self._assemble(inputs, self.block_table, self.last_tokens)
             hidden = self.hidden_states(batch)
             logits = self._logits(self.top_params, hidden, batch)
+        self.last_hidden = hidden  # [T, E], for the step's embedding requests (pooling.py)
         draft_probs = None
         if self.draft is not None:
             if draft_extend and self.layer_execution == "scan":

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxinfer.engine.execution.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
 from jaxinfer.engine.sampling.sampler import SamplerOutput
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class ScheduledRequest:
     # Proposed tokens (speculative decoding), the step's last D tokens: the step samples at
     # each of them too, and keeps the samples up to the first that differs from a proposal.
     draft_token_ids: tuple[int, ...] = ()
+    pooling: PoolingParams | None = None  # an embedding request's
 
     @property
     def num_sample_rows(self) -> int:
@@ -107,6 +109,15 @@ class PromptLogprobRows:
 
 
 @dataclasses.dataclass(frozen=True)
+class PoolingRows:
+    """Tokens of the step whose final-norm hidden states embedding requests pool."""
+
+    rows: np.ndarray  # i32[N], flat token index in the step (padded: segment out of range)
+    segments: np.ndarray  # i32[N], the batch row each belongs to
+    counts: tuple[tuple[int, int], ...]  # (batch row, tokens pooled) per embedding request
+
+
+@dataclasses.dataclass(frozen=True)
 class HostStep:
     """Everything the host sends for one step."""
 
@@ -115,6 +126,7 @@ class HostStep:
     flags: SamplingFlags
     updates: RowUpdates
     prompt_logprobs: PromptLogprobRows | None = None
+    pooling: PoolingRows | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +148,8 @@ class DispatchedStep:
     prompt_logprobs: list  # device chunks of (target logprobs, top ids, top logprobs)
     built: float  # perf_counter() when its inputs were built
     dispatched: float  # and when it was enqueued
+    pooling_rows: PoolingRows | None = None
+    pooled: object = None  # f32[S, E] on the device: the step's sums per batch row
 
 
 @dataclasses.dataclass(frozen=True)

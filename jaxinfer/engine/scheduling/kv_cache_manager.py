@@ -69,6 +69,7 @@ class KVCacheManager:
             not self.enable_prefix_caching
             or request.num_computed_tokens
             or request.sampling_params.prompt_logprobs is not None  # needs every position
+            or (request.pooling is not None and request.pooling.pooling != "last")  # ditto
         ):
             return []
         limit = (request.num_tokens - 1) // self.block_size

@@ -11,6 +11,7 @@ import numpy as np
 from jaxinfer.engine.sampling.constraints import RequestConstraints
 from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -76,6 +77,11 @@ class Request:
     parent: ParentRequest | None = None  # set for the samples of an n > 1 request
     index: int = 0  # which of the parent's samples
     stop_token_ids: frozenset[int] | None = None  # default: sampling_params.stop_token_ids
+    # An embedding request: its pooling, and the sums of its prompt's final-norm hidden
+    # states the steps computed (jaxinfer.engine.pooling).
+    pooling: PoolingParams | None = None
+    pooled: np.ndarray | None = None  # f32[E]
+    num_pooled: int = 0
     # What DELTA outputs have reported so far (output tokens, characters of text).
     num_reported_tokens: int = 0
     num_reported_chars: int = 0

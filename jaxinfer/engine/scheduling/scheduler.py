@@ -276,6 +276,7 @@ class Scheduler:
             else None,
             row_init=row_init,
             draft_token_ids=drafts,
+            pooling=request.pooling,
         )
         request.num_computed_tokens = first + num_new
         if samples:

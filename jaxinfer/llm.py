@@ -102,6 +102,8 @@ class LLM:
         pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
+        if pooling is None and engine.config.model.runner == "pooling":
+            raise ValueError("this engine serves embeddings only (runner 'pooling'): use embed")
         ids = []
         try:
             priorities = priority if priority is not None else [0] * len(prompts)

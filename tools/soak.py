@@ -52,7 +52,7 @@ flags.DEFINE_string("output", None, "Write the report here as JSON.")
 flags.DEFINE_integer("seed", 0, "Seed of the request mix.")
 flags.DEFINE_float("start_timeout", 900.0, "Seconds the server may take to start.")
 
-MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+MESSAGES, RESPONSES, EMBEDDINGS = "/v1/messages", "/v1/responses", "/v1/embeddings"
 SHARED_IDS = [f"shared-{i}" for i in range(3)]  # X-Request-Ids several clients send at once
 SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
 TOPICS = ["the sea", "bread", "chess", "volcanoes", "owls", "rain", "trains", "music"]
@@ -219,6 +219,7 @@ def invalid_request(rng: random.Random) -> tuple[str, dict | None, bytes | None]
         (MESSAGES, {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, None),
         (RESPONSES, {"input": [{"type": "web_search_call"}]}, None),
         (RESPONSES, {"input": "hi", "previous_response_id": "resp_evicted"}, None),
+        (EMBEDDINGS, {"input": ["x", ""]}, None),
     ]
     return rng.choice(cases)
 
@@ -244,8 +245,9 @@ async def one_request(client, rng: random.Random) -> Result:
             "messages_dropped",
             "responses",
             "responses_stream",
+            "embeddings",
         ],
-        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3, 6, 6, 4, 6, 6],
+        weights=[20, 15, 15, 10, 8, 14, 4, 6, 4, 4, 8, 12, 3, 6, 6, 4, 6, 6, 6],
     )[0]
     chat, completions = "/v1/chat/completions", "/v1/completions"
     if kind == "chat":
@@ -292,6 +294,9 @@ async def one_request(client, rng: random.Random) -> Result:
     if kind == "messages_dropped":
         body = chat_body(rng, max_tokens=200)
         return await message_stream(client, kind, body, keep_events=rng.randint(1, 4))
+    if kind == "embeddings":  # prompts pooled on the generation path
+        inputs = [f"A note on {rng.choice(TOPICS)}." for _ in range(rng.randint(1, 4))]
+        return await send(client, kind, "ok", EMBEDDINGS, {"input": inputs})
     if kind in ("responses", "responses_stream"):  # OpenAI's Responses API
         body = {"input": f"Tell me about {rng.choice(TOPICS)}.", "max_output_tokens": 24}
         if kind == "responses":

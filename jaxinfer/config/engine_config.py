@@ -28,6 +28,7 @@ class ModelConfig:
     random_weights: bool = False  # load_format "dummy": drawn on the device, nothing read
     reasoning_parser: str | None = None  # how its outputs write reasoning (jaxinfer.reasoning)
     pooling_type: str = "last"  # how embedding requests pool (EngineOptions.pooling_type)
+    runner: str = "generate"  # or "pooling": embeddings only (EngineOptions.runner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +211,7 @@ def build_engine_config(
             random_weights=options.load_format == "dummy",
             reasoning_parser=options.reasoning_parser,
             pooling_type=pooling_type(options.pooling_type, model_path),
+            runner=options.runner,
         ),
         cache=CacheConfig(
             block_size=options.block_size,

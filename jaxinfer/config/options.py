@@ -255,6 +255,11 @@ class EngineOptions:
         "about as much as one token's. Unset: 8 on CPU, 64 on accelerators.",
     )
 
+    runner: str = option(
+        "generate",
+        "generate (every API), or pooling: an embedding-only server (generation refused).",
+        ("generate", "pooling"),
+    )
     pooling_type: str = option(
         "auto",
         "Embeddings pool the prompt's final-norm states: last (token), mean, cls (first), or "
@@ -270,11 +275,9 @@ class EngineOptions:
     )
     random_seed: int | None = option(
         None,
-        "Root of the seeds of requests that set none: each one's seed derives from it and the "
-        "request's id, so an LLM API run (ids counted from 0) repeats; the server's ids are "
-        "random, so its unseeded requests are too; run_batch gives each line that sets no "
-        "seed one derived from this and its custom_id. Unset: drawn at start-up (on process "
-        "0, shared with the others under jax.distributed).",
+        "Root of unseeded requests' seeds (from it and the request's id: an LLM API run "
+        "repeats; the server's ids are random; run_batch derives each line's from its "
+        "custom_id). Unset: drawn at start-up (process 0's, shared under jax.distributed).",
     )
     check_schedule: bool = option(
         False,
@@ -333,26 +336,21 @@ class EngineOptions:
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
-        if self.speculative_adaptive is not None and not isinstance(
-            self.speculative_adaptive, bool
+        for name in ("speculative_adaptive", "async_scheduling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name} must be true, false or unset, got {getattr(self, name)!r}"
+                )
+        for name in (
+            "batch_invariant",
+            "expert_parallel",
+            "quantization_symmetric",
+            "int8_activations",
         ):
-            raise ValueError(
-                "speculative_adaptive must be true, false or unset, got "
-                f"{self.speculative_adaptive!r}"
-            )
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(
-                f"async_scheduling must be true, false or unset, got {self.async_scheduling!r}"
-            )
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
-        if not isinstance(self.expert_parallel, bool):
-            raise ValueError(f"expert_parallel must be true or false, got {self.expert_parallel!r}")
-        if self.draft_int8_activations is not None and self.draft_model is None:
-            raise ValueError("draft_int8_activations is only used with a draft_model")
-        for name in ("quantization_symmetric", "int8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.draft_int8_activations is not None and self.draft_model is None:
+            raise ValueError("draft_int8_activations is only used with a draft_model")
         for name in (
             "attention_impl",
             "ffn_impl",

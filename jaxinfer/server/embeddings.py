@@ -52,7 +52,7 @@ class EmbeddingsServing:
 
     async def create(self, body: EmbeddingRequest) -> fastapi.Response:
         serving = self.serving
-        serving.check_model(body.model)
+        serving.check_model(body.model, generates=False)
         try:
             prompts = body.prompts()
             pooling = PoolingParams(self.pooling, dimensions=body.dimensions)

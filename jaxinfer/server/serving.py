@@ -81,9 +81,13 @@ class OpenAIServing:
         self.template_reads_tools = tool_calls.template_reads_tools(self.tokenizer.chat_template)
         self.reasoning = engine.engine.reasoning  # ReasoningParser, or None
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None, generates: bool = True) -> None:
+        """The model named is this one; `generates`: the request generates text, which an
+        embedding-only server (runner pooling) refuses."""
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"model {model!r} not found", "not_found_error")
+        if generates and self.engine.engine.config.model.runner == "pooling":
+            raise APIError(400, "this server serves embeddings only (runner 'pooling')")
 
     # -- endpoints -------------------------------------------------------------------------
 
@@ -207,7 +211,7 @@ class OpenAIServing:
                 held.release()
 
     async def tokenize(self, body: TokenizeRequest) -> dict:
-        self.check_model(body.model)
+        self.check_model(body.model, generates=False)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages")
         text, add_special_tokens = body.prompt, body.add_special_tokens
@@ -222,7 +226,7 @@ class OpenAIServing:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
-        self.check_model(body.model)
+        self.check_model(body.model, generates=False)
         vocab = self.vocab_size
 
         def work():

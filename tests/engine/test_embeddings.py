@@ -147,3 +147,19 @@ def test_default_model_mean_pooling_equals_hf(model_cache_dir):
     assert len(outputs) == len(texts)
     for output in outputs:
         assert_close(output.embedding, hf_embedding(model, list(output.prompt_token_ids), "mean"))
+
+
+def test_an_embedding_only_server_refuses_generation(tiny_model_dir):
+    engine = AsyncEngine(build_engine(tiny_model_dir, "served", runner="pooling"))
+    url, server = serve(build_app(engine, ServerConfig("tiny")))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert len(client.embeddings.create(model="tiny", input="a fox").data) == 1
+        with pytest.raises(openai.BadRequestError, match="embeddings only"):
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        with pytest.raises(openai.BadRequestError, match="embeddings only"):
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    finally:
+        server.should_exit = True

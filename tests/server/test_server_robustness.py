@@ -561,3 +561,24 @@ def test_invalid_responses_requests_are_400s(server, healthy_after):
     )
     good = post(server.url, path, {"input": "hi", "max_output_tokens": 3})
     assert good.status_code == 200 and good.json()["object"] == "response"
+
+
+def test_invalid_embedding_requests_are_400s(server, healthy_after):
+    path = "/v1/embeddings"
+    cases = [
+        ({}, "input"),
+        ({"input": []}, "must not be empty"),
+        ({"input": ["a", ""]}, "must not be empty"),
+        ({"input": ["x"] * 1000}, "at most"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "dimensions": 100_000}, "exceeds"),
+        ({"input": "x " * 200}, "max_model_len"),
+        ({"input": [10**9]}, "token"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "model": "nope"}, "not found"),
+    ]
+    for body, message in cases:
+        status = 404 if "model" in body else 400
+        assert message in assert_error(post(server.url, path, body), status), body
+    good = post(server.url, path, {"input": ["a fox", "a dog"]})
+    assert good.status_code == 200 and len(good.json()["data"]) == 2

@@ -12,13 +12,12 @@ from collections.abc import AsyncIterator
 
 import fastapi
 
-from jaxinfer.server import streams as engine_streams
 from jaxinfer.server.anthropic_protocol import MessagesRequest
 from jaxinfer.server.async_engine import EngineDeadError
 from jaxinfer.server.errors import APIError, anthropic_error_body
 from jaxinfer.server.formatting import json_response
 from jaxinfer.server.serving import BAD_REQUEST, ChatStart, OpenAIServing
-from jaxinfer.server.streams import EngineStreamingResponse
+from jaxinfer.server.streams import answer
 
 logger = logging.getLogger(__name__)
 
@@ -35,31 +34,21 @@ class AnthropicServing:
             raise APIError(400, str(error)) from None
         start = await serving.start_chat(chat)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        held = start.held
-        try:
-            if body.stream:
-                events = self._events(start, message_id, body.omits_thinking)
-                response = EngineStreamingResponse(events, held.release, encode=sse)
-                held = None
-                return response
-            (final,) = await engine_streams.finals(start.held.streams)
 
-            def build() -> fastapi.Response:
-                (c,) = final.outputs
-                parts, _ = serving.whole_choice(start, c)
-                if body.omits_thinking and parts[0] is not None:
-                    parts = ("", *parts[1:])
-                message = self._message(message_id, parts, c)
-                message["usage"] = {
-                    "input_tokens": len(final.prompt_token_ids),
-                    "output_tokens": len(c.token_ids),
-                }
-                return json_response(message)
+        def build(final) -> fastapi.Response:
+            (c,) = final.outputs
+            parts, _ = serving.whole_choice(start, c)
+            if body.omits_thinking and parts[0] is not None:
+                parts = ("", *parts[1:])
+            message = self._message(message_id, parts, c)
+            message["usage"] = {
+                "input_tokens": len(final.prompt_token_ids),
+                "output_tokens": len(c.token_ids),
+            }
+            return json_response(message)
 
-            return await serving.engine.run_in_worker(build)
-        finally:
-            if held is not None:
-                held.release()
+        events = self._events(start, message_id, body.omits_thinking) if body.stream else None
+        return await answer(serving.engine, start, events, sse, build)
 
     def _message(self, message_id: str, parts, c) -> dict:
         thought, content, calls = parts

@@ -18,12 +18,11 @@ from collections.abc import AsyncIterator
 
 import fastapi
 
-from jaxinfer.server import streams as engine_streams
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.formatting import json_response, sse
 from jaxinfer.server.responses_protocol import ResponsesRequest
 from jaxinfer.server.serving import BAD_REQUEST, ChatStart, OpenAIServing
-from jaxinfer.server.streams import EngineStreamingResponse
+from jaxinfer.server.streams import answer
 
 MAX_STORED = 1024  # responses kept for previous_response_id, oldest evicted first
 
@@ -84,26 +83,15 @@ class ResponsesServing:
             raise APIError(400, str(error)) from None
         start = await serving.start_chat(chat)
         frame = self._frame(body, _id("resp"))
-        held = start.held
-        try:
-            if body.stream:
-                events = self._events(start, body, chat, frame)
-                response = EngineStreamingResponse(events, held.release, encode=named_sse)
-                held = None
-                return response
-            (final,) = await engine_streams.finals(start.held.streams)
 
-            def build() -> fastapi.Response:
-                (c,) = final.outputs
-                parts, thought_tokens = serving.whole_choice(start, c)
-                items = output_items(parts)
-                done = self._finish(frame, body, chat, items, c, final, thought_tokens)
-                return json_response(done)
+        def build(final) -> fastapi.Response:
+            (c,) = final.outputs
+            parts, thought_tokens = serving.whole_choice(start, c)
+            done = self._finish(frame, body, chat, output_items(parts), c, final, thought_tokens)
+            return json_response(done)
 
-            return await serving.engine.run_in_worker(build)
-        finally:
-            if held is not None:
-                held.release()
+        events = self._events(start, body, chat, frame) if body.stream else None
+        return await answer(serving.engine, start, events, named_sse, build)
 
     def _frame(self, body: ResponsesRequest, response_id: str) -> dict:
         """The response's fields that do not depend on its output."""

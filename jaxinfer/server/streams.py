@@ -92,3 +92,20 @@ class Held:
         for stream in self.streams:
             stream.close()
         self.ticket.release()
+
+
+async def answer(engine, start, events, encode, build):
+    """The response of a started single-choice chat request (OpenAIServing.start_chat) in
+    another API's shape: `events` (an async iterator, or None) streamed through `encode`, else
+    the final output made a response by `build(final)` on the AsyncEngine `engine`'s worker
+    thread. What the request holds is released however the response ends."""
+    held = start.held
+    try:
+        if events is not None:
+            response, held = EngineStreamingResponse(events, held.release, encode), None
+            return response
+        (final,) = await finals(start.held.streams)
+        return await engine.run_in_worker(build, final)
+    finally:
+        if held is not None:
+            held.release()

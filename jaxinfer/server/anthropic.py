@@ -5,21 +5,26 @@ text, tool calls: chat_output) as Anthropic's content blocks, whole or as its st
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator
 
 import fastapi
 
 from jaxinfer.server.anthropic_protocol import MessagesRequest
-from jaxinfer.server.async_engine import EngineDeadError
 from jaxinfer.server.errors import APIError, anthropic_error_body
-from jaxinfer.server.formatting import json_response
+from jaxinfer.server.formatting import json_response, sse
 from jaxinfer.server.serving import BAD_REQUEST, ChatStart, OpenAIServing
 from jaxinfer.server.streams import answer
 
-logger = logging.getLogger(__name__)
+# Anthropic's server-sent events: named by type, no [DONE], errors in its shape.
+ANTHROPIC_SSE = functools.partial(
+    sse,
+    named=True,
+    error=lambda status, message, kind: anthropic_error_body(status, message),
+    done=False,
+)
 
 
 class AnthropicServing:
@@ -48,7 +53,7 @@ class AnthropicServing:
             return json_response(message)
 
         events = self._events(start, message_id, body.omits_thinking) if body.stream else None
-        return await answer(serving.engine, start, events, sse, build)
+        return await answer(serving.engine, start, events, ANTHROPIC_SSE, build)
 
     def _message(self, message_id: str, parts, c) -> dict:
         thought, content, calls = parts
@@ -183,16 +188,3 @@ def stop_of(c, called: bool) -> tuple[str, str | None]:
     if isinstance(c.stop_reason, str):
         return "stop_sequence", c.stop_reason
     return "end_turn", None
-
-
-async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Anthropic's server-sent events (`event:` named by type); a failure is an error event."""
-    try:
-        async for event in events:
-            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-    except EngineDeadError as error:
-        yield f"event: error\ndata: {json.dumps(anthropic_error_body(503, str(error)))}\n\n"
-    except Exception:
-        logger.exception("a stream failed")
-        body = anthropic_error_body(500, "the server failed to continue this stream")
-        yield f"event: error\ndata: {json.dumps(body)}\n\n"

@@ -165,16 +165,25 @@ class Usage:
         return body
 
 
-async def sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Server-sent events, always ending in [DONE]: an engine that dies mid-stream, or any
-    other failure, is an error event first (a client that left gets nothing more)."""
+async def sse(
+    chunks: AsyncIterator[dict], named: bool = False, error=error_body, done: bool = True
+) -> AsyncIterator[str]:
+    """Server-sent events, ending in [DONE] where `done` (OpenAI's chat and completions): an
+    engine that dies mid-stream, or any other failure, is an error event first, its body
+    `error(status, message, kind)` (a client that left gets nothing more). `named`: each
+    event has an `event:` line naming its type (Anthropic's and the Responses API's)."""
+
+    def frame(body: dict) -> str:
+        data = f"data: {json.dumps(body)}\n\n"
+        return f"event: {body.get('type') or 'error'}\n{data}" if named else data
+
     try:
         async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-    except EngineDeadError as error:
-        yield f"data: {json.dumps(error_body(503, str(error), 'engine_dead'))}\n\n"
+            yield frame(chunk)
+    except EngineDeadError as failure:
+        yield frame(error(503, str(failure), "engine_dead"))
     except Exception:
         logger.exception("a stream failed")
-        body = error_body(500, "the server failed to continue this stream", "server_error")
-        yield f"data: {json.dumps(body)}\n\n"
-    yield "data: [DONE]\n\n"
+        yield frame(error(500, "the server failed to continue this stream", "server_error"))
+    if done:
+        yield "data: [DONE]\n\n"

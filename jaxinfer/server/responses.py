@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
+import functools
 import threading
 import time
 import uuid
@@ -24,7 +24,10 @@ from jaxinfer.server.responses_protocol import ResponsesRequest
 from jaxinfer.server.serving import BAD_REQUEST, ChatStart, OpenAIServing
 from jaxinfer.server.streams import answer
 
-MAX_STORED = 1024  # responses kept for previous_response_id, oldest evicted first
+MAX_STORED = 1024
+NAMED_SSE = functools.partial(
+    sse, named=True, done=False
+)  # events named by type, no [DONE]  # responses kept for previous_response_id, oldest evicted first
 
 
 @dataclasses.dataclass
@@ -87,11 +90,13 @@ class ResponsesServing:
         def build(final) -> fastapi.Response:
             (c,) = final.outputs
             parts, thought_tokens = serving.whole_choice(start, c)
-            done = self._finish(frame, body, chat, output_items(parts), c, final, thought_tokens)
+            tokens = len(final.prompt_token_ids), len(c.token_ids)
+            items = output_items(parts)
+            done = self._finish(frame, body, chat, items, c.finish_reason, tokens, thought_tokens)
             return json_response(done)
 
-        events = self._events(start, body, chat, frame) if body.stream else None
-        return await answer(serving.engine, start, events, named_sse, build)
+        events = numbered(self._events(start, body, chat, frame)) if body.stream else None
+        return await answer(serving.engine, start, events, NAMED_SSE, build)
 
     def _frame(self, body: ResponsesRequest, response_id: str) -> dict:
         """The response's fields that do not depend on its output."""
@@ -124,19 +129,20 @@ class ResponsesServing:
             "usage": None,
         }
 
-    def _finish(self, frame, body, chat, items, c, final, thought_tokens) -> dict:
-        """The completed response (stored unless `store` is false)."""
-        cut = c.finish_reason == "length"
+    def _finish(self, frame, body, chat, items, finish_reason, tokens, thought_tokens) -> dict:
+        """The completed response (stored unless `store` is false); `tokens`: (prompt, output)."""
+        cut = finish_reason == "length"
+        prompt_tokens, output_tokens = tokens
         done = {
             **frame,
             "status": "incomplete" if cut else "completed",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "output": items,
             "usage": {
-                "input_tokens": len(final.prompt_token_ids),
-                "output_tokens": len(c.token_ids),
+                "input_tokens": prompt_tokens,
+                "output_tokens": output_tokens,
                 "output_tokens_details": {"reasoning_tokens": thought_tokens},
-                "total_tokens": len(final.prompt_token_ids) + len(c.token_ids),
+                "total_tokens": prompt_tokens + output_tokens,
             },
         }
         if body.store:
@@ -154,10 +160,10 @@ class ResponsesServing:
         items = _Items()
         yield {"type": "response.created", "response": frame}
         yield {"type": "response.in_progress", "response": frame}
-        thought_tokens = output_tokens = 0
-        last = final = None
+        thought_tokens = prompt_tokens = output_tokens = 0
+        finish_reason = None
         async for output in start.held.streams[0]:
-            final = output
+            prompt_tokens = len(output.prompt_token_ids)
             for c in output.outputs:
                 output_tokens += len(c.token_ids)
                 if parser.in_reasoning:
@@ -168,29 +174,13 @@ class ResponsesServing:
                         for event in items.events(delta):
                             yield event
                 if is_last:
-                    last = c
+                    finish_reason = c.finish_reason
         for event in items.close():
             yield event
-        totals = _Totals(last, output_tokens)
-        done = self._finish(frame, body, chat, items.done, totals, final, thought_tokens)
+        tokens = prompt_tokens, output_tokens
+        done = self._finish(frame, body, chat, items.done, finish_reason, tokens, thought_tokens)
         kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
         yield {"type": kind, "response": done}
-
-
-@dataclasses.dataclass
-class _Totals:
-    """A streamed choice's end as _finish reads it: its finish reason and all its tokens."""
-
-    last: object
-    count: int
-
-    @property
-    def finish_reason(self):
-        return getattr(self.last, "finish_reason", None)
-
-    @property
-    def token_ids(self):
-        return range(self.count)
 
 
 def output_items(parts) -> list[dict]:
@@ -349,18 +339,8 @@ class _Items:
         return events
 
 
-async def named_sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """The Responses stream's server-sent events: `event:` named by type, a sequence number
-    in each, no [DONE]; a failure is an error event (formatting.sse's body)."""
-    async for line in sse(_numbered(events)):
-        if line.startswith("data: {"):
-            name = json.loads(line[6:]).get("type") or "error"
-            yield f"event: {name}\n{line}"
-        elif line != "data: [DONE]\n\n":
-            yield line
-
-
-async def _numbered(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+async def numbered(events: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """The Responses stream's events, each with its sequence number."""
     number = 0
     async for event in events:
         yield {**event, "sequence_number": number}

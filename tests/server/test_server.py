@@ -480,7 +480,7 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
         headers = {"authorization": "Bearer s3cret-from-a-file"}
         evil = httpx.get(f"{url}/v1/models", headers={**headers, "host": "evil.example"})
         assert evil.status_code == 400  # DNS rebinding: only loopback names by default
-        chunks = 0
+        chunks, finish = 0, None
         with httpx.stream(
             "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=60
         ) as response:
@@ -489,9 +489,12 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir, tmp_path):
                     chunks += 1
                     if chunks == 1:
                         process.send_signal(signal.SIGTERM)
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
                 if line == "data: [DONE]":
                     break
-        assert chunks >= 20  # the stream went on to its end after the signal
+        # the stream went on to its end after the signal (its chunk count varies: a loaded
+        # machine merges the deltas a slow reader has not taken yet)
+        assert chunks > 1 and finish == "length"
         # uvicorn shuts down gracefully, then re-raises the signal it caught: exit by SIGTERM.
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
         assert b"Traceback" not in process.stdout.read()

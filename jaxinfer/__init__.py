@@ -15,13 +15,22 @@ _EXPORTS = {
     "RequestOutput": "jaxinfer.outputs",
     "SamplingParams": "jaxinfer.sampling_params",
     "PoolingParams": "jaxinfer.pooling_params",
+    "LoRARequest": "jaxinfer.lora_request",
 }
 
 # _EXPORTS' keys
-__all__ = ["LLM", "CompletionOutput", "PoolingParams", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "PoolingParams",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:
     from jaxinfer.llm import LLM
+    from jaxinfer.lora_request import LoRARequest
     from jaxinfer.outputs import CompletionOutput, RequestOutput
     from jaxinfer.pooling_params import PoolingParams
     from jaxinfer.sampling_params import SamplingParams

@@ -64,8 +64,8 @@ def flags_table(module_name: str) -> str:
         default = flag.default
         if isinstance(default, list):
             default = ",".join(map(str, default))
-        shown = "" if default is None else f"`{default}`"
-        text = (flag.help or "").replace("|", "\\|")
+        shown = "" if default in (None, "") else f"`{default}`"
+        text = " ".join((flag.help or "").split()).replace("|", "\\|")  # one line a row
         rows.append(f"| `--{flag.name}` | {shown} | {text} |")
     return "\n".join(rows) + "\n"
 

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.layers.kernel_registry import KernelRegistry
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.pooling_params import PoolingParams, check_dimensions
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -48,11 +49,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings or token-id lists); results in prompt order.
 
         `priority` (one integer per prompt, lower first) only matters when the prompts do not
-        all fit in the engine at once."""
+        all fit in the engine at once. `lora_request`: the LoRA adapter of every prompt, or
+        one per prompt (None: the base model); the engine needs enable_lora."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -61,19 +64,23 @@ class LLM:
         params_list = _params_per_prompt(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm, add_special_tokens=True, priority=priority)
+        loras = _per_prompt(lora_request, len(prompts), "LoRARequest")
+        return self._run(prompts, params_list, use_tqdm, True, priority=priority, loras=loras)
 
     def chat(
         self,
         messages: list[Message] | Sequence[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
+        """Applies the model's chat template to one conversation or a list of them
+        (`lora_request` as in generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
         params_list = _params_per_prompt(sampling_params, len(prompts))
-        return self._run(prompts, params_list, use_tqdm, add_special_tokens=False)
+        loras = _per_prompt(lora_request, len(prompts), "LoRARequest")
+        return self._run(prompts, params_list, use_tqdm, False, loras=loras)
 
     def embed(
         self,
@@ -100,6 +107,7 @@ class LLM:
         add_special_tokens: bool,
         priority: Sequence[int] | None = None,
         pooling: PoolingParams | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         if pooling is None and engine.config.model.runner == "pooling":
@@ -107,10 +115,13 @@ class LLM:
         ids = []
         try:
             priorities = priority if priority is not None else [0] * len(prompts)
-            for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
+            loras = loras or [None] * len(prompts)
+            for prompt, params, rank, lora in zip(
+                prompts, params_list, priorities, loras, strict=True
+            ):
                 # Only the final outputs are returned: the engine builds nothing else.
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                prepared = engine.prepare_request(prompt, params, add_special_tokens)
+                prepared = engine.prepare_request(prompt, params, add_special_tokens, lora)
                 if pooling is not None:
                     prepared = dataclasses.replace(prepared, pooling=pooling)
                 request = engine.add_prepared(prepared, priority=rank)
@@ -140,3 +151,13 @@ def _params_per_prompt(
     if len(params_list) != num_prompts:
         raise ValueError(f"got {len(params_list)} SamplingParams for {num_prompts} prompts")
     return params_list
+
+
+def _per_prompt(value, num_prompts: int, kind: str) -> list:
+    """One value for every prompt, or a list of one per prompt."""
+    if value is None or not isinstance(value, Sequence):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {kind}s for {num_prompts} prompts")
+    return values

@@ -57,6 +57,16 @@ flags.DEFINE_integer("shutdown_timeout", 30, "Seconds in-flight requests get on 
 flags.DEFINE_bool(
     "enable_docs", False, "Serve Swagger UI at /docs (its scripts come from a CDN; behind the key)."
 )
+flags.DEFINE_multi_string(
+    "lora_modules",
+    [],
+    "A LoRA adapter served as model NAME: NAME=PEFT_FOLDER (with enable_lora)",
+)
+flags.DEFINE_bool(
+    "enable_lora_runtime_updates",
+    False,
+    "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).",
+)
 
 
 def _api_key() -> str | None:
@@ -76,11 +86,24 @@ def _api_key() -> str | None:
     return key
 
 
+def _lora_modules() -> tuple[tuple[str, str], ...]:
+    modules = []
+    for entry in FLAGS.lora_modules:
+        name, _, path = entry.partition("=")
+        if not name or not path:
+            raise app.UsageError(f"--lora_modules takes NAME=PEFT_FOLDER, got {entry!r}")
+        modules.append((name, path))
+    if len({name for name, _ in modules}) != len(modules):
+        raise app.UsageError("--lora_modules names two adapters alike")
+    return tuple(modules)
+
+
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     distributed = distributed_config_from_flags()
     api_key = _api_key()
+    lora_modules = _lora_modules()
     initialize(distributed, recoverable=True)
     # The server compiles its rarer token buckets while it serves, where it can.
     options = engine_options_from_flags(defaults={"warmup": "auto"})
@@ -98,6 +121,8 @@ def main(argv):
         host_policy=HostPolicy.for_server(FLAGS.host, FLAGS.allowed_hosts),
         engine_step_timeout=FLAGS.engine_step_timeout,
         enable_docs=FLAGS.enable_docs,
+        lora_modules=lora_modules,
+        enable_lora_runtime_updates=FLAGS.enable_lora_runtime_updates,
     )
     metrics = ServerMetrics(engine)
     async_engine = AsyncEngine(

@@ -17,7 +17,8 @@ a program compiled by one is loaded by the others.
 
     python -m tools.test_lanes [--check] [extra pytest arguments]
 
-Each process's output is shown when its stage ends; the exit status is the first failure's.
+Each process's output is shown when its stage ends, and every failed test's line again at the end;
+the exit status is the first failure's.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> int:
     stages = CHECK if check else STAGES
     start = time.monotonic()
     status = 0
+    failures: list[str] = []  # every lane's failed tests, repeated at the end
     with contextlib.ExitStack() as stack:
         cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxinfer-test-xla-"))
         for stage in stages:
@@ -75,14 +77,23 @@ def main() -> int:
             for marker, process, log in running:
                 code = process.wait()
                 log.seek(0)
+                text = log.read()
                 print(f"===== -m {marker!r} (exit {code}) =====", flush=True)
-                sys.stdout.write(log.read())
+                sys.stdout.write(text)
                 status = status or code
+                failures += [f"{marker}: {line}" for line in text.splitlines() if _failed(line)]
             print(f"===== {time.monotonic() - start:.0f} s so far =====", flush=True)
             if status:
                 break
+    for line in failures:  # last, where a log's tail shows them
+        print(line)
     print(f"===== all: {time.monotonic() - start:.0f} s, exit {status} =====")
     return status
+
+
+def _failed(line: str) -> bool:
+    """A line of pytest's short summary that names a failed test or an error."""
+    return line.startswith(("FAILED ", "ERROR "))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,12 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    max_loras: int  # device slots: adapters resident at once
+    max_rank: int  # every slot's rank (smaller adapters are zero-padded)
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -106,6 +112,7 @@ class EngineConfig:
     resolved: ResolvedOptions  # every "auto" settled (jaxinfer.config.resolve)
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig = SpeculativeConfig("none", 0, 1, 1)
+    lora: LoraConfig | None = None  # LoRA adapters served per request (None: off)
 
     @property
     def layer_execution(self) -> str:  # "scan" or "per_layer" (see ModelRunner)
@@ -183,6 +190,11 @@ def build_engine_config(
     # The model's view: each KV head copied `replicas` times (so every device holds one).
     arch = dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
     check_expert_split(arch, tp, options.expert_parallel)
+    if options.enable_lora and replicas > 1:
+        raise ValueError(
+            f"enable_lora: tensor_parallel_size {tp} copies the model's KV heads, which LoRA's "
+            "k and v products do not follow yet; use at most as many devices as KV heads"
+        )
     dtype = resolved.jnp_dtype
     max_model_len = options.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
@@ -246,6 +258,7 @@ def build_engine_config(
             suffix_min_token_prob=options.suffix_min_token_prob,
             suffix_max_spec_factor=options.suffix_max_spec_factor,
         ),
+        lora=LoraConfig(options.max_loras, options.max_lora_rank) if options.enable_lora else None,
     )
 
 

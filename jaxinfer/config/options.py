@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from jaxinfer.config.validate import check_options
 from jaxinfer.layers.kv_cache import KV_CACHE_DTYPES
 from jaxinfer.layers.quantization import METHODS, Quantization
 from pallas_kernels.int4_matmul.reference import GROUP_SIZES
@@ -25,8 +26,8 @@ GGUF_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "dummy")
 REASONING_STYLES = ("qwen3", "deepseek_r1")
 SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
-MAX_SPECULATIVE_TOKENS = 15
 WARMUPS = ("auto", "all", "background")
+LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
 
 def option(default: Any, help: str, choices: tuple | None = None, **kwargs) -> Any:
@@ -266,6 +267,17 @@ class EngineOptions:
         "auto (a sentence-transformers folder's pooling, else last).",
         ("auto", "last", "mean", "cls"),
     )
+    enable_lora: bool = option(
+        False,
+        "Serve LoRA adapters (PEFT folders) per request, rows of many adapters in one step.",
+    )
+    max_loras: int = option(
+        1, "enable_lora: adapters resident at once (device slots; least recently used leave)."
+    )
+    max_lora_rank: int = option(16, "enable_lora: the largest adapter rank taken.", LORA_RANKS)
+    lora_impl: str = option(
+        "auto", "enable_lora: the batched LoRA kernel (reference, cpu, pallas, ...) or auto."
+    )
     reasoning_parser: str | None = option(
         None,
         "The model's <think> blocks: qwen3 (where the output or the prompt opens one) or "
@@ -286,102 +298,7 @@ class EngineOptions:
     )
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            choices = field.metadata["choices"]
-            if choices is not None and value is not None and value not in choices:
-                raise ValueError(f"{field.name} must be one of {choices}, got {value!r}")
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "tensor_parallel_size",
-            "prompt_lookup_min",
-            "prompt_lookup_max",
-            "suffix_max_depth",
-            "suffix_cache_max_tokens",
-        ):
-            _positive(name, getattr(self, name))
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
-                f"prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-        _positive("num_speculative_tokens", self.num_speculative_tokens)
-        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
-            raise ValueError(
-                f"suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob!r}"
-            )
-        if not self.suffix_max_spec_factor > 0:
-            raise ValueError(
-                f"suffix_max_spec_factor must be positive, got {self.suffix_max_spec_factor!r}"
-            )
-        if (self.speculative_method == "draft") != (self.draft_model is not None):
-            raise ValueError(
-                "speculative_method draft needs a draft_model"
-                if self.draft_model is None
-                else "draft_model is only used with speculative_method draft"
-            )
-        if self.speculative_free_tokens is not None:
-            _positive("speculative_free_tokens", self.speculative_free_tokens)
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
-                f"got {self.num_speculative_tokens}"
-            )
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-        if self.token_buckets is not None:
-            self._check_token_buckets()
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
-        ):
-            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
-        for name in ("speculative_adaptive", "async_scheduling"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"{name} must be true, false or unset, got {getattr(self, name)!r}"
-                )
-        for name in (
-            "batch_invariant",
-            "expert_parallel",
-            "quantization_symmetric",
-            "int8_activations",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.draft_int8_activations is not None and self.draft_model is None:
-            raise ValueError("draft_int8_activations is only used with a draft_model")
-        for name in (
-            "attention_impl",
-            "ffn_impl",
-            "norm_impl",
-            "grouped_matmul_impl",
-            "int4_matmul_impl",
-        ):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name} must name a kernel, got {getattr(self, name)!r}")
-        if not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
-
-    def _check_token_buckets(self) -> None:
-        """token_buckets as a sorted tuple of distinct sizes, each in [1, the step budget]
-        (a TOML array or a flag's list arrives as a list, of strings from a flag)."""
-        value = self.token_buckets
-        if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
-            raise ValueError(f"token_buckets must be a list of step sizes, got {value!r}")
-        sizes = []
-        for size in value:
-            if isinstance(size, str) and size.strip().isdigit():
-                size = int(size)
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"token_buckets must be positive integers, got {size!r}")
-            if size > self.max_num_batched_tokens:
-                raise ValueError(
-                    f"token bucket {size} exceeds max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens})"
-                )
-            sizes.append(size)
-        object.__setattr__(self, "token_buckets", tuple(sorted(set(sizes))))
+        check_options(self)
 
 
 def quantization_of(options: EngineOptions) -> Quantization | None:
@@ -391,8 +308,3 @@ def quantization_of(options: EngineOptions) -> Quantization | None:
     return Quantization(
         options.quantization, options.quantization_group_size, options.quantization_symmetric
     )
-
-
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -11,6 +11,7 @@ import jax
 
 from cpu_kernels import build
 from cpu_kernels.gguf_matmul.kernel import load_gguf_matmul
+from cpu_kernels.lora.kernel import load_lora
 from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 
@@ -20,6 +21,7 @@ NATIVE_LOADERS: dict[str, Callable[[Path], Callable]] = {
     "matmul": load_matmul,
     "gguf_matmul": load_gguf_matmul,
     "paged_attention": load_paged_attention,
+    "lora": load_lora,
 }
 
 

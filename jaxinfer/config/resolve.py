@@ -27,15 +27,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import speculative
 from jaxinfer.config.invariant import check_invariant_request
+from jaxinfer.config.lora import lora_kernel
 from jaxinfer.config.native import native_kernel, native_reasons
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.platform import Platform
 from jaxinfer.config.resolved import Resolution, ResolvedOptions
+from jaxinfer.config.warmup import warmup
 from jaxinfer.layers.kernel_probe import probe_kernel
 from jaxinfer.layers.kernel_registry import KernelRegistry, ModelKernels
 from jaxinfer.layers.kv_cache import KVCacheFormat
@@ -47,27 +50,6 @@ from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 logger = logging.getLogger(__name__)
 
 PALLAS_MATMULS = ("pallas", "pallas_interpret")
-
-
-def _warmup(
-    options: EngineOptions, platform: Platform, layer_execution: str, reasons: dict[str, str]
-) -> str:
-    """options.warmup settled: "background" where the runner can compile a bucket's programs
-    without running them and every process picks the same buckets; a ValueError where it was
-    asked for and cannot."""
-    why = []
-    if platform.num_processes > 1:
-        why.append("several processes step in lockstep (each would pick buckets by its own pace)")
-    if layer_execution != "scan":
-        why.append("per-layer execution compiles a bucket's programs by running them")
-    if options.speculative_method == "draft":
-        why.append("a draft model's programs are compiled with the target's")
-    if options.warmup == "background" and why:
-        raise ValueError("warmup 'background' cannot be used here: " + "; ".join(why))
-    if options.warmup != "auto":
-        return options.warmup
-    reasons["warmup"] = "; ".join(why) if why else "one process, layers under a scan"
-    return "all" if why else "background"
 
 
 def resolve(
@@ -108,6 +90,7 @@ def resolve(
         why = "the kernel is not in use" if matmul_fn is None else "the model has neither"
         raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
     layer_execution = r.layer_execution(matmul_fn)
+    lora, lora_fn = lora_kernel(options, platform, r.dtype, registry, r.reasons)
     resolved = ResolvedOptions(
         dtype=r.dtype,
         attention=attention,
@@ -125,12 +108,13 @@ def resolve(
         batch_invariant=r.invariant,
         speculative_free_tokens=speculative.free_tokens(options, r.cpu, r.reasons),
         speculative_adaptive=speculative.adaptive(options, platform, r.reasons),
-        warmup=_warmup(options, platform, layer_execution, r.reasons),
+        warmup=warmup(options, platform, layer_execution, r.reasons),
         compilation_cache_dir=r.compilation_cache_dir(),
+        lora=lora,
         reasons=tuple(sorted(r.reasons.items())),
     )
     kernels = r.kernels(resolved, attention_fn, matmul_fn, gguf_fn, pallas_matmul)
-    return Resolution(resolved, kernels)
+    return Resolution(resolved, kernels if lora_fn is None else replace(kernels, lora=lora_fn))
 
 
 class _Resolver:

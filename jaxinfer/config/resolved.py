@@ -35,6 +35,7 @@ class ResolvedOptions:
     speculative_adaptive: bool  # proposals planned by measured step times (SpecControl)
     warmup: str  # "all" or "background" (token buckets compiled while serving)
     compilation_cache_dir: str | None  # None: no persistent compilation cache
+    lora: str | None = None  # LoRA's kernel ("cpu": C++, or a registry name); None: off
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
 
     @property

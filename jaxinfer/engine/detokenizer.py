@@ -5,6 +5,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from jaxinfer.engine.scheduling.request import Request, RequestStatus
+
 
 class IncrementalDetokenizer:
     """Text of one request's output so far; `DecodeStream` holds back incomplete bytes."""
@@ -49,3 +51,27 @@ def find_stop_string(text: str, num_new_chars: int, stops: tuple[str, ...]) -> t
         if index != -1 and (best_index == -1 or index < best_index):
             best, best_index = stop, index
     return best, best_index
+
+
+def detokenize(
+    request: Request, detokenizer: IncrementalDetokenizer, scheduler, finished: list[Request]
+) -> None:
+    """Adds a request's new tokens to its text, one at a time, and ends it at the first
+    stop string they complete (dropping the tokens after it: scheduler.stop)."""
+    new_tokens = request.output_token_ids[detokenizer.num_tokens :]
+    stops = request.sampling_params.stop
+    ended = request.status.finished
+    for index, token in enumerate(new_tokens):
+        delta = detokenizer.add(token)
+        last = index == len(new_tokens) - 1
+        if not stops or not delta or (last and request.status is RequestStatus.FINISHED_STOPPED):
+            continue
+        stop, position = find_stop_string(detokenizer.text, len(delta), stops)
+        if position >= 0:
+            keep = position + len(stop) * request.sampling_params.include_stop_str_in_output
+            detokenizer.text = detokenizer.text[:keep]
+            request.truncate_output(detokenizer.num_tokens)
+            scheduler.stop(request, stop)
+            if not ended:
+                finished.append(request)
+            return

@@ -18,6 +18,7 @@ import llguidance
 import numpy as np
 
 from jaxinfer.engine.sampling.constraints import BadWords, GrammarCompiler, bias_row, stop_mask
+from jaxinfer.engine.scheduling.lora_slots import SlotAdapter
 from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxinfer.tokenizer import TokenizerWrapper
@@ -40,6 +41,7 @@ class PreparedRequest:
             copy.
         stop_token_ids: the request's stop tokens, for membership tests at every step.
         pooling: an embedding request's pooling (its sample is not reported), or None.
+        lora: its LoRA adapter, ready for a device slot (jaxinfer.engine.lora_adapters).
     """
 
     prompt: str | None
@@ -51,6 +53,7 @@ class PreparedRequest:
     grammar: llguidance.LLMatcher | None
     stop_token_ids: frozenset[int]
     pooling: PoolingParams | None = None
+    lora: SlotAdapter | None = None  # the LoRA adapter it runs with
 
 
 class InputProcessor:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
 
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine import output_builder
-from jaxinfer.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxinfer.engine.detokenizer import IncrementalDetokenizer, detokenize
 from jaxinfer.engine.execution import pooling
 from jaxinfer.engine.execution.step import DispatchedStep, SchedulerOutput, StepOutput, StepTiming
 from jaxinfer.engine.input_processor import InputProcessor, PreparedRequest
+from jaxinfer.engine.lora_adapters import LoraAdapters
 from jaxinfer.engine.sampling.constraints import RequestConstraints
 from jaxinfer.engine.schedule_check import check_same_schedule
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
@@ -21,6 +23,7 @@ from jaxinfer.engine.scheduling.stats import SchedulerStats
 from jaxinfer.engine.speculation.propose import Speculation
 from jaxinfer.engine.startup.start import describe, start_model
 from jaxinfer.layers.kernel_registry import KernelRegistry
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestMetrics, RequestOutput
 from jaxinfer.parallel.distributed import seed_root
 from jaxinfer.reasoning import ReasoningParser
@@ -59,8 +62,13 @@ class LLMEngine:
             sliding_window=arch.released_window,
         )
         self.speculation = Speculation(self.config, self.draft)
+        self.loras = LoraAdapters(self.config, self.runner) if self.config.lora else None
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv_cache_manager, arch.vocab_size, self.speculation.control
+            self.config.scheduler,
+            self.kv_cache_manager,
+            arch.vocab_size,
+            self.speculation.control,
+            self.loras.slots if self.loras else None,
         )
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -83,7 +91,11 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
 
     def prepare_request(
-        self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Tokenizes and checks a request and builds what its samples share (grammar, bias
         row, bad words); raises ValueError if it could never be served. Thread-safe: the
@@ -94,8 +106,14 @@ class LLMEngine:
             prompt: text, or token ids used as they are.
             params: how to sample.
             add_special_tokens: for text prompts; False for rendered chat templates.
+            lora_request: the LoRA adapter to run with (read on first use; enable_lora).
         """
-        return self.input_processor.prepare(prompt, params, add_special_tokens)
+        prepared = self.input_processor.prepare(prompt, params, add_special_tokens)
+        if lora_request is None:
+            return prepared
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+        return dataclasses.replace(prepared, lora=self.loras.get(lora_request))
 
     def add_request(
         self,
@@ -105,6 +123,7 @@ class LLMEngine:
         add_special_tokens: bool = True,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request | ParentRequest:
         """Tokenizes and admits a request; raises ValueError if it could never be served.
 
@@ -117,8 +136,9 @@ class LLMEngine:
             add_special_tokens: for text prompts; False for rendered chat templates.
             priority: lower is scheduled first and preempted last; FCFS among equals.
             cache_salt: prefix-cache entries are shared only among requests with the same salt.
+            lora_request: the LoRA adapter it runs with (enable_lora).
         """
-        prepared = self.prepare_request(prompt, params, add_special_tokens)
+        prepared = self.prepare_request(prompt, params, add_special_tokens, lora_request)
         return self.add_prepared(prepared, request_id, priority, cache_salt)
 
     def add_prepared(
@@ -197,6 +217,7 @@ class LLMEngine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             stop_token_ids=prepared.stop_token_ids,
             pooling=prepared.pooling,
+            lora=prepared.lora,
         )
         if self.speculation.on and params.num_speculative_tokens != 0:
             request.spec = self.speculation.new_state(params.num_speculative_tokens)
@@ -342,7 +363,7 @@ class LLMEngine:
             else:
                 metrics.inter_token_latencies.append(now - metrics.last_token_time)
             metrics.last_token_time = now
-            self._detokenize(request, finished)
+            detokenize(request, self._detokenizers[request.request_id], self.scheduler, finished)
         if self.speculation.on:
             self.speculation.propose(self.scheduler, self.batch_builder.rows, self.runner)
         for request in finished:
@@ -372,29 +393,3 @@ class LLMEngine:
             if parent.finished:
                 self._parents.pop(parent.request_id, None)
         return outputs
-
-    def _detokenize(self, request: Request, finished: list[Request]) -> None:
-        """Adds the request's new tokens to its text, one at a time, and ends it at the first
-        stop string they complete (dropping the tokens after it)."""
-        detokenizer = self._detokenizers[request.request_id]
-        new_tokens = request.output_token_ids[detokenizer.num_tokens :]
-        stops = request.sampling_params.stop
-        ended = request.status.finished
-        for index, token in enumerate(new_tokens):
-            delta = detokenizer.add(token)
-            last = index == len(new_tokens) - 1
-            if (
-                not stops
-                or not delta
-                or (last and request.status is RequestStatus.FINISHED_STOPPED)
-            ):
-                continue
-            stop, position = find_stop_string(detokenizer.text, len(delta), stops)
-            if position >= 0:
-                keep = position + len(stop) * request.sampling_params.include_stop_str_in_output
-                detokenizer.text = detokenizer.text[:keep]
-                request.truncate_output(detokenizer.num_tokens)
-                self.scheduler.stop(request, stop)
-                if not ended:
-                    finished.append(request)
-                return

@@ -10,6 +10,9 @@ Four kinds, each with the signature of its pure-JAX reference:
   (a MoE layer's experts, rows sorted by expert; "in_out" weights)
 - "int4_matmul": int4_matmul_reference(x [T, K], qs u8[*out, K / 2], scale, bias [*out, K / G])
   -> [T, *out] (4-bit weights in groups, pallas_kernels.int4_matmul; off the C++ matmul kernel)
+- "lora": lora_reference(x [T, I], a [L, S, R, I], b [L, S, R, O], slots [T], *, layer)
+  -> [T, O] (each row times its LoRA adapter's pair, pallas_kernels.lora; the C++ kernel is
+  loaded by the engine, cpu_kernels.lora)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -40,10 +43,12 @@ from pallas_kernels.grouped_matmul.kernel import grouped_matmul
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.int4_matmul.kernel import int4_matmul
 from pallas_kernels.int4_matmul.reference import int4_matmul_reference
+from pallas_kernels.lora.kernel import lora
+from pallas_kernels.lora.reference import lora_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-KINDS = ("attention", "ffn", "norm", "grouped_matmul", "int4_matmul")
+KINDS = ("attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +72,9 @@ class ModelKernels:
     # Int4 weights' products where the C++ matmul kernel does not take them (jaxinfer.layers
     # .weights.Int4): int4_matmul_reference(x [T, K], qs, scale, bias) -> [T, *out].
     int4_matmul: Callable = int4_matmul_reference
+    # LoRA adapters' products (jaxinfer.layers.lora), where the engine serves them:
+    # lora_reference(x [T, I], a [L, S, R, I], b [L, S, R, O], slots i32[T], *, layer).
+    lora: Callable = lora_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
@@ -115,6 +123,7 @@ def default_registry() -> KernelRegistry:
         "norm": (add_rms_norm_reference, add_rms_norm),
         "grouped_matmul": (grouped_matmul_reference, grouped_matmul),
         "int4_matmul": (int4_matmul_reference, int4_matmul),
+        "lora": (lora_reference, lora),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

@@ -30,6 +30,8 @@ class BatchInputs:
     query_start_loc: np.ndarray  # i32[R + 1], start of each request's tokens (cu_seqlens)
     logits_indices: np.ndarray  # i32[P], the token whose logits each sample row reads
     num_seqs: np.ndarray  # i32[1], requests that are real
+    # i32[T], each token's LoRA adapter slot (-1: the base model); None: no adapters served
+    lora_slots: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

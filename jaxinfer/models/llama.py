@@ -20,6 +20,8 @@ from jaxinfer.layers import invariant
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import KVCache
 from jaxinfer.layers.linear import IN_OUT, OUT_IN, dense_ffn, lm_logits
+from jaxinfer.layers.lora import LoraWeights, lora_ffn, qkv_delta
+from jaxinfer.layers.lora import delta as lora_delta
 from jaxinfer.layers.moe.experts import (
     moe_ffn,
 )
@@ -63,10 +65,12 @@ class LlamaForCausalLM(nnx.Module):
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
         partitioner: Partitioner | None = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, logits f32[R, V])
-        """The whole step in one program: the layers run under `lax.scan`."""
+        """The whole step in one program: the layers run under `lax.scan`. `lora`: the
+        adapter slots the tokens' batch.lora_slots name (jaxinfer.layers.lora)."""
         kv_cache, hidden = self.hidden_states(
-            kv_cache, batch, kernels=kernels, partitioner=partitioner
+            kv_cache, batch, kernels=kernels, partitioner=partitioner, lora=lora
         )
         params = nnx.to_pure_dict(nnx.state(self))
         logits = compute_logits(self.config, params, hidden, batch, kernels, partitioner)
@@ -79,8 +83,9 @@ class LlamaForCausalLM(nnx.Module):
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
         partitioner: Partitioner | None = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, hidden [T, E] before the final norm)
-        kv_cache, hidden, _ = self._layers(kv_cache, batch, kernels, partitioner, collect=False)
+        kv_cache, hidden, _ = self._layers(kv_cache, batch, kernels, partitioner, False, lora)
         return kv_cache, hidden
 
     def residual_streams(
@@ -90,13 +95,14 @@ class LlamaForCausalLM(nnx.Module):
         *,
         kernels: ModelKernels = REFERENCE_KERNELS,
         partitioner: Partitioner | None = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[jax.Array, jax.Array]:  # (kv_cache, [L, T, E])
         """The residual stream after each layer (Hugging Face's hidden_states[1:], but for
         the last, which HF gives after the final norm): for layer-by-layer parity."""
-        kv_cache, _, streams = self._layers(kv_cache, batch, kernels, partitioner, collect=True)
+        kv_cache, _, streams = self._layers(kv_cache, batch, kernels, partitioner, True, lora)
         return kv_cache, streams
 
-    def _layers(self, kv_cache, batch, kernels, partitioner, collect: bool):
+    def _layers(self, kv_cache, batch, kernels, partitioner, collect: bool, lora=None):
         params = nnx.to_pure_dict(nnx.state(self))
         hidden, residual, cos_sin = embed_tokens(self.config, params, batch)
         layers = params["layers"]
@@ -122,6 +128,7 @@ class LlamaForCausalLM(nnx.Module):
                 cos_sin,
                 kernels=kernels,
                 partitioner=partitioner,
+                lora=lora,
             )
             return (hidden, residual, kv_cache, layer + 1), hidden + residual if collect else None
 
@@ -168,8 +175,10 @@ def decoder_layer(
     *,
     kernels: ModelKernels,
     partitioner: Partitioner | None = None,
+    lora: LoraWeights | None = None,  # the adapter slots, stacked over the layers
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (hidden [T, E], residual [T, E], kv_cache)
-    """One layer. Each residual add is fused with the norm that follows it."""
+    """One layer. Each residual add is fused with the norm that follows it. With `lora`,
+    each token's adapter (batch.lora_slots) adds its products to the projections."""
     cfg = config
     num_tokens = hidden.shape[0]
     group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -184,6 +193,8 @@ def decoder_layer(
     with jax.named_scope("attention"):
         x, residual = kernels.add_rms_norm(hidden, residual, p["input_norm"], eps=cfg.rms_norm_eps)
         qkv = dense(x, p["qkv_proj"], kernels)  # [T, K, G+2, D]
+        if lora is not None:
+            qkv = qkv + qkv_delta(lora, x, batch.lora_slots, layer, kernels.lora, cfg)
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"]
         qkv = constrain(qkv, ("tokens", "kv_heads", "qkv", "head_dim"))
@@ -221,7 +232,12 @@ def decoder_layer(
                 sliding, lambda: attention(cfg.sliding_window), lambda: attention(None)
             )
         attn = constrain(attn, ("tokens", "q_heads", "head_dim"))
-        hidden = dense(attn.reshape(num_tokens, -1), p["o_proj"], kernels)
+        attn = attn.reshape(num_tokens, -1)  # [T, H * D]
+        hidden = dense(attn, p["o_proj"], kernels)
+        if lora is not None:
+            hidden = hidden + lora_delta(
+                lora, "o_proj", attn, batch.lora_slots, layer, kernels.lora
+            )
         if cfg.sandwich_norms:
             hidden = kernels.rms_norm(hidden, p["attention_output_norm"], cfg.rms_norm_eps)
         hidden = constrain(hidden, ("tokens", "embed"))
@@ -231,6 +247,9 @@ def decoder_layer(
         )
         if cfg.moe is not None:
             hidden = moe_ffn(cfg, p, x, kernels, partitioner)
+        elif lora is not None:
+            gate_up, down, slots = p["gate_up_proj"], p["down_proj"], batch.lora_slots
+            hidden = lora_ffn(x, gate_up, down, kernels, cfg.hidden_act, lora, slots, layer)
         else:
             hidden = dense_ffn(x, p["gate_up_proj"], p["down_proj"], kernels, cfg.hidden_act)
         if cfg.sandwich_norms:

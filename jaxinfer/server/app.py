@@ -27,6 +27,7 @@ from jaxinfer.server.embeddings import EmbeddingRequest, EmbeddingsServing
 from jaxinfer.server.errors import APIError, error_response, install_error_handlers
 from jaxinfer.server.guard import Guard, HostPolicy, check_api_key
 from jaxinfer.server.headers import ResponseHeaders
+from jaxinfer.server.lora_routes import LoraModels, install_lora_routes
 from jaxinfer.server.metrics import ServerMetrics
 from jaxinfer.server.page import CHAT_PAGE, PAGE_HEADERS
 from jaxinfer.server.protocol import (
@@ -64,6 +65,9 @@ class ServerConfig:
     engine_step_timeout: a step running longer makes /health 503 and the engine dead.
     enable_docs: serve the API's interactive page at /docs (Swagger UI, whose scripts come
         from a CDN); off by default. /openapi.json is always there.
+    lora_modules: LoRA adapters served as models of their own, by name (the engine reads
+        them at start); enable_lora_runtime_updates: POST /v1/load_lora_adapter and
+        /v1/unload_lora_adapter change them while serving.
     """
 
     served_model_name: str
@@ -75,6 +79,8 @@ class ServerConfig:
     host_policy: HostPolicy | None = None
     engine_step_timeout: float = 60.0
     enable_docs: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder)
+    enable_lora_runtime_updates: bool = False
 
     def __post_init__(self):
         check_api_key(self.api_key)
@@ -130,6 +136,11 @@ def build_app(
         max_rendered_chars=2 * config.max_body_bytes,
     )
     app.state.serving = serving
+    lora_models = LoraModels(serving)
+    for name, path in config.lora_modules:
+        lora_models.add(name, path)  # (a ValueError: the server does not start)
+    if config.enable_lora_runtime_updates:
+        install_lora_routes(app, lora_models)
 
     @app.get("/", include_in_schema=False)
     async def chat_page():
@@ -166,7 +177,8 @@ def build_app(
                     "created": 0,
                     "owned_by": "jaxinfer",
                     "max_model_len": serving.max_model_len,
-                }
+                },
+                *lora_models.cards(),
             ],
         }
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from jaxinfer.engine.input_processor import PreparedRequest
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.outputs import RequestOutput, merge_deltas
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -156,7 +157,11 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, function, *args)
 
     async def prepare(
-        self, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """LLMEngine.prepare_request on a worker thread; its grammar, if any, compiled first
         within grammar_timeout (a ValueError beyond)."""
@@ -175,7 +180,7 @@ class AsyncEngine:
                     f"the structured-output spec did not compile within {self.grammar_timeout} s"
                 ) from None
         return await self.run_in_worker(
-            self.engine.prepare_request, prompt, params, add_special_tokens
+            self.engine.prepare_request, prompt, params, add_special_tokens, lora_request
         )
 
     async def add(self, request_id: str, prepared: PreparedRequest) -> RequestStream:

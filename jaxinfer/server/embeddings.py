@@ -52,7 +52,7 @@ class EmbeddingsServing:
 
     async def create(self, body: EmbeddingRequest) -> fastapi.Response:
         serving = self.serving
-        serving.check_model(body.model, generates=False)
+        lora = serving.check_model(body.model, generates=False)
         try:
             prompts = body.prompts()
             pooling = PoolingParams(self.pooling, dimensions=body.dimensions)
@@ -62,7 +62,7 @@ class EmbeddingsServing:
         held = Held(serving.limiter.take(len(prompts)))
         try:
             params = pooling.sampling_params()
-            await serving._start(held, prompts, params, add_special_tokens=True, pooling=pooling)
+            await serving._start(held, prompts, params, True, pooling=pooling, lora=lora)
             finals = await engine_streams.finals(held.streams)
         finally:
             held.release()

@@ -15,6 +15,7 @@ import time
 import fastapi
 import pydantic
 
+from jaxinfer.lora_request import LoRARequest
 from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.server import chat_output, tool_calls
@@ -78,22 +79,26 @@ class OpenAIServing:
         self.vocab_size = engine.engine.config.model.arch.vocab_size
         self.limiter = SequenceLimiter(max_queued_requests)
         self.formatter = Formatter(self.tokenizer, served_model_name)
+        self.loras: dict[str, LoRARequest] = {}  # the adapters served, by model name
         self.template_reads_tools = tool_calls.template_reads_tools(self.tokenizer.chat_template)
         self.reasoning = engine.engine.reasoning  # ReasoningParser, or None
 
-    def check_model(self, model: str | None, generates: bool = True) -> None:
-        """The model named is this one; `generates`: the request generates text, which an
-        embedding-only server (runner pooling) refuses."""
-        if model is not None and model != self.served_model_name:
+    def check_model(self, model: str | None, generates: bool = True) -> LoRARequest | None:
+        """The LoRA adapter the model named is (None: this model itself); 404 for another.
+        `generates`: the request generates text, which an embedding-only server (runner
+        pooling) refuses."""
+        lora = self.loras.get(model) if model is not None else None
+        if model is not None and model != self.served_model_name and lora is None:
             raise APIError(404, f"model {model!r} not found", "not_found_error")
         if generates and self.engine.engine.config.model.runner == "pooling":
             raise APIError(400, "this server serves embeddings only (runner 'pooling')")
+        return lora
 
     # -- endpoints -------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, client_id: str | None = None):
         """client_id: the X-Request-Id header, if any: it labels the response (response_id)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         request_id = response_id("cmpl", client_id)
         try:
             params = body.sampling_params()
@@ -102,7 +107,7 @@ class OpenAIServing:
             raise APIError(400, str(error)) from None
         held = Held(self.limiter.take(len(prompts) * params.n))
         try:
-            await self._start(held, prompts, params, add_special_tokens=True)
+            await self._start(held, prompts, params, add_special_tokens=True, lora=lora)
             created = int(time.time())
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -139,7 +144,7 @@ class OpenAIServing:
     async def start_chat(self, body: ChatCompletionRequest) -> ChatStart:
         """A chat request validated, rendered and admitted (any chat API's first half); the
         caller releases `held` (or hands it to a streamed response)."""
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         if body.chat_template is not None and not self.allow_request_chat_template:
             raise APIError(400, "chat_template in a request is not allowed on this server")
         try:
@@ -158,7 +163,7 @@ class OpenAIServing:
                 tools,
                 body.chat_template_kwargs,
             )
-            await self._start(held, [prompt], params, add_special_tokens=False)
+            await self._start(held, [prompt], params, add_special_tokens=False, lora=lora)
         except BaseException:
             held.release()
             raise
@@ -286,14 +291,17 @@ class OpenAIServing:
         params: SamplingParams,
         add_special_tokens: bool,
         pooling: PoolingParams | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         """Prepares and admits every prompt (all or none: `held` closes them on failure), each
         under an engine id of the server's own (engine_id): unique per admission, so no
         client can name, end or steer another's request, and an unseeded request draws a
-        fresh seed (the engine derives it from the id). `pooling`: embedding requests."""
+        fresh seed (the engine derives it from the id). `pooling`: embedding requests; `lora`:
+        the LoRA adapter the request's model names."""
         try:
             prepared = [
-                await self.engine.prepare(prompt, params, add_special_tokens) for prompt in prompts
+                await self.engine.prepare(prompt, params, add_special_tokens, lora)
+                for prompt in prompts
             ]
             if pooling is not None:
                 prepared = [dataclasses.replace(p, pooling=pooling) for p in prepared]

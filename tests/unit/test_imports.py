@@ -10,7 +10,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "jaxinfer"
 
 # Lowest first: a module may import its own part or any part listed before it.
 LAYERS = (
-    ("jaxinfer.outputs", "jaxinfer.sampling_params", "jaxinfer.arch_config"),
+    (
+        "jaxinfer.outputs",
+        "jaxinfer.sampling_params",
+        "jaxinfer.arch_config",
+        "jaxinfer.lora_request",
+    ),
     ("jaxinfer.pooling_params",),
     ("jaxinfer.models.families",),  # read by the engine's config: below it
     ("jaxinfer.chat_template", "jaxinfer.tokenizer"),

@@ -108,6 +108,7 @@ class StepInputs:
     query_start_loc: np.ndarray  # i32[R + 1]
     logits_indices: np.ndarray  # i32[P]
     num_seqs: np.ndarray  # i32[1]
+    lora_slots: np.ndarray | None = None  # i32[T], each token's adapter slot (-1: none)
 
     @property
     def num_tokens(self) -> int:

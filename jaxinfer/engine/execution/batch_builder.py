@@ -40,6 +40,7 @@ class BatchBuilder:
         # "background") those compiled so far, the largest always among them.
         self.ready_buckets: tuple[int, ...] = config.scheduler.token_buckets
         self.rows = RowTable(config.scheduler.max_num_seqs)
+        self.lora = config.lora is not None  # each token names its adapter slot
         self.padding_row = self.rows.padding_row  # the last row of per-request arrays
         # Bitmask rows per request row: one per position a step may sample for it.
         self.mask_rows_per_request = 1 + config.scheduler.num_speculative_tokens
@@ -81,6 +82,7 @@ class BatchBuilder:
             query_start_loc=np.zeros(num_reqs + 1, np.int32),
             logits_indices=np.zeros(num_samples, np.int32),
             num_seqs=np.zeros(1, np.int32),
+            lora_slots=np.full(num_tokens, -1, np.int32) if self.lora else None,
         )
         sampling = SamplingMetadata.neutral(num_samples, self.padding_row)
         return inputs, sampling
@@ -135,6 +137,8 @@ class BatchBuilder:
             inputs.token_rows[start + known : end] = row
             positions = np.arange(first, first + count, dtype=np.int32)
             inputs.positions[start:end] = positions
+            if item.lora_slot >= 0:
+                inputs.lora_slots[start:end] = item.lora_slot
             blocks = item.block_ids
             if count == 1:
                 inputs.slot_mapping[start] = blocks[first // bs] * bs + first % bs

@@ -74,6 +74,7 @@ def assemble_batch(
         query_start_loc=inputs.query_start_loc,
         logits_indices=inputs.logits_indices,
         num_seqs=inputs.num_seqs,
+        lora_slots=inputs.lora_slots,
     )
 
 

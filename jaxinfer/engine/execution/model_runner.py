@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.execution.batch import SamplingMetadata, StepInputs
+from jaxinfer.engine.execution.device_arrays import allocate_kv_cache, allocate_lora, layer_of
 from jaxinfer.engine.execution.device_inputs import (
     assemble_batch,
     record_sampled,
@@ -29,6 +29,7 @@ from jaxinfer.engine.sampling.sampler import SamplerOutput, SamplerState, sample
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
+from jaxinfer.layers.lora import LoraWeights, slot_contents, target_shapes, write_slot
 from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.dispatch import DispatchWindow, dispatch_window
@@ -51,25 +52,6 @@ class Draft(Protocol):
 PROMPT_LOGPROB_ROWS = 64  # prompt-logprob rows per LM-head call (one compiled shape)
 
 
-def allocate_kv_cache(
-    config: EngineConfig,
-    partitioner: Partitioner,
-    constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
-) -> KVCache:
-    """The empty cache in config.cache.kv_format: values [L, 2, NB, BS, K, D] and the
-    format's scales (jaxinfer.layers.kv_cache)."""
-    arch, cache = config.model.arch, config.cache
-    shape = (
-        arch.num_hidden_layers,
-        2,
-        cache.num_blocks,
-        cache.block_size,
-        arch.num_key_value_heads,
-        arch.head_dim,
-    )
-    return cache.kv_format.allocate(shape, partitioner, constants)
-
-
 def _scan_hidden(
     graphdef: nnx.GraphDef,
     kernels: ModelKernels,
@@ -77,9 +59,10 @@ def _scan_hidden(
     state: nnx.State,
     kv_cache: KVCache,
     batch: BatchInputs,
+    lora: LoraWeights | None = None,
 ) -> tuple[KVCache, jax.Array]:  # (kv_cache, hidden [T, E])
     model = nnx.merge(graphdef, state)
-    return model.hidden_states(kv_cache, batch, kernels=kernels, partitioner=partitioner)
+    return model.hidden_states(kv_cache, batch, kernels=kernels, partitioner=partitioner, lora=lora)
 
 
 def _scan_step(
@@ -93,11 +76,12 @@ def _scan_step(
     block_table: jax.Array,  # i32[S, MB]
     last_tokens: jax.Array,  # i32[S]
     inputs: StepInputs,
+    lora: LoraWeights | None = None,  # the adapter slots (jaxinfer.layers.lora)
 ) -> tuple[KVCache, jax.Array, jax.Array]:  # (kv_cache, hidden [T, E], logits f32[R, V])
     """The model's part of a step in one program: the batch assembled on the device, the
     layers under the scan, the LM head."""
     batch = assemble_batch(inputs, block_table, last_tokens)
-    kv_cache, hidden = _scan_hidden(graphdef, kernels, partitioner, state, kv_cache, batch)
+    kv_cache, hidden = _scan_hidden(graphdef, kernels, partitioner, state, kv_cache, batch, lora)
     return kv_cache, hidden, logits_fn(top_params, hidden, batch)
 
 
@@ -142,12 +126,6 @@ def _prompt_logprobs(
     return token_logprobs(logits, targets, MAX_LOGPROBS, kernels.batch_invariant)
 
 
-def _layer_of(stacked: jax.Array, layer: int, partitioner: Partitioner) -> jax.Array:
-    """Layer `layer` of a stacked [L, ...] array in its own buffer, split as the stack is."""
-    spec = stacked.sharding.spec[1:]  # without the [L] axis
-    return jax.device_put(stacked[layer], NamedSharding(partitioner.mesh, PartitionSpec(*spec)))
-
-
 class ModelRunner:
     """Runs the model over one batch in one of two ways (EngineOptions.layer_execution):
 
@@ -190,6 +168,9 @@ class ModelRunner:
         arch = config.model.arch
         self.layer_execution = config.layer_execution
         self.kv_cache = allocate_kv_cache(config, part, kv_constants)  # split by KV heads
+        # LoRA adapters' slots (EngineConfig.lora), written by load_lora
+        self.lora = None if config.lora is None else allocate_lora(config, part)
+        self._write_lora = jax.jit(write_slot, donate_argnums=0)
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache
@@ -209,7 +190,7 @@ class ModelRunner:
             )
         else:
             self.layer_params = [
-                jax.tree.map(lambda a, i=i: _layer_of(a, i, part), stacked)
+                jax.tree.map(lambda a, i=i: layer_of(a, i, part), stacked)
                 for i in range(arch.num_hidden_layers)
             ]
             del stacked
@@ -269,7 +250,7 @@ class ModelRunner:
     def hidden_states(self, batch: BatchInputs) -> jax.Array:
         """Runs the layers, updating the KV cache; returns hidden [T, E] (before the norm)."""
         if self.layer_execution == "scan":
-            self.kv_cache, hidden = self._scan_hidden(self.state, self.kv_cache, batch)
+            self.kv_cache, hidden = self._scan_hidden(self.state, self.kv_cache, batch, self.lora)
             return hidden
         hidden, residual, cos_sin = self.run_embedding(batch)
         window = DispatchWindow(self._dispatch_window)  # (several CPU devices: a deadlock)
@@ -300,6 +281,7 @@ class ModelRunner:
             self.layer_ids[index],
             batch,
             cos_sin,
+            lora=self.lora,
         )
         return hidden, residual
 
@@ -347,6 +329,7 @@ class ModelRunner:
                 self.block_table,
                 self.last_tokens,
                 inputs,
+                self.lora,
             )
         else:
             batch = self._assemble(inputs, self.block_table, self.last_tokens)
@@ -380,6 +363,20 @@ class ModelRunner:
         self.apply_updates(step.updates)
         inputs, sampling = jax.device_put((step.inputs, step.sampling), self.partitioner.replicated)
         return self._assemble(inputs, self.block_table, self.last_tokens), inputs, sampling
+
+    def load_lora(self, slot: int, contents: dict) -> None:
+        """Puts an adapter into slot `slot` (contents: jaxinfer.layers.lora.slot_contents',
+        already on the device or not): enqueued after the steps already dispatched, which
+        read the slot as it was."""
+        self.lora = self._write_lora(self.lora, jnp.int32(slot), contents)
+
+    def empty_lora_slot(self) -> dict:
+        """What an empty LoRA slot holds (zeros), placed as adapters are (warm-up's write)."""
+        arch, lora = self.config.model.arch, self.config.lora
+        contents = slot_contents(
+            {}, target_shapes(arch), arch.num_hidden_layers, lora.max_rank, self.config.model.dtype
+        )
+        return jax.device_put(contents, self.partitioner.replicated)
 
     def apply_updates(self, updates: RowUpdates) -> None:
         if updates.block_table is not None:

@@ -60,6 +60,7 @@ class ScheduledRequest:
     # each of them too, and keeps the samples up to the first that differs from a proposal.
     draft_token_ids: tuple[int, ...] = ()
     pooling: PoolingParams | None = None  # an embedding request's
+    lora_slot: int = -1  # the device slot of the request's LoRA adapter (-1: none)
 
     @property
     def num_sample_rows(self) -> int:

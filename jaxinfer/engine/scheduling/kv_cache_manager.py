@@ -1,8 +1,8 @@
 """Gives requests the KV-cache blocks their tokens need, on demand, and finds cached prefixes.
 
 Full blocks are identified by a chained SHA-256: hash(parent block's hash, the block's token
-ids, extra keys), the extra keys (a per-request cache_salt) folded into the first block, so
-tenants with different salts never share blocks.
+ids, extra keys), the extra keys (a per-request cache_salt, the LoRA adapter) folded into the
+first block, so tenants with different salts, or adapters, never share blocks.
 
 With a sliding window (the model attends to the last W positions only), a running request's
 blocks that lie wholly before every position it will still attend to go back to the pool: its
@@ -28,6 +28,15 @@ def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     digest.update(len(extra).to_bytes(4, "little") + extra)
     return digest.digest()
+
+
+def first_block_extra(request: Request) -> bytes:
+    """What a request's first block hash holds besides its tokens: its cache_salt and LoRA
+    adapter (K/V computed with one adapter are never another's, or the base model's)."""
+    extra = request.cache_salt.encode() if request.cache_salt else b""
+    if request.lora is not None:
+        extra += b"\x00lora:%d" % request.lora.key
+    return extra
 
 
 class KVCacheManager:
@@ -56,7 +65,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            extra = request.cache_salt.encode() if request.cache_salt and not hashes else b""
+            extra = b"" if hashes else first_block_extra(request)
             hashes.append(
                 hash_block(hashes[-1] if hashes else None, tokens[start : start + bs], extra)
             )

@@ -9,6 +9,7 @@ import enum
 import numpy as np
 
 from jaxinfer.engine.sampling.constraints import RequestConstraints
+from jaxinfer.engine.scheduling.lora_slots import SlotAdapter
 from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.pooling_params import PoolingParams
@@ -87,6 +88,8 @@ class Request:
     num_reported_chars: int = 0
     spec: SpecState | None = None  # its speculative decoding state (None: it never proposes)
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # for the next step
+    lora: SlotAdapter | None = None  # its LoRA adapter (jaxinfer.engine.scheduling.lora_slots)
+    lora_slot: int = -1  # the adapter's device slot while the request runs
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

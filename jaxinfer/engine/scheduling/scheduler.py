@@ -29,7 +29,9 @@ import bisect
 from jaxinfer.config import SchedulerConfig
 from jaxinfer.engine.execution.step import RowInit, ScheduledRequest, SchedulerOutput, StepOutput
 from jaxinfer.engine.sampling.constraints import step_bitmask
+from jaxinfer.engine.scheduling.admission import check_admissible
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
+from jaxinfer.engine.scheduling.lora_slots import LoraSlots
 from jaxinfer.engine.scheduling.request import Request, RequestStatus
 from jaxinfer.engine.scheduling.stats import SchedulerStats, SpecStats
 from jaxinfer.engine.scheduling.stopping import sampled_enough, stop_status
@@ -44,11 +46,14 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         vocab_size: int = 0,
         control: SpecControl | None = None,
+        loras: LoraSlots | None = None,
     ):
         """`vocab_size`: the width of grammar bitmask rows (requests with constraints).
         `control`: plans each step's proposals by measured step times (speculative decoding;
-        None: the rule of thumb, proposals only where a step has room for free)."""
+        None: the rule of thumb, proposals only where a step has room for free). `loras`: the
+        LoRA adapters' device slots (a request is admitted with its adapter in one)."""
         self.config = config
+        self.loras = loras
         self.control = control
         self.kv = kv_cache_manager
         self.vocab_size = vocab_size
@@ -65,33 +70,7 @@ class Scheduler:
     def check_admissible(self, prompt_len: int, params: SamplingParams) -> None:
         """Raises ValueError for a request that could never complete, or asks for what the
         engine cannot do (it reads only the configuration, so any thread may call it)."""
-        max_tokens = params.max_tokens
-        wanted = params.num_speculative_tokens
-        if wanted and wanted > self.config.num_speculative_tokens:
-            if not self.config.num_speculative_tokens:
-                raise ValueError(
-                    "num_speculative_tokens: speculative decoding is off in this engine "
-                    "(its speculative_method is none)"
-                )
-            raise ValueError(
-                f"num_speculative_tokens must be at most the engine's "
-                f"{self.config.num_speculative_tokens}, got {wanted}"
-            )
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        if prompt_len >= self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens; max_model_len is "
-                f"{self.config.max_model_len}, which leaves no room for output"
-            )
-        longest = self.config.max_model_len if max_tokens is None else prompt_len + max_tokens
-        longest = min(longest, self.config.max_model_len)
-        capacity = self.kv.pool.num_blocks - 1
-        if self.kv.blocks_for(longest) > capacity:
-            raise ValueError(
-                f"the request needs up to {longest} tokens of KV cache, more than the whole pool "
-                f"({capacity} blocks of {self.kv.block_size})"
-            )
+        check_admissible(self.config, self.kv, prompt_len, params)
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request.num_prompt_tokens, request.sampling_params)
@@ -139,24 +118,29 @@ class Scheduler:
             budget -= num_new
             index += 1
 
+        position = 0  # in the waiting queue: requests whose adapter has no slot are passed over
         while (
             not preempted
-            and self.waiting
+            and position < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[position]
+            if not self._take_lora_slot(request):
+                position += 1
+                continue
             hits = self.kv.get_computed_blocks(request)
             num_cached = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
             if not self.kv.allocate_blocks(request, num_new, hits):
+                self._drop_lora_slot(request)
                 break
             if self.kv.enable_prefix_caching:
                 self.kv.record_prefix_lookup(request.num_tokens, num_cached)
                 # Admitted now, never preempted in this step: its prompt blocks can be shared
                 # at once (the n samples of one prompt, prompts arriving together).
                 self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             request.status = RequestStatus.RUNNING
             request.epoch = self._admissions
             self._admissions += 1
@@ -277,6 +261,7 @@ class Scheduler:
             row_init=row_init,
             draft_token_ids=drafts,
             pooling=request.pooling,
+            lora_slot=request.lora_slot,
         )
         request.num_computed_tokens = first + num_new
         if samples:
@@ -298,9 +283,23 @@ class Scheduler:
                 request.spec.record(len(drafts), accepted)
         return sampled[: accepted + 1]
 
+    def _take_lora_slot(self, request: Request) -> bool:
+        """Whether the request may run: it has no adapter, or its adapter got a slot."""
+        if request.lora is None or self.loras is None:
+            return True
+        slot = self.loras.acquire(request.lora)
+        request.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def _drop_lora_slot(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.loras.release(request.lora_slot)
+            request.lora_slot = -1
+
     def _release(self, request: Request) -> None:
         """Gives back everything a request holds that leaves the running set (its device row
         goes with the next step's SchedulerOutput.released)."""
+        self._drop_lora_slot(request)
         self.kv.free(request)
         del self._running_ids[request.request_id]
         self._released.append(request.request_id)

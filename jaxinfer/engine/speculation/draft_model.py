@@ -274,6 +274,8 @@ def load_draft(
         max_model_len=target.model.max_model_len,
         num_kv_blocks=target.cache.num_blocks,
         int8_activations=options.draft_int8_activations is not False,
+        enable_lora=False,  # a draft runs without adapters
+        lora_impl="auto",
     )
     try:
         try:

@@ -162,6 +162,9 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         "draft_int8_activations": None
         if draft is None
         else getattr(draft.runner.kernels.matmul, "int8_activations", False),
+        "lora": None
+        if config.lora is None
+        else {"max_loras": config.lora.max_loras, "max_lora_rank": config.lora.max_rank},
         "resolved": config.resolved.describe(),
     }
 

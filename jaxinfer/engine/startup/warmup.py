@@ -29,6 +29,7 @@ class RunnerSpecs(NamedTuple):
     block_table: Any
     last_tokens: Any
     sampler_state: Any
+    lora: Any = None  # the LoRA adapters' slots, if any
 
 
 def warmup_units(buckets: tuple[int, ...]) -> int:
@@ -66,6 +67,8 @@ def warmup(
         jax.block_until_ready((runner.block_table, runner.sampler_state))  # (dispatch.py)
     if runner.draft is not None:
         runner.draft.warmup(runner.block_table, runner.sampler_state.bias)
+    if runner.lora is not None:  # an adapter's write into a slot (an empty one, emptied)
+        runner.load_lora(0, runner.empty_lora_slot())
     jax.block_until_ready((runner.kv_cache, runner.block_table, runner.sampler_state))
     if progress is not None:
         progress(len(buckets) + 1, "row updates" + (", draft" * bool(runner.draft)))
@@ -93,6 +96,7 @@ def state_specs(runner: ModelRunner) -> RunnerSpecs:
         spec(runner.block_table),
         spec(runner.last_tokens),
         spec(runner.sampler_state),
+        None if runner.lora is None else spec(runner.lora),
     )
 
 
@@ -111,6 +115,7 @@ def compile_bucket(
         specs.block_table,
         specs.last_tokens,
         inputs,
+        specs.lora,
     )
     _, hidden, logits = output_specs(step)
     num_samples = sampling.temperature.shape[0]

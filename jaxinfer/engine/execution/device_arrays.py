@@ -1,0 +1,46 @@
+"""What the runner keeps on the device besides the parameters: the KV cache, allocated for
+the config, LoRA adapters' slots, and per-layer copies of stacked parameters (per-layer
+execution)."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.layers import lora
+from jaxinfer.layers.kv_cache import CacheConstants, KVCache
+from jaxinfer.parallel.sharding import Partitioner
+
+
+def allocate_kv_cache(
+    config: EngineConfig,
+    partitioner: Partitioner,
+    constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
+) -> KVCache:
+    """The empty cache in config.cache.kv_format: values [L, 2, NB, BS, K, D] and the
+    format's scales (jaxinfer.layers.kv_cache)."""
+    arch, cache = config.model.arch, config.cache
+    shape = (
+        arch.num_hidden_layers,
+        2,
+        cache.num_blocks,
+        cache.block_size,
+        arch.num_key_value_heads,
+        arch.head_dim,
+    )
+    return cache.kv_format.allocate(shape, partitioner, constants)
+
+
+def layer_of(stacked: jax.Array, layer: int, partitioner: Partitioner) -> jax.Array:
+    """Layer `layer` of a stacked [L, ...] array in its own buffer, split as the stack is."""
+    spec = stacked.sharding.spec[1:]  # without the [L] axis
+    return jax.device_put(stacked[layer], NamedSharding(partitioner.mesh, PartitionSpec(*spec)))
+
+
+def allocate_lora(config: EngineConfig, partitioner: Partitioner) -> lora.LoraWeights:
+    """Empty LoRA adapter slots for config.lora, in the model's dtype."""
+    slots = config.lora
+    return lora.allocate(
+        config.model.arch, slots.max_loras, slots.max_rank, config.model.dtype, partitioner
+    )

@@ -201,3 +201,47 @@ def test_tensor_parallel_shards_the_adapters_and_gives_the_same_tokens(
     assert {s.data.shape[-1] for s in slots.a["down_proj"].addressable_shards} == {
         slots.a["down_proj"].shape[-1] // 2
     }
+
+
+@pytest.mark.parametrize(
+    ("options", "atol"),
+    [
+        ({"lora_impl": "reference"}, 2e-4),  # the pure-JAX product in the engine
+        ({"matmul_impl": "xla"}, 2e-4),  # XLA's projections, per-layer programs
+        ({"quantization": "int8"}, 0.05),  # as int8 against float32 without adapters
+    ],
+    ids=["reference-kernel", "xla-per_layer", "int8"],
+)
+def test_adapters_on_every_path_and_weight_format(
+    tiny_model_dir, adapters, lora_llm, options, atol
+):
+    """The adapters' products are added to the projections of every weight format and path:
+    each stays as close to the float32 engine with the same adapters as the format does
+    without them."""
+    loras = _requests(adapters)
+    chosen = [loras[0], loras[1], loras[2]]
+    expected = lora_llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=chosen)
+    llm = build_llm(tiny_model_dir, "tiny", enable_lora=True, max_loras=2, **options)
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=chosen)
+    for lora, a, b in zip(chosen, expected, got, strict=True):
+        check_logprobs_close(ours(b), ours(a), f"{options} {lora.name}", atol=atol)
+
+
+def test_adapters_on_int4_weights(tmp_path):
+    """Packed int4 weights (groups of 32: a tiny model whose sizes they divide) with an
+    adapter on every target, as close to the float32 engine with it as int4 is without."""
+    from tests.support.models import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "model", intermediate_size=128)
+    adapter = make_adapter(folder, tmp_path / "every", seed=4, scale=0.3)
+    lora = LoRARequest("every", 1, str(adapter))
+    options = dict(enable_lora=True, max_loras=1)
+    float_llm = build_llm(folder, "tiny", **options)
+    expected = float_llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+    base = float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(ours(a)[1][0] != ours(b)[1][0] for a, b in zip(expected, base, strict=True))
+    llm = build_llm(folder, "tiny", quantization="int4", **options)
+    assert llm.engine.config.resolved.weight_format == "int4 (groups of 32)"
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+    for a, b in zip(expected, got, strict=True):
+        check_logprobs_close(ours(b), ours(a), "int4", atol=0.4)  # as test_weights_int4's

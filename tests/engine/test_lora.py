@@ -116,22 +116,28 @@ def test_prefix_cache_keys_include_the_adapter(tiny_model_dir, adapters):
     assert hits > 0 and ours(again)[0] == ours(with_lora)[0]
 
 
-def test_ngram_speculation_with_adapters(tiny_model_dir, adapters, lora_llm):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_speculation_with_adapters(tiny_model_dir, adapters, lora_llm, method):
+    """Proposals (n-gram, suffix, or a draft model running without adapters) verified by the
+    model with each request's adapter: the tokens without speculation."""
     loras = _requests(adapters)
+    draft = {"draft_model": str(tiny_model_dir)} if method == "draft" else {}
     spec = build_llm(
         tiny_model_dir,
         "tiny",
         enable_lora=True,
         max_loras=2,
-        speculative_method="ngram",
+        speculative_method=method,
         num_speculative_tokens=3,
+        **draft,
     )
     repetitive = [1, 9, 10, 11, 12, 9, 10, 11, 12, 9, 10]
     chosen = [loras[0], None, loras[2]]
     expected = lora_llm.generate([repetitive] * 3, GREEDY, use_tqdm=False, lora_request=chosen)
     got = spec.generate([repetitive] * 3, GREEDY, use_tqdm=False, lora_request=chosen)
     for a, b in zip(expected, got, strict=True):
-        check_logprobs_close(ours(b), ours(a), "ngram", atol=2e-4)
+        check_logprobs_close(ours(b), ours(a), method, atol=2e-4)
+    assert spec.engine.stats().spec.num_draft_tokens > 0
 
 
 def test_adapters_the_engine_refuses(lora_llm, adapters, tiny_model_dir, tmp_path):

@@ -1,0 +1,190 @@
+"""The gated delta rule (Gated DeltaNet, the linear-attention layers of Qwen3-Next and
+Qwen3.5) in pure JAX, in its two forms, each over a flattened mixed batch like the attention
+kernels:
+
+- recurrent: one token at a time (decodes, and the check of the other form);
+- chunked: the WY / UT-transform algorithm, chunks of C tokens through a few matmuls and a
+  triangular solve each, the state carried from chunk to chunk (prefill chunks).
+
+Per value head, with state S [Dk, Dv] and a token's q, k [Dk], v [Dv], decay g (log space,
+<= 0) and beta in (0, 1):
+
+    S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q / sqrt(Dk)
+
+q and k are L2-normalized first (Qwen's models ask for it). A model's value heads may
+outnumber its key heads: each key head serves Hv / Hk consecutive value heads.
+
+The batch: tokens T flattened, request r's at query_start_loc[r] .. query_start_loc[r + 1];
+each request's state lives in slot state_slots[r] of `states` [S, Hv, Dk, Dv], starting from
+zeros where `fresh[r]` (its first tokens) and from the slot's content otherwise (a chunked
+prefill's next chunk, a decode); requests from num_seqs on are padding and change nothing.
+Both forms return (o [T, Hv, Dv], states with every real request's slot updated).
+
+T: tokens, R: requests, Hk / Hv: key / value heads, Dk / Dv: their dims, S: state slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / |x| over the last axis (as the FLA library and HF: rsqrt of the sum plus eps)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, qk_l2norm: bool):
+    """float32 copies, q and k normalized and repeated to the value heads, q scaled."""
+    q, k, v, g, beta = (jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta))
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    groups = v.shape[1] // k.shape[1]
+    q, k = jnp.repeat(q, groups, axis=1), jnp.repeat(k, groups, axis=1)  # [T, Hv, Dk]
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def _request_of(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:  # i32[T]
+    """Each token's request (R for tokens past the last request's)."""
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    return jnp.searchsorted(query_start_loc[1:], tokens, side="right").astype(jnp.int32)
+
+
+def gated_delta_recurrent(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv], log decay
+    beta: jax.Array,  # [T, Hv]
+    states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    state_slots: jax.Array,  # i32[R]
+    fresh: jax.Array,  # bool[R]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
+    """Token by token, each reading and writing its request's slot."""
+    out_dtype = jnp.asarray(v).dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    query_start_loc, state_slots, fresh, num_seqs = (
+        jnp.asarray(a) for a in (query_start_loc, state_slots, fresh, num_seqs)
+    )
+    states = jnp.asarray(states, jnp.float32)
+    num_tokens, num_reqs = q.shape[0], state_slots.shape[0]
+    request = _request_of(query_start_loc, num_tokens)
+    real = request < jnp.minimum(num_seqs[0], num_reqs)
+    safe = jnp.minimum(request, num_reqs - 1)
+    first = jnp.arange(num_tokens) == query_start_loc[safe]
+
+    def step(states, token):
+        qt, kt, vt, gt, bt, slot, start, valid = token
+        state = jnp.where(start, 0.0, states[slot])  # [Hv, Dk, Dv]
+        state = state * jnp.exp(gt)[:, None, None]
+        memory = jnp.einsum("hkv,hk->hv", state, kt)
+        delta = (vt - memory) * bt[:, None]
+        state = state + kt[:, :, None] * delta[:, None, :]
+        out = jnp.einsum("hkv,hk->hv", state, qt)
+        states = jnp.where(valid, states.at[slot].set(state), states)
+        return states, out
+
+    tokens = (q, k, v, g, beta, state_slots[safe], first & fresh[safe], real)
+    states, out = jax.lax.scan(step, states, tokens)
+    return jnp.where(real[:, None, None], out, 0.0).astype(out_dtype), states
+
+
+def _chunked_one(q, k, v, g, beta, state, chunk: int):
+    """One sequence (already prepared; [L, Hv, ...] with L a multiple of `chunk`) from
+    `state` [Hv, Dk, Dv]: HF's torch_chunk_gated_delta_rule, a scan over the chunks."""
+    length, heads = q.shape[0], q.shape[1]
+    num_chunks = length // chunk
+
+    def chunks(a):  # [L, Hv, ...] -> [N, Hv, C, ...]
+        return jnp.moveaxis(a.reshape(num_chunks, chunk, heads, *a.shape[2:]), 1, 2)
+
+    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [N, Hv, C]
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    pairwise = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    # The UT system (I + strictly lower (beta K K^T * decay)), solved for the chunk's new
+    # values and the decayed keys that read the state.
+    system = jnp.where(strict, (k_beta @ jnp.swapaxes(k, -1, -2)) * pairwise, 0.0)
+    system = system + jnp.eye(chunk, dtype=system.dtype)
+    solve = jax.vmap(jax.vmap(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True)))
+    new_values = solve(system, v_beta)  # [N, Hv, C, Dv]
+    k_cumdecay = solve(system, k_beta * jnp.exp(cum)[..., None])  # [N, Hv, C, Dk]
+    attn = jnp.where(causal, (q @ jnp.swapaxes(k, -1, -2)) * pairwise, 0.0)  # [N, Hv, C, C]
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, Hv, 1, 1]
+
+    def step(state, parts):
+        nv, kc, a, qd, kd, decay = parts
+        fresh_values = nv - kc @ state  # [Hv, C, Dv]
+        out = qd @ state + a @ fresh_values
+        state = state * decay + jnp.swapaxes(kd, -1, -2) @ fresh_values
+        return state, out
+
+    parts = (new_values, k_cumdecay, attn, q_decayed, k_decayed, chunk_decay)
+    state, out = jax.lax.scan(step, state, parts)  # out [N, Hv, C, Dv]
+    return jnp.moveaxis(out, 2, 1).reshape(length, heads, -1), state
+
+
+def gated_delta_chunked(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    state_slots: jax.Array,  # i32[R]
+    fresh: jax.Array,  # bool[R]
+    num_seqs: jax.Array,  # i32[1]
+    *,
+    qk_l2norm: bool = True,
+    chunk: int = CHUNK,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
+    """Each request's tokens in chunks of `chunk` (the step's T tokens, padded to chunks, are
+    every request's window: tokens past its own have no decay and no update)."""
+    out_dtype = jnp.asarray(v).dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    query_start_loc, state_slots, fresh, num_seqs = (
+        jnp.asarray(a) for a in (query_start_loc, state_slots, fresh, num_seqs)
+    )
+    states = jnp.asarray(states, jnp.float32)
+    num_tokens, num_reqs = q.shape[0], state_slots.shape[0]
+    window = -(-num_tokens // chunk) * chunk
+    position = jnp.arange(window)
+
+    def one(r):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        index = jnp.minimum(start + position, num_tokens - 1)
+        inside = (position < end - start) & (r < num_seqs[0])
+        mask = inside[:, None]
+        parts = [
+            jnp.where(mask[..., None], q[index], 0.0),
+            jnp.where(mask[..., None], k[index], 0.0),
+            jnp.where(mask[..., None], v[index], 0.0),
+            jnp.where(mask, g[index], 0.0),  # no decay past the request's tokens
+            jnp.where(mask, beta[index], 0.0),  # and no update
+        ]
+        state = jnp.where(fresh[r], 0.0, states[state_slots[r]])
+        out, state = _chunked_one(*parts, state, chunk)
+        return out, state
+
+    outs, finals = jax.lax.map(one, jnp.arange(num_reqs))  # [R, W, Hv, Dv], [R, Hv, Dk, Dv]
+    real = jnp.arange(num_reqs) < num_seqs[0]
+    slots = jnp.where(real, state_slots, states.shape[0])  # padding: dropped
+    states = states.at[slots].set(finals, mode="drop")
+    # Each token's output from its request's window.
+    request = _request_of(query_start_loc, num_tokens)
+    safe = jnp.minimum(request, num_reqs - 1)
+    offset = jnp.arange(num_tokens) - query_start_loc[safe]
+    out = outs[safe, jnp.clip(offset, 0, window - 1)]
+    out = jnp.where((request < num_seqs[0])[:, None, None], out, 0.0)
+    return out.astype(out_dtype), states

@@ -1,0 +1,97 @@
+"""The gated delta rule's two pure-JAX forms (pallas_kernels/gated_delta) over a flattened
+mixed batch, against HF transformers' own torch implementations (Qwen3-Next's recurrent and
+chunked rules) run request by request: a fresh prefill longer than several chunks, a
+prefill's next chunk and decodes carrying their states, padding requests and tokens; more
+value heads than key heads."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_recurrent
+
+# (tokens of each real request, starts fresh)
+REQUESTS = [(37, True), (1, False), (9, False), (1, True), (20, False)]
+HK, HV, DK, DV, SLOTS = 2, 4, 16, 8, 7
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = [n for n, _ in REQUESTS]
+    total = sum(lengths) + 3  # padding tokens
+    q = rng.standard_normal((total, HK, DK)).astype(np.float32)
+    k = rng.standard_normal((total, HK, DK)).astype(np.float32)
+    v = rng.standard_normal((total, HV, DV)).astype(np.float32)
+    g = -np.log1p(np.exp(rng.standard_normal((total, HV)))).astype(np.float32) * 0.3
+    beta = (1 / (1 + np.exp(-rng.standard_normal((total, HV))))).astype(np.float32)
+    states = rng.standard_normal((SLOTS, HV, DK, DV)).astype(np.float32) * 0.5
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    query_start_loc = np.concatenate([starts, [starts[-1]] * 2]).astype(np.int32)  # 2 padding
+    slots = np.asarray([5, 0, 3, 6, 1, 2, 4], np.int32)
+    fresh = np.asarray([f for _, f in REQUESTS] + [False, False])
+    num_seqs = np.asarray([len(REQUESTS)], np.int32)
+    return q, k, v, g, beta, states, query_start_loc, slots, fresh, num_seqs
+
+
+def _expected(batch):
+    """HF's recurrent rule, one request at a time, from its slot's state (or zeros)."""
+    q, k, v, g, beta, states, qsl, slots, fresh, num_seqs = batch
+    out = np.zeros_like(v)
+    final = states.copy()
+    for r in range(num_seqs[0]):
+        a, b = qsl[r], qsl[r + 1]
+        initial = torch.zeros(1, HV, DK, DV) if fresh[r] else torch.tensor(states[slots[r]][None])
+        o, state = hf.torch_recurrent_gated_delta_rule(
+            *(torch.tensor(x[a:b][None]) for x in (q, k, v, g, beta)),
+            initial_state=initial,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        out[a:b] = o[0].numpy()
+        final[slots[r]] = state[0].numpy()
+    return out, final
+
+
+@pytest.mark.parametrize(
+    "form",
+    [gated_delta_recurrent, functools.partial(gated_delta_chunked, chunk=16)],
+    ids=["recurrent", "chunked"],
+)
+def test_forms_match_hf_request_by_request(form):
+    batch = _batch()
+    expected_out, expected_states = _expected(batch)
+    out, states = jax.jit(form)(*batch)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(states, expected_states, rtol=1e-4, atol=1e-4)
+    assert not np.asarray(out)[-3:].any()  # padding tokens
+
+
+def test_chunked_matches_hf_chunked_rule_on_one_long_sequence():
+    """HF's chunked rule itself (chunks of 16) on a fresh 30-token sequence."""
+    q, k, v, g, beta, *_ = _batch(seed=3)
+    length = 30
+    o, state = hf.torch_chunk_gated_delta_rule(
+        *(torch.tensor(x[:length][None]) for x in (q, k, v, g, beta)),
+        chunk_size=16,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    states = np.zeros((1, HV, DK, DV), np.float32)
+    qsl = np.asarray([0, length], np.int32)
+    ours, final = gated_delta_chunked(
+        *(x[:length] for x in (q, k, v, g, beta)),
+        states,
+        qsl,
+        np.zeros(1, np.int32),
+        np.ones(1, bool),
+        np.ones(1, np.int32),
+        chunk=16,
+    )
+    np.testing.assert_allclose(ours, o[0].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(final[0], state[0].numpy(), rtol=1e-4, atol=1e-4)

@@ -95,3 +95,43 @@ def test_chunked_matches_hf_chunked_rule_on_one_long_sequence():
     )
     np.testing.assert_allclose(ours, o[0].numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(final[0], state[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_causal_conv1d_continues_each_request_from_its_state():
+    """Against torch's conv1d (as HF's layers run it: depthwise, padding K - 1, SiLU) over
+    each request's whole sequence: the inputs before this step held in its slot (or none for
+    a fresh request), a request shorter than the kernel among them."""
+    from pallas_kernels.gated_delta.conv import causal_conv1d
+
+    rng = np.random.default_rng(2)
+    channels, width = 6, 4
+    history = {0: 0, 1: 5, 2: 2, 3: 0, 4: 9}  # earlier inputs of each request (0: fresh)
+    lengths = [7, 1, 2, 1, 5]
+    slots = np.asarray([3, 0, 5, 1, 2, 4, 6], np.int32)
+    total = sum(lengths) + 2
+    x = rng.standard_normal((total, channels)).astype(np.float32)
+    weight = rng.standard_normal((channels, width)).astype(np.float32)
+    states = rng.standard_normal((7, channels, width - 1)).astype(np.float32)
+    earlier = {r: rng.standard_normal((n, channels)).astype(np.float32) for r, n in history.items()}
+    for r, past in earlier.items():  # the slot holds the last K - 1 earlier inputs (zeros first)
+        padded = np.concatenate([np.zeros((width - 1, channels), np.float32), past])
+        if history[r]:
+            states[slots[r]] = padded[-(width - 1) :].T
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    qsl = np.concatenate([starts, [starts[-1]] * 2]).astype(np.int32)
+    fresh = np.asarray([history[r] == 0 for r in range(5)] + [False, False])
+    y, new_states = causal_conv1d(x, weight, states, qsl, slots, fresh, np.asarray([5], np.int32))
+    conv = torch.nn.Conv1d(
+        channels, channels, width, groups=channels, padding=width - 1, bias=False
+    )
+    conv.weight.data = torch.tensor(weight[:, None, :])
+    for r, n in enumerate(lengths):
+        sequence = np.concatenate([earlier[r], x[starts[r] : starts[r] + n]])
+        full = torch.nn.functional.silu(conv(torch.tensor(sequence.T[None]))[..., : len(sequence)])
+        np.testing.assert_allclose(
+            np.asarray(y)[starts[r] : starts[r] + n], full[0, :, -n:].detach().numpy().T, atol=1e-5
+        )
+        padded = np.concatenate([np.zeros((width - 1, channels), np.float32), sequence])
+        np.testing.assert_allclose(new_states[slots[r]], padded[-(width - 1) :].T, atol=1e-6)
+    assert not np.asarray(y)[-2:].any()
+    np.testing.assert_array_equal(new_states[slots[5:]], states[slots[5:]])  # padding requests

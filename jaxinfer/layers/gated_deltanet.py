@@ -1,0 +1,89 @@
+"""A Gated DeltaNet layer (the linear-attention layers of Qwen3-Next) over a flattened mixed
+batch: the input projections, the short causal convolution, the gated delta rule and the
+gated RMSNorm, each request's convolution inputs and delta-rule state in its state slots
+(pallas_kernels.gated_delta).
+
+Parameters (Hugging Face's names, "in_out": x @ W):
+    in_proj_qkvz [E, Hk * (2 Dk + 2 G Dv)]  per key head: q, k, then its G value heads' v, z
+    in_proj_ba   [E, Hk * 2 G]              per key head: its value heads' b, then a
+    conv1d       [C, K]                      depthwise over C = 2 Hk Dk + Hv Dv channels
+    dt_bias, A_log [Hv];  norm [Dv];  out_proj [Hv Dv, E]
+
+T: tokens, E: hidden size, Hk / Hv: key / value heads (G = Hv / Hk), Dk / Dv: head dims,
+K: the convolution's width, S: state slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gated_delta.conv import causal_conv1d
+from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_recurrent
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionShape:
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateBatch:
+    """Which state slot each request of a step reads and writes."""
+
+    query_start_loc: jax.Array  # i32[R + 1]
+    state_slots: jax.Array  # i32[R]
+    fresh: jax.Array  # bool[R], the request's first tokens: its states start from zeros
+    num_seqs: jax.Array  # i32[1]
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of x [..., Dv] times weight, times silu(gate), in float32 (as HF's)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    out = weight * x32.astype(x.dtype)
+    return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_deltanet(
+    p: dict,
+    x: jax.Array,  # [T, E]
+    conv_states: jax.Array,  # [S, C, K - 1]
+    delta_states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    batch: StateBatch,
+    shape: LinearAttentionShape,
+    *,
+    chunked: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (y [T, E], conv_states, delta_states)
+    """The layer; `chunked`: the delta rule's chunked form (prefill), else the recurrent one."""
+    tokens = x.shape[0]
+    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim
+    group = hv // hk
+    qkvz = (x @ p["in_proj_qkvz"]).reshape(tokens, hk, 2 * dk + 2 * group * dv)
+    ba = (x @ p["in_proj_ba"]).reshape(tokens, hk, 2 * group)
+    q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]  # [T, Hk, Dk]
+    v = qkvz[..., 2 * dk : 2 * dk + group * dv].reshape(tokens, hv * dv)
+    z = qkvz[..., 2 * dk + group * dv :].reshape(tokens, hv, dv)
+    b, a = ba[..., :group].reshape(tokens, hv), ba[..., group:].reshape(tokens, hv)
+    mixed = jnp.concatenate([q.reshape(tokens, -1), k.reshape(tokens, -1), v], axis=-1)
+    where = (batch.query_start_loc, batch.state_slots, batch.fresh, batch.num_seqs)
+    mixed, conv_states = causal_conv1d(mixed, p["conv1d"], conv_states, *where)
+    q = mixed[:, : hk * dk].reshape(tokens, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].reshape(tokens, hk, dk)
+    v = mixed[:, 2 * hk * dk :].reshape(tokens, hv, dv)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["dt_bias"]
+    )
+    rule = gated_delta_chunked if chunked else gated_delta_recurrent
+    core, delta_states = rule(q, k, v, g, beta, delta_states, *where)  # [T, Hv, Dv]
+    core = gated_rms_norm(core, z, p["norm"], shape.rms_norm_eps).reshape(tokens, hv * dv)
+    return core @ p["out_proj"], conv_states, delta_states

@@ -21,7 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.conv import causal_conv1d
-from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_recurrent
+from pallas_kernels.gated_delta.reference import (
+    StateBatch,
+    gated_delta_chunked,
+    gated_delta_recurrent,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,17 +36,6 @@ class LinearAttentionShape:
     v_head_dim: int
     conv_kernel: int
     rms_norm_eps: float
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StateBatch:
-    """Which state slot each request of a step reads and writes."""
-
-    query_start_loc: jax.Array  # i32[R + 1]
-    state_slots: jax.Array  # i32[R]
-    fresh: jax.Array  # bool[R], the request's first tokens: its states start from zeros
-    num_seqs: jax.Array  # i32[1]
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -74,8 +67,7 @@ def gated_deltanet(
     z = qkvz[..., 2 * dk + group * dv :].reshape(tokens, hv, dv)
     b, a = ba[..., :group].reshape(tokens, hv), ba[..., group:].reshape(tokens, hv)
     mixed = jnp.concatenate([q.reshape(tokens, -1), k.reshape(tokens, -1), v], axis=-1)
-    where = (batch.query_start_loc, batch.state_slots, batch.fresh, batch.num_seqs)
-    mixed, conv_states = causal_conv1d(mixed, p["conv1d"], conv_states, *where)
+    mixed, conv_states = causal_conv1d(mixed, p["conv1d"], conv_states, batch)
     q = mixed[:, : hk * dk].reshape(tokens, hk, dk)
     k = mixed[:, hk * dk : 2 * hk * dk].reshape(tokens, hk, dk)
     v = mixed[:, 2 * hk * dk :].reshape(tokens, hv, dv)
@@ -84,6 +76,6 @@ def gated_deltanet(
         a.astype(jnp.float32) + p["dt_bias"]
     )
     rule = gated_delta_chunked if chunked else gated_delta_recurrent
-    core, delta_states = rule(q, k, v, g, beta, delta_states, *where)  # [T, Hv, Dv]
+    core, delta_states = rule(q, k, v, g, beta, delta_states, batch)  # [T, Hv, Dv]
     core = gated_rms_norm(core, z, p["norm"], shape.rms_norm_eps).reshape(tokens, hv * dv)
     return core @ p["out_proj"], conv_states, delta_states

@@ -12,24 +12,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta.reference import _request_of
+from pallas_kernels.gated_delta.reference import StateBatch, _request_of
 
 
 def causal_conv1d(
     x: jax.Array,  # [T, C]
     weight: jax.Array,  # [C, K]
     states: jax.Array,  # [S, C, K - 1], each request's last inputs, oldest first
-    query_start_loc: jax.Array,  # i32[R + 1]
-    state_slots: jax.Array,  # i32[R]
-    fresh: jax.Array,  # bool[R]: the request starts here (its slot's content is ignored)
-    num_seqs: jax.Array,  # i32[1]
+    batch: StateBatch,  # (a fresh request's slot content is ignored)
     *,
     activation: bool = True,
 ) -> tuple[jax.Array, jax.Array]:  # (y [T, C], states with each real request's updated)
     x, weight, states = jnp.asarray(x), jnp.asarray(weight), jnp.asarray(states)
-    query_start_loc, state_slots, fresh, num_seqs = (
-        jnp.asarray(a) for a in (query_start_loc, state_slots, fresh, num_seqs)
-    )
+    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
     num_tokens, width = x.shape[0], weight.shape[1]
     num_reqs = state_slots.shape[0]
     request = _request_of(query_start_loc, num_tokens)

@@ -14,10 +14,11 @@ Per value head, with state S [Dk, Dv] and a token's q, k [Dk], v [Dv], decay g (
 q and k are L2-normalized first (Qwen's models ask for it). A model's value heads may
 outnumber its key heads: each key head serves Hv / Hk consecutive value heads.
 
-The batch: tokens T flattened, request r's at query_start_loc[r] .. query_start_loc[r + 1];
-each request's state lives in slot state_slots[r] of `states` [S, Hv, Dk, Dv], starting from
-zeros where `fresh[r]` (its first tokens) and from the slot's content otherwise (a chunked
-prefill's next chunk, a decode); requests from num_seqs on are padding and change nothing.
+The batch (StateBatch): tokens T flattened, request r's at query_start_loc[r] ..
+query_start_loc[r + 1]; each request's state lives in slot state_slots[r] of `states`
+[S, Hv, Dk, Dv], starting from zeros where `fresh[r]` (its first tokens) and from the slot's
+content otherwise (a chunked prefill's next chunk, a decode); requests from num_seqs on are
+padding and change nothing.
 Both forms return (o [T, Hv, Dv], states with every real request's slot updated).
 
 T: tokens, R: requests, Hk / Hv: key / value heads, Dk / Dv: their dims, S: state slots.
@@ -25,10 +26,29 @@ T: tokens, R: requests, Hk / Hv: key / value heads, Dk / Dv: their dims, S: stat
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 CHUNK = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateBatch:
+    """Where a flattened batch's requests are and which state slot each reads and writes."""
+
+    query_start_loc: jax.Array  # i32[R + 1]
+    state_slots: jax.Array  # i32[R]
+    fresh: jax.Array  # bool[R], the request's first tokens: its states start from zeros
+    num_seqs: jax.Array  # i32[1], requests that are real
+
+    def arrays(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        return tuple(
+            jnp.asarray(a)
+            for a in (self.query_start_loc, self.state_slots, self.fresh, self.num_seqs)
+        )
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -59,19 +79,14 @@ def gated_delta_recurrent(
     g: jax.Array,  # [T, Hv], log decay
     beta: jax.Array,  # [T, Hv]
     states: jax.Array,  # f32[S, Hv, Dk, Dv]
-    query_start_loc: jax.Array,  # i32[R + 1]
-    state_slots: jax.Array,  # i32[R]
-    fresh: jax.Array,  # bool[R]
-    num_seqs: jax.Array,  # i32[1]
+    batch: StateBatch,
     *,
     qk_l2norm: bool = True,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
     """Token by token, each reading and writing its request's slot."""
     out_dtype = jnp.asarray(v).dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
-    query_start_loc, state_slots, fresh, num_seqs = (
-        jnp.asarray(a) for a in (query_start_loc, state_slots, fresh, num_seqs)
-    )
+    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
     states = jnp.asarray(states, jnp.float32)
     num_tokens, num_reqs = q.shape[0], state_slots.shape[0]
     request = _request_of(query_start_loc, num_tokens)
@@ -141,10 +156,7 @@ def gated_delta_chunked(
     g: jax.Array,  # [T, Hv]
     beta: jax.Array,  # [T, Hv]
     states: jax.Array,  # f32[S, Hv, Dk, Dv]
-    query_start_loc: jax.Array,  # i32[R + 1]
-    state_slots: jax.Array,  # i32[R]
-    fresh: jax.Array,  # bool[R]
-    num_seqs: jax.Array,  # i32[1]
+    batch: StateBatch,
     *,
     qk_l2norm: bool = True,
     chunk: int = CHUNK,
@@ -153,9 +165,7 @@ def gated_delta_chunked(
     every request's window: tokens past its own have no decay and no update)."""
     out_dtype = jnp.asarray(v).dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
-    query_start_loc, state_slots, fresh, num_seqs = (
-        jnp.asarray(a) for a in (query_start_loc, state_slots, fresh, num_seqs)
-    )
+    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
     states = jnp.asarray(states, jnp.float32)
     num_tokens, num_reqs = q.shape[0], state_slots.shape[0]
     window = -(-num_tokens // chunk) * chunk

@@ -9,11 +9,10 @@ import pytest
 from jaxinfer import SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.detokenizer import IncrementalDetokenizer
+from tests.support.compiles import counting_compiles
 from tests.support.engines import build_llm
 
 pytestmark = pytest.mark.engine
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +34,7 @@ def prompts_of(lengths: list[int], vocab: int = 320) -> list[list[int]]:
 
 
 def test_no_compilation_after_warmup(llm):
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_compiles() as compiles:
         jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))  # the listener does see a compilation
         assert compiles
         compiles.clear()
@@ -54,8 +46,6 @@ def test_no_compilation_after_warmup(llm):
         ] * 3 + [SamplingParams(temperature=0, max_tokens=40, logprobs=0, ignore_eos=True)]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
 
 

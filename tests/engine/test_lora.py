@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer import LoRARequest, SamplingParams
 from tests.support.checks import check_logprobs_close
+from tests.support.compiles import counting_compiles
 from tests.support.engines import build_engine, build_llm
 from tests.support.lora import edit_config, hf_greedy, make_adapter, ours
 
@@ -169,21 +170,10 @@ def test_adapters_the_engine_refuses(lora_llm, adapters, tiny_model_dir, tmp_pat
 def test_nothing_compiles_when_adapters_change(tiny_model_dir, adapters):
     """max_loras 1: every adapter change rewrites the slot; the slot writes and the steps
     with adapters were all compiled at warm-up."""
-    import jax
-
     llm = build_llm(tiny_model_dir, "tiny", enable_lora=True, max_loras=1, max_lora_rank=16)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_compiles() as compiles:
         for lora in [*_requests(adapters), None]:
             llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"{len(compiles)} compilations after warm-up"
     assert llm.engine.loras.slots.num_loads == 3
 

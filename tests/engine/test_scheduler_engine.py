@@ -3,10 +3,10 @@ token budget or prefix caching, cache hits on shared prefixes, and aborts that l
 
 from __future__ import annotations
 
-import jax
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from tests.support.compiles import counting_compiles
 from tests.support.engines import build_llm
 from tests.support.prompts import SHARED_PREFIX, prompts
 
@@ -186,17 +186,8 @@ def test_async_scheduling_gives_the_same_results_as_sync(tiny_model_dir):
     pipelined.engine.scheduler.schedule = watched_schedule
     preemptions = [llm.engine.stats().num_preemptions for llm in (sync, pipelined)]
     expected = sync.generate(batch, params, use_tqdm=False)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_compiles() as compiles:
         got = pipelined.generate(batch, params, use_tqdm=False)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert not compiles, "async scheduling compiled after warm-up"
     for want, have in zip(expected, got, strict=True):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids

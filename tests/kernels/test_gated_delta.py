@@ -14,7 +14,11 @@ import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from pallas_kernels.gated_delta.reference import gated_delta_chunked, gated_delta_recurrent
+from pallas_kernels.gated_delta.reference import (
+    StateBatch,
+    gated_delta_chunked,
+    gated_delta_recurrent,
+)
 
 # (tokens of each real request, starts fresh)
 REQUESTS = [(37, True), (1, False), (9, False), (1, True), (20, False)]
@@ -36,12 +40,18 @@ def _batch(seed=0):
     slots = np.asarray([5, 0, 3, 6, 1, 2, 4], np.int32)
     fresh = np.asarray([f for _, f in REQUESTS] + [False, False])
     num_seqs = np.asarray([len(REQUESTS)], np.int32)
-    return q, k, v, g, beta, states, query_start_loc, slots, fresh, num_seqs
+    return q, k, v, g, beta, states, StateBatch(query_start_loc, slots, fresh, num_seqs)
 
 
 def _expected(batch):
     """HF's recurrent rule, one request at a time, from its slot's state (or zeros)."""
-    q, k, v, g, beta, states, qsl, slots, fresh, num_seqs = batch
+    q, k, v, g, beta, states, where = batch
+    qsl, slots, fresh, num_seqs = (
+        where.query_start_loc,
+        where.state_slots,
+        where.fresh,
+        where.num_seqs,
+    )
     out = np.zeros_like(v)
     final = states.copy()
     for r in range(num_seqs[0]):
@@ -87,10 +97,7 @@ def test_chunked_matches_hf_chunked_rule_on_one_long_sequence():
     ours, final = gated_delta_chunked(
         *(x[:length] for x in (q, k, v, g, beta)),
         states,
-        qsl,
-        np.zeros(1, np.int32),
-        np.ones(1, bool),
-        np.ones(1, np.int32),
+        StateBatch(qsl, np.zeros(1, np.int32), np.ones(1, bool), np.ones(1, np.int32)),
         chunk=16,
     )
     np.testing.assert_allclose(ours, o[0].numpy(), rtol=1e-4, atol=1e-4)
@@ -120,7 +127,8 @@ def test_causal_conv1d_continues_each_request_from_its_state():
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     qsl = np.concatenate([starts, [starts[-1]] * 2]).astype(np.int32)
     fresh = np.asarray([history[r] == 0 for r in range(5)] + [False, False])
-    y, new_states = causal_conv1d(x, weight, states, qsl, slots, fresh, np.asarray([5], np.int32))
+    where = StateBatch(qsl, slots, fresh, np.asarray([5], np.int32))
+    y, new_states = causal_conv1d(x, weight, states, where)
     conv = torch.nn.Conv1d(
         channels, channels, width, groups=channels, padding=width - 1, bias=False
     )

@@ -12,7 +12,8 @@ import torch
 import transformers
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from jaxinfer.layers.gated_deltanet import LinearAttentionShape, StateBatch, gated_deltanet
+from jaxinfer.layers.gated_deltanet import LinearAttentionShape, gated_deltanet
+from pallas_kernels.gated_delta.reference import StateBatch
 
 E, HK, HV, DK, DV, K = 32, 2, 4, 8, 16, 4
 

@@ -3,7 +3,9 @@ batch: the input projections, the short causal convolution, the gated delta rule
 gated RMSNorm, each request's convolution inputs and delta-rule state in its state slots
 (pallas_kernels.gated_delta).
 
-Parameters (Hugging Face's names, "in_out": x @ W):
+Parameters (Hugging Face's names, "in_out": x @ W), Qwen3-Next's input projections
+(project_interleaved) or Qwen3.5's (project_split: in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a):
     in_proj_qkvz [E, Hk * (2 Dk + 2 G Dv)]  per key head: q, k, then its G value heads' v, z
     in_proj_ba   [E, Hk * 2 G]              per key head: its value heads' b, then a
     conv1d       [C, K]                      depthwise over C = 2 Hk Dk + Hv Dv channels
@@ -46,17 +48,10 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-def gated_deltanet(
-    p: dict,
-    x: jax.Array,  # [T, E]
-    conv_states: jax.Array,  # [S, C, K - 1]
-    delta_states: jax.Array,  # f32[S, Hv, Dk, Dv]
-    batch: StateBatch,
-    shape: LinearAttentionShape,
-    *,
-    chunked: bool = True,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # (y [T, E], conv_states, delta_states)
-    """The layer; `chunked`: the delta rule's chunked form (prefill), else the recurrent one."""
+def project_interleaved(p: dict, x: jax.Array, shape: LinearAttentionShape):
+    """Qwen3-Next's input projections (per key head: q, k, its value heads' v and z; then b
+    and a) -> (mixed [T, C] = q, k, v flat, the convolution's input; z [T, Hv, Dv]; b and a
+    [T, Hv])."""
     tokens = x.shape[0]
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim
     group = hv // hk
@@ -67,6 +62,32 @@ def gated_deltanet(
     z = qkvz[..., 2 * dk + group * dv :].reshape(tokens, hv, dv)
     b, a = ba[..., :group].reshape(tokens, hv), ba[..., group:].reshape(tokens, hv)
     mixed = jnp.concatenate([q.reshape(tokens, -1), k.reshape(tokens, -1), v], axis=-1)
+    return mixed, z, b, a
+
+
+def project_split(p: dict, x: jax.Array, shape: LinearAttentionShape):
+    """Qwen3.5's input projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), as
+    project_interleaved returns them."""
+    z = (x @ p["in_proj_z"]).reshape(x.shape[0], shape.num_v_heads, shape.v_head_dim)
+    return x @ p["in_proj_qkv"], z, x @ p["in_proj_b"], x @ p["in_proj_a"]
+
+
+def gated_deltanet(
+    p: dict,
+    x: jax.Array,  # [T, E]
+    conv_states: jax.Array,  # [S, C, K - 1]
+    delta_states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    batch: StateBatch,
+    shape: LinearAttentionShape,
+    *,
+    chunked: bool = True,
+    project=project_interleaved,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (y [T, E], conv_states, delta_states)
+    """The layer; `chunked`: the delta rule's chunked form (prefill), else the recurrent one;
+    `project`: the family's input projections."""
+    tokens = x.shape[0]
+    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim
+    mixed, z, b, a = project(p, x, shape)
     mixed, conv_states = causal_conv1d(mixed, p["conv1d"], conv_states, batch)
     q = mixed[:, : hk * dk].reshape(tokens, hk, dk)
     k = mixed[:, hk * dk : 2 * hk * dk].reshape(tokens, hk, dk)

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.native import native_kernel, native_reasons
 from jaxinfer.config.options import EngineOptions
 from jaxinfer.config.platform import Platform
 from jaxinfer.layers.kernel_registry import KernelRegistry
+from jaxinfer.layers.lora import target_shapes
 
 
 def lora_kernel(
     options: EngineOptions,
     platform: Platform,
+    arch: LlamaConfig,
     dtype: str,
     registry: KernelRegistry,
     reasons: dict[str, str],
@@ -38,8 +41,15 @@ def lora_kernel(
             return "cpu", fn
         if name == "auto":
             single_gpu = platform.backend == "gpu" and tp == 1
-            name = "pallas" if single_gpu else "reference"
-            reasons["lora"] = "the Pallas kernel on one GPU" if single_gpu else why_not
+            untiled = _untiled(arch)
+            name = "pallas" if single_gpu and not untiled else "reference"
+            reasons["lora"] = (
+                "the Pallas kernel on one GPU"
+                if name == "pallas"
+                else f"the reference: the Pallas kernel {untiled}"
+                if single_gpu
+                else why_not
+            )
     if options.batch_invariant and name == "reference":
         raise ValueError(
             "batch_invariant: the reference LoRA product runs every row through every slot in "
@@ -47,4 +57,12 @@ def lora_kernel(
         )
     if name == "pallas" and (cpu or tp > 1):
         raise ValueError("lora_impl 'pallas' runs on one GPU (pallas_interpret runs it on CPU)")
+    if name in ("pallas", "pallas_interpret") and _untiled(arch):
+        raise ValueError(f"lora_impl {name!r}: the kernel {_untiled(arch)}")
     return name, registry.get("lora", name)
+
+
+def _untiled(arch: LlamaConfig) -> str:
+    """Why the Pallas kernel cannot tile this model's projections ("" where it can)."""
+    odd = [t for t, sizes in target_shapes(arch).items() if any(n % 16 for n in sizes)]
+    return f"tiles inputs and outputs by 16, which {', '.join(odd)} are not" if odd else ""

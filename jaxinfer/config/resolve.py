@@ -90,7 +90,7 @@ def resolve(
         why = "the kernel is not in use" if matmul_fn is None else "the model has neither"
         raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
     layer_execution = r.layer_execution(matmul_fn)
-    lora, lora_fn = lora_kernel(options, platform, r.dtype, registry, r.reasons)
+    lora, lora_fn = lora_kernel(options, platform, arch, r.dtype, registry, r.reasons)
     resolved = ResolvedOptions(
         dtype=r.dtype,
         attention=attention,

@@ -232,3 +232,26 @@ def test_batch_invariant_on_a_gpu_takes_the_pallas_kernels_in_fixed_order():
     )
     assert interpreted.options.matmul == "pallas_interpret"
     assert interpreted.kernels.matmul.interpret
+
+
+def test_lora_kernel_choices():
+    from pallas_kernels.lora.reference import lora_reference
+
+    assert settle(NO_NATIVE).options.lora is None  # off without enable_lora
+    with pytest.raises(ValueError, match="only used with enable_lora"):
+        settle(NO_NATIVE, lora_impl="reference")
+    cpu = settle(NO_NATIVE, enable_lora=True)
+    assert cpu.options.lora == "reference" and cpu.kernels.lora is lora_reference
+    assert "lacks AVX2" in cpu.options.describe()["lora"]["reason"]
+    gpu = settle(GPU, enable_lora=True)
+    assert gpu.options.lora == "pallas"
+    odd = dataclasses.replace(ARCH, intermediate_size=72)  # gate/up/down not tiled by 16
+    resolution = resolve(
+        EngineOptions(enable_lora=True), GPU, odd, default_registry(), probe=passes
+    )
+    assert resolution.options.lora == "reference"
+    assert "gate_proj, up_proj, down_proj" in resolution.options.describe()["lora"]["reason"]
+    with pytest.raises(ValueError, match="batch_invariant: the reference LoRA product"):
+        settle(GPU, enable_lora=True, lora_impl="reference", batch_invariant=True)
+    with pytest.raises(ValueError, match="runs on one GPU"):
+        settle(NO_NATIVE, enable_lora=True, lora_impl="pallas")

@@ -143,3 +143,36 @@ def test_causal_conv1d_continues_each_request_from_its_state():
         np.testing.assert_allclose(new_states[slots[r]], padded[-(width - 1) :].T, atol=1e-6)
     assert not np.asarray(y)[-2:].any()
     np.testing.assert_array_equal(new_states[slots[5:]], states[slots[5:]])  # padding requests
+
+
+def test_pallas_recurrent_kernel_interpreted_matches_the_reference():
+    from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as pallas_recurrent
+
+    batch = _batch(seed=4)
+    expected_out, expected_states = gated_delta_recurrent(*batch)
+    out, states = jax.jit(functools.partial(pallas_recurrent, interpret=True))(*batch)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(states, expected_states, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_recurrent_kernel_lowers_for_the_gpu():
+    from pallas_kernels import gpu_lowering
+    from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as pallas_recurrent
+
+    tokens, requests = 64, 16
+    args = (
+        np.zeros((tokens, 16, 128), np.float32),
+        np.zeros((tokens, 16, 128), np.float32),
+        np.zeros((tokens, 32, 128), np.float32),
+        np.zeros((tokens, 32), np.float32),
+        np.zeros((tokens, 32), np.float32),
+        np.zeros((requests + 1, 32, 128, 128), np.float32),
+        StateBatch(
+            np.zeros(requests + 1, np.int32),
+            np.zeros(requests, np.int32),
+            np.zeros(requests, bool),
+            np.zeros(1, np.int32),
+        ),
+    )
+    text = gpu_lowering.lower_for_gpu(pallas_recurrent, *args)
+    assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1

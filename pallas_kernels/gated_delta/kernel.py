@@ -1,0 +1,79 @@
+"""The gated delta rule's recurrent form (reference.py: decodes, and any mixed batch) as a
+Pallas kernel for the GPU: one program per (request, value head) walks the request's tokens
+in order, its [Dk, Dv] state in registers, reading each token's q, k, v, decay and beta and
+writing its output; the final state goes back to the request's slot (outside the kernel, one
+scatter). q and k are normalized, repeated to the value heads and q scaled before the kernel
+(reference._prepare), so the kernel sees Hv heads throughout.
+
+T: tokens, R: requests, Hv: value heads, Dk / Dv: head dims, S: state slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import gpu_lowering
+from pallas_kernels.gated_delta.reference import StateBatch, _prepare, _request_of
+
+
+def _recurrent_kernel(
+    qsl_ref, num_seqs_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, init_ref, o_ref, final_ref
+):
+    # qsl_ref i32[R + 1]; num_seqs_ref i32[1]; q_ref, k_ref f32[T, Hv, Dk]; v_ref f32[T, Hv, Dv];
+    # g_ref, beta_ref f32[T, Hv]; init_ref f32[R, Hv, Dk, Dv]; o_ref f32[T, Hv, Dv];
+    # final_ref f32[R, Hv, Dk, Dv]
+    r, h = pl.program_id(0), pl.program_id(1)
+    start = qsl_ref[r]
+    end = jnp.where(r < num_seqs_ref[0], qsl_ref[r + 1], start)
+
+    def token(t, state):  # state [Dk, Dv]
+        kt = k_ref[t, h, :]  # [Dk]
+        state = state * jnp.exp(g_ref[t, h])
+        memory = jnp.sum(state * kt[:, None], axis=0)  # [Dv]
+        delta = (v_ref[t, h, :] - memory) * beta_ref[t, h]
+        state = state + kt[:, None] * delta[None, :]
+        o_ref[t, h, :] = jnp.sum(state * q_ref[t, h, :][:, None], axis=0)
+        return state
+
+    final_ref[r, h, :, :] = jax.lax.fori_loop(start, end, token, init_ref[r, h, :, :])
+
+
+def gated_delta_recurrent(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv], log decay
+    beta: jax.Array,  # [T, Hv]
+    states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    batch: StateBatch,
+    *,
+    qk_l2norm: bool = True,
+    interpret: bool = False,
+    launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
+    """The kernel with the reference's signature."""
+    out_dtype = jnp.asarray(v).dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
+    states = jnp.asarray(states, jnp.float32)
+    num_tokens, heads, dv = v.shape
+    num_reqs = state_slots.shape[0]
+    initial = jnp.where(fresh[:, None, None, None], 0.0, states[state_slots])  # [R, Hv, Dk, Dv]
+    out, final = gpu_lowering.call(
+        _recurrent_kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens, heads, dv), jnp.float32),
+            jax.ShapeDtypeStruct(initial.shape, jnp.float32),
+        ),
+        grid=(num_reqs, heads),
+        launch=launch,
+        interpret=interpret,
+        name="gated_delta_recurrent",
+    )(query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32), q, k, v, g, beta, initial)
+    real = _request_of(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
+    slots = jnp.where(jnp.arange(num_reqs) < num_seqs[0], state_slots, states.shape[0])
+    states = states.at[slots].set(final, mode="drop")
+    # tokens no program wrote (padding) are whatever the buffer held
+    return jnp.where(real[:, None, None], out, 0.0).astype(out_dtype), states

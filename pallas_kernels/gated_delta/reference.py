@@ -6,6 +6,9 @@ kernels:
 - chunked: the WY / UT-transform algorithm, chunks of C tokens through a few matmuls and a
   triangular solve each, the state carried from chunk to chunk (prefill chunks).
 
+The recurrent form has a Pallas kernel beside it (kernel.py) and a C++ one for XLA:CPU
+(cpu_kernels/gated_delta), each with this signature.
+
 Per value head, with state S [Dk, Dv] and a token's q, k [Dk], v [Dv], decay g (log space,
 <= 0) and beta in (0, 1):
 

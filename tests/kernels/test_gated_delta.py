@@ -176,3 +176,14 @@ def test_pallas_recurrent_kernel_lowers_for_the_gpu():
     )
     text = gpu_lowering.lower_for_gpu(pallas_recurrent, *args)
     assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1
+
+
+def test_cpu_kernel_matches_the_reference(cpu_kernel_dir):
+    from cpu_kernels.gated_delta.kernel import load_gated_delta
+
+    kernel = load_gated_delta(cpu_kernel_dir)
+    batch = _batch(seed=5)
+    expected_out, expected_states = gated_delta_recurrent(*batch)
+    out, states = jax.jit(kernel)(*batch)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(states, expected_states, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,61 @@
+"""The gated delta rule's recurrent form on XLA:CPU through the C++ kernel in kernel.cc, with
+the signature of pallas_kernels.gated_delta.reference.gated_delta_recurrent (float32):
+
+    gated_delta = load_gated_delta(build_dir)   # compiles kernel.cc once, registers it
+    o, states = gated_delta(q, k, v, g, beta, states, batch)
+
+T: tokens, R: requests, Hk / Hv: key / value heads, Dk / Dv: head dims, S: state slots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels.build import KernelBuildError, build, load, register
+from pallas_kernels.gated_delta.reference import StateBatch, _prepare, _request_of
+
+SOURCE = Path(__file__).with_name("kernel.cc")
+TARGET = "jaxinfer_gated_delta"
+
+
+def gated_delta(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv]
+    beta: jax.Array,  # [T, Hv]
+    states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    batch: StateBatch,
+    *,
+    qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
+    out_dtype = jnp.asarray(v).dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
+    states = jnp.asarray(states, jnp.float32)
+    num_tokens, num_reqs = v.shape[0], state_slots.shape[0]
+    initial = jnp.where(fresh[:, None, None, None], 0.0, states[state_slots])  # [R, Hv, Dk, Dv]
+    shapes = (
+        jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        jax.ShapeDtypeStruct(initial.shape, jnp.float32),
+    )
+    out, final = jax.ffi.ffi_call(TARGET, shapes)(
+        q, k, v, g, beta, initial, query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32)
+    )
+    slots = jnp.where(jnp.arange(num_reqs) < num_seqs[0], state_slots, states.shape[0])
+    real = _request_of(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
+    out = jnp.where(real[:, None, None], out, 0.0)
+    return out.astype(out_dtype), states.at[slots].set(final, mode="drop")
+
+
+def load_gated_delta(build_dir: Path):
+    """`gated_delta`, ready to call: builds kernel.cc into `build_dir` if needed and
+    registers it. KernelBuildError without a C++ compiler, or on a CPU without AVX2 and FMA."""
+    library = build(SOURCE, build_dir)
+    if not load(library).jaxinfer_gated_delta_supported():
+        raise KernelBuildError("the CPU gated delta kernel needs a CPU with AVX2 and FMA")
+    register(library, "JaxinferGatedDelta", TARGET)
+    return gated_delta

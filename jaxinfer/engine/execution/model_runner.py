@@ -170,7 +170,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(config, part, kv_constants)  # split by KV heads
         # LoRA adapters' slots (EngineConfig.lora), written by load_lora
         self.lora = None if config.lora is None else allocate_lora(config, part)
-        self._write_lora = jax.jit(write_slot, donate_argnums=0)
+        shardings = jax.tree.map(lambda a: a.sharding, self.lora)  # kept by every write
+        self._write_lora = jax.jit(write_slot, donate_argnums=0, out_shardings=shardings)
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache

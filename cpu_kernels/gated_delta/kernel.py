@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from cpu_kernels.build import KernelBuildError, build, load, register
-from pallas_kernels.gated_delta.reference import StateBatch, _prepare, _request_of
+from pallas_kernels.gated_delta.reference import StateBatch, per_request
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 TARGET = "jaxinfer_gated_delta"
@@ -32,23 +32,16 @@ def gated_delta(
     *,
     qk_l2norm: bool = True,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
-    out_dtype = jnp.asarray(v).dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
-    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
-    states = jnp.asarray(states, jnp.float32)
-    num_tokens, num_reqs = v.shape[0], state_slots.shape[0]
-    initial = jnp.where(fresh[:, None, None, None], 0.0, states[state_slots])  # [R, Hv, Dk, Dv]
-    shapes = (
-        jax.ShapeDtypeStruct(v.shape, jnp.float32),
-        jax.ShapeDtypeStruct(initial.shape, jnp.float32),
-    )
-    out, final = jax.ffi.ffi_call(TARGET, shapes)(
-        q, k, v, g, beta, initial, query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32)
-    )
-    slots = jnp.where(jnp.arange(num_reqs) < num_seqs[0], state_slots, states.shape[0])
-    real = _request_of(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
-    out = jnp.where(real[:, None, None], out, 0.0)
-    return out.astype(out_dtype), states.at[slots].set(final, mode="drop")
+    def kernel(q, k, v, g, beta, initial, query_start_loc, num_seqs):
+        shapes = (
+            jax.ShapeDtypeStruct(v.shape, jnp.float32),
+            jax.ShapeDtypeStruct(initial.shape, jnp.float32),
+        )
+        return jax.ffi.ffi_call(TARGET, shapes)(
+            q, k, v, g, beta, initial, query_start_loc, num_seqs
+        )
+
+    return per_request(kernel, q, k, v, g, beta, states, batch, qk_l2norm)
 
 
 def load_gated_delta(build_dir: Path):

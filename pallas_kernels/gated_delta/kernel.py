@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
-from pallas_kernels.gated_delta.reference import StateBatch, _prepare, _request_of
+from pallas_kernels.gated_delta.reference import StateBatch, per_request
 
 
 def _recurrent_kernel(
@@ -54,26 +54,19 @@ def gated_delta_recurrent(
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
     """The kernel with the reference's signature."""
-    out_dtype = jnp.asarray(v).dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
-    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
-    states = jnp.asarray(states, jnp.float32)
-    num_tokens, heads, dv = v.shape
-    num_reqs = state_slots.shape[0]
-    initial = jnp.where(fresh[:, None, None, None], 0.0, states[state_slots])  # [R, Hv, Dk, Dv]
-    out, final = gpu_lowering.call(
-        _recurrent_kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((num_tokens, heads, dv), jnp.float32),
-            jax.ShapeDtypeStruct(initial.shape, jnp.float32),
-        ),
-        grid=(num_reqs, heads),
-        launch=launch,
-        interpret=interpret,
-        name="gated_delta_recurrent",
-    )(query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32), q, k, v, g, beta, initial)
-    real = _request_of(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
-    slots = jnp.where(jnp.arange(num_reqs) < num_seqs[0], state_slots, states.shape[0])
-    states = states.at[slots].set(final, mode="drop")
-    # tokens no program wrote (padding) are whatever the buffer held
-    return jnp.where(real[:, None, None], out, 0.0).astype(out_dtype), states
+
+    def kernel(q, k, v, g, beta, initial, query_start_loc, num_seqs):
+        num_tokens, heads, dv = v.shape
+        return gpu_lowering.call(
+            _recurrent_kernel,
+            out_shape=(
+                jax.ShapeDtypeStruct((num_tokens, heads, dv), jnp.float32),
+                jax.ShapeDtypeStruct(initial.shape, jnp.float32),
+            ),
+            grid=(initial.shape[0], heads),
+            launch=launch,
+            interpret=interpret,
+            name="gated_delta_recurrent",
+        )(query_start_loc, num_seqs, q, k, v, g, beta, initial)
+
+    return per_request(kernel, q, k, v, g, beta, states, batch, qk_l2norm)

@@ -113,6 +113,27 @@ def gated_delta_recurrent(
     return jnp.where(real[:, None, None], out, 0.0).astype(out_dtype), states
 
 
+def per_request(kernel, q, k, v, g, beta, states, batch: StateBatch, qk_l2norm: bool = True):
+    """A kernel that walks each request from its initial state, with the signature of the
+    forms here: `kernel(q, k, v, g, beta, initial, query_start_loc, num_seqs)` (prepared q
+    and k [T, Hv, Dk], v [T, Hv, Dv], g and beta [T, Hv], initial f32[R, Hv, Dk, Dv]) returns
+    (o [T, Hv, Dv], final [R, Hv, Dk, Dv]); here each request's initial state is gathered from
+    its slot (zeros when fresh), the finals of real requests scattered back to their slots,
+    and the outputs of padding tokens zeroed (a kernel need not write them)."""
+    out_dtype = jnp.asarray(v).dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
+    states = jnp.asarray(states, jnp.float32)
+    num_tokens, num_reqs = v.shape[0], state_slots.shape[0]
+    initial = jnp.where(fresh[:, None, None, None], 0.0, states[state_slots])
+    qsl, count = query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32)
+    out, final = kernel(q, k, v, g, beta, initial, qsl, count)
+    real = _request_of(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
+    slots = jnp.where(jnp.arange(num_reqs) < num_seqs[0], state_slots, states.shape[0])
+    out = jnp.where(real[:, None, None], out, 0.0).astype(out_dtype)
+    return out, states.at[slots].set(final, mode="drop")
+
+
 def _chunked_one(q, k, v, g, beta, state, chunk: int):
     """One sequence (already prepared; [L, Hv, ...] with L a multiple of `chunk`) from
     `state` [Hv, Dk, Dv]: HF's torch_chunk_gated_delta_rule, a scan over the chunks."""

@@ -39,13 +39,14 @@ class LoraAdapters:
             raise TypeError(f"expected a LoRARequest, got {type(request).__name__}")
         with self._lock:
             known = self._requests.get(request.id)
+            placed = self._adapters.get(request.id)
         if known is not None:
             if known != request:
                 raise ValueError(
                     f"LoRA id {request.id} is adapter {known.name!r} ({known.path}), not "
                     f"{request.name!r} ({request.path})"
                 )
-            return self._adapters[request.id]
+            return placed
         layers = self.arch.num_hidden_layers
         adapter = load_peft_adapter(request, self.shapes, layers, self.max_rank)
         contents = slot_contents(adapter.pairs, self.shapes, layers, self.max_rank, self.dtype)
@@ -57,10 +58,6 @@ class LoraAdapters:
             placed = SlotAdapter(request.id, request.name, contents, self._readings)
             self._requests[request.id], self._adapters[request.id] = request, placed
         return placed
-
-    def known(self) -> list[LoRARequest]:
-        with self._lock:
-            return list(self._requests.values())
 
     def remove(self, adapter_id: int) -> bool:
         """Forgets an adapter (any thread): requests already admitted keep it; its slot is

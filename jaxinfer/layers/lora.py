@@ -59,14 +59,6 @@ class LoraWeights:
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
 
-    @property
-    def num_slots(self) -> int:
-        return next(iter(self.a.values())).shape[1]
-
-    @property
-    def rank(self) -> int:
-        return next(iter(self.a.values())).shape[2]
-
 
 def allocate(arch: LlamaConfig, num_slots: int, rank: int, dtype, partitioner) -> LoraWeights:
     """Empty slots, placed (and split) by the partitioner."""

@@ -41,10 +41,6 @@ class LoraAdapter:
     rank: int
     pairs: dict[str, tuple[np.ndarray, np.ndarray]]  # target -> (a, b), float32
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
-
 
 def _pattern_value(patterns: dict, module: str, default):
     """PEFT's per-module override: the first pattern that ends the module's dotted name."""

@@ -31,7 +31,6 @@ class SlotAdapter:
 class LoraSlots:
     def __init__(self, num_slots: int, load: Callable[[int, Any], None]):
         """`load(slot, contents)`: writes an adapter into a slot on the device."""
-        self.num_slots = num_slots
         self._load = load
         self.slot_of: dict[int, int] = {}  # adapter key -> slot
         self.holder: list[int | None] = [None] * num_slots

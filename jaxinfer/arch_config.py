@@ -80,6 +80,63 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's heads (jaxinfer.layers.gated_deltanet): key heads Hk of Dk,
+    value heads Hv of Dv (each key head serves Hv / Hk of them), the causal convolution's
+    width K."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+
+    @property
+    def conv_channels(self) -> int:
+        """C: the convolution's channels (q, k and v)."""
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridLayers:
+    """Gated DeltaNet (linear-attention) layers beside gated full-attention layers (Qwen3.5,
+    Qwen3-Next; jaxinfer.models.qwen3_5). layer_types repeats a period (three linear, one
+    full); the full layers' q_proj gives each head's output gate too, and RoPE turns the first
+    rotary_dim dims of each head."""
+
+    layer_types: tuple[str, ...]
+    linear: LinearAttentionShape
+    rotary_dim: int
+    projections: str = "split"  # Qwen3.5's in_proj_qkv/z/b/a; "interleaved": Qwen3-Next's
+
+    def __post_init__(self):
+        if set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}:
+            raise ValueError(f"layer_types {sorted(set(self.layer_types))} are not all of "
+                             f"{LINEAR_ATTENTION, FULL_ATTENTION}")  # fmt: skip
+        if self.projections not in ("split", "interleaved"):
+            raise ValueError(f"projections must be split or interleaved: {self.projections!r}")
+        if self.linear.num_v_heads % self.linear.num_k_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def period(self) -> tuple[str, ...]:
+        """The layer kinds of the shortest period layer_types repeats (the scan runs period
+        by period; all of them when none is shorter)."""
+        types = self.layer_types
+        for size in range(1, len(types) + 1):
+            if len(types) % size == 0 and types == types[:size] * (len(types) // size):
+                return types[:size]
+        raise AssertionError("unreachable: the whole list is a period of itself")
+
+    def count(self, kind: str) -> int:
+        return sum(t == kind for t in self.layer_types)
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Architecture hyper-parameters; names follow Hugging Face's LlamaConfig."""
@@ -118,6 +175,16 @@ class LlamaConfig:
     # Every RMSNorm multiplies by (norm_offset + w), w as checkpoints store it (Gemma: 1);
     # the loader adds it, so the model's norms multiply by their weights alone.
     norm_offset: float = 0.0
+    # Linear-attention layers beside the attention layers (a hybrid model); None: attention
+    # in every layer.
+    hybrid: HybridLayers | None = None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with K/V in the paged cache (a hybrid's full-attention layers)."""
+        if self.hybrid is None:
+            return self.num_hidden_layers
+        return self.hybrid.count(FULL_ATTENTION)
 
     @property
     def dense_intermediate_size(self) -> int:
@@ -133,11 +200,20 @@ class LlamaConfig:
             raise ValueError(
                 f"{len(self.sliding_layers)} layer types for {self.num_hidden_layers} layers"
             )
+        if self.hybrid is not None and len(self.hybrid.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"{len(self.hybrid.layer_types)} layer types for {self.num_hidden_layers} layers"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE turns (a hybrid's partial rotary, else all)."""
+        return self.head_dim if self.hybrid is None else self.hybrid.rotary_dim
 
     @property
     def q_size(self) -> int:

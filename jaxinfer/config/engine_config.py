@@ -13,6 +13,7 @@ from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolved import ResolvedOptions
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.quantization import Quantization
+from jaxinfer.layers.state_cache import state_bytes_per_slot
 from jaxinfer.models.families.hf_config import read_config
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
@@ -207,11 +208,10 @@ def build_engine_config(
     for cached in [arch] + ([read_config(draft_path / "config.json")] if draft_path else []):
         heads = cached.num_key_value_heads * kv_replicas(cached, tp) // tp
         bytes_per_block += kv_format.bytes_per_block(
-            options.block_size, cached.num_hidden_layers, heads, cached.head_dim
+            options.block_size, cached.num_kv_layers, heads, cached.head_dim
         )
-    num_blocks = options.num_kv_blocks or max(
-        2, int(options.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
-    )
+    budget = int(options.kv_cache_memory_gb * (1 << 30)) - state_bytes(arch, options, dtype)
+    num_blocks = options.num_kv_blocks or max(2, budget // bytes_per_block)
     num_speculative = options.num_speculative_tokens if options.speculative_method != "none" else 0
     return EngineConfig(
         model=ModelConfig(
@@ -228,7 +228,7 @@ def build_engine_config(
         cache=CacheConfig(
             block_size=options.block_size,
             num_blocks=num_blocks,
-            enable_prefix_caching=options.enable_prefix_caching,
+            enable_prefix_caching=resolved.prefix_caching,
             kv_format=kv_format,
         ),
         scheduler=SchedulerConfig(
@@ -281,3 +281,11 @@ def pooling_type(asked: str, folder: Path) -> str:
         if config.get(key):
             return kind
     return "last"
+
+
+def state_bytes(arch: LlamaConfig, options: EngineOptions, dtype) -> int:
+    """What a hybrid model's state slots take of the cache's memory (one per request row,
+    jaxinfer.layers.state_cache), 0 for other models."""
+    if arch.hybrid is None:
+        return 0
+    return (options.max_num_seqs + 1) * state_bytes_per_slot(arch, dtype)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import speculative
+from jaxinfer.config.hybrid import check_hybrid, prefix_caching
 from jaxinfer.config.invariant import check_invariant_request
 from jaxinfer.config.lora import lora_kernel
 from jaxinfer.config.native import native_kernel, native_reasons
@@ -65,6 +66,7 @@ def resolve(
     probe(kind, kernel, arch, dtype, block_size, kv_format): why a Pallas kernel cannot run on
     this GPU at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes
     the reference, an explicit "pallas" is an error."""
+    check_hybrid(options, arch)
     r = _Resolver(options, platform, arch, registry, gguf_source, probe)
     ffn = r.pick("ffn", options.ffn_impl)
     norm = r.pick("norm", options.norm_impl)
@@ -111,6 +113,7 @@ def resolve(
         warmup=warmup(options, platform, layer_execution, r.reasons),
         compilation_cache_dir=r.compilation_cache_dir(),
         lora=lora,
+        prefix_caching=prefix_caching(options, arch, r.reasons),
         reasons=tuple(sorted(r.reasons.items())),
     )
     kernels = r.kernels(resolved, attention_fn, matmul_fn, gguf_fn, pallas_matmul)
@@ -324,7 +327,9 @@ class _Resolver:
     def layer_execution(self, matmul_fn) -> str:
         if self.options.layer_execution != "auto":
             return self.options.layer_execution
-        if matmul_fn is not None:
+        if self.arch.hybrid is not None:
+            execution, why = "scan", "a hybrid model's layers run as a scan over their periods"
+        elif matmul_fn is not None:
             execution, why = "scan", "the matmul kernel reads each layer's weights in place"
         elif self.cpu:
             execution, why = "per_layer", "on XLA:CPU the scan's weight slices are copies"

@@ -17,27 +17,17 @@ K: the convolution's width, S: state slots.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.arch_config import LinearAttentionShape
+from jaxinfer.layers.weights import dense
 from pallas_kernels.gated_delta.conv import causal_conv1d
 from pallas_kernels.gated_delta.reference import (
     StateBatch,
     gated_delta_chunked,
     gated_delta_recurrent,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearAttentionShape:
-    num_k_heads: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-    conv_kernel: int
-    rms_norm_eps: float
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -48,15 +38,15 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
     return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-def project_interleaved(p: dict, x: jax.Array, shape: LinearAttentionShape):
+def project_interleaved(p: dict, x: jax.Array, shape: LinearAttentionShape, kernels):
     """Qwen3-Next's input projections (per key head: q, k, its value heads' v and z; then b
     and a) -> (mixed [T, C] = q, k, v flat, the convolution's input; z [T, Hv, Dv]; b and a
     [T, Hv])."""
     tokens = x.shape[0]
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim
     group = hv // hk
-    qkvz = (x @ p["in_proj_qkvz"]).reshape(tokens, hk, 2 * dk + 2 * group * dv)
-    ba = (x @ p["in_proj_ba"]).reshape(tokens, hk, 2 * group)
+    qkvz = dense(x, p["in_proj_qkvz"], kernels).reshape(tokens, hk, 2 * dk + 2 * group * dv)
+    ba = dense(x, p["in_proj_ba"], kernels).reshape(tokens, hk, 2 * group)
     q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]  # [T, Hk, Dk]
     v = qkvz[..., 2 * dk : 2 * dk + group * dv].reshape(tokens, hv * dv)
     z = qkvz[..., 2 * dk + group * dv :].reshape(tokens, hv, dv)
@@ -65,11 +55,15 @@ def project_interleaved(p: dict, x: jax.Array, shape: LinearAttentionShape):
     return mixed, z, b, a
 
 
-def project_split(p: dict, x: jax.Array, shape: LinearAttentionShape):
+def project_split(p: dict, x: jax.Array, shape: LinearAttentionShape, kernels):
     """Qwen3.5's input projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), as
     project_interleaved returns them."""
-    z = (x @ p["in_proj_z"]).reshape(x.shape[0], shape.num_v_heads, shape.v_head_dim)
-    return x @ p["in_proj_qkv"], z, x @ p["in_proj_b"], x @ p["in_proj_a"]
+    z = dense(x, p["in_proj_z"], kernels).reshape(x.shape[0], shape.num_v_heads, shape.v_head_dim)
+    qkv, b, a = (dense(x, p[name], kernels) for name in ("in_proj_qkv", "in_proj_b", "in_proj_a"))
+    return qkv, z, b, a
+
+
+PROJECTIONS = {"split": project_split, "interleaved": project_interleaved}
 
 
 def gated_deltanet(
@@ -79,15 +73,18 @@ def gated_deltanet(
     delta_states: jax.Array,  # f32[S, Hv, Dk, Dv]
     batch: StateBatch,
     shape: LinearAttentionShape,
+    kernels,  # jaxinfer.layers.kernel_registry.ModelKernels
     *,
-    chunked: bool = True,
-    project=project_interleaved,
+    form: str = "auto",
+    projections: str = "interleaved",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (y [T, E], conv_states, delta_states)
-    """The layer; `chunked`: the delta rule's chunked form (prefill), else the recurrent one;
-    `project`: the family's input projections."""
+    """The layer. `form`: the delta rule's "chunked" form (prefill chunks), its "recurrent"
+    one (a token per request), or "auto": the recurrent form where every request of the
+    batch has one token (a decode step), else the chunked one (both compiled, one runs).
+    `projections`: the family's input projections (PROJECTIONS)."""
     tokens = x.shape[0]
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim
-    mixed, z, b, a = project(p, x, shape)
+    mixed, z, b, a = PROJECTIONS[projections](p, x, shape, kernels)
     mixed, conv_states = causal_conv1d(mixed, p["conv1d"], conv_states, batch)
     q = mixed[:, : hk * dk].reshape(tokens, hk, dk)
     k = mixed[:, hk * dk : 2 * hk * dk].reshape(tokens, hk, dk)
@@ -96,7 +93,16 @@ def gated_deltanet(
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"]
     )
-    rule = gated_delta_chunked if chunked else gated_delta_recurrent
-    core, delta_states = rule(q, k, v, g, beta, delta_states, batch)  # [T, Hv, Dv]
+    args = (q, k, v, g, beta, delta_states, batch)
+    if form == "auto":
+        longest = jnp.max(jnp.diff(jnp.asarray(batch.query_start_loc)))
+        core, delta_states = jax.lax.cond(
+            longest > 1, lambda: gated_delta_chunked(*args), lambda: gated_delta_recurrent(*args)
+        )
+    elif form in ("chunked", "recurrent"):
+        rule = gated_delta_chunked if form == "chunked" else gated_delta_recurrent
+        core, delta_states = rule(*args)  # [T, Hv, Dv]
+    else:
+        raise ValueError(f"form must be auto, chunked or recurrent, got {form!r}")
     core = gated_rms_norm(core, z, p["norm"], shape.rms_norm_eps).reshape(tokens, hv * dv)
-    return core @ p["out_proj"], conv_states, delta_states
+    return dense(core, p["out_proj"], kernels), conv_states, delta_states

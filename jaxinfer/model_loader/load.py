@@ -15,6 +15,7 @@ from jaxinfer.model_loader.gguf_blocks import INT4_TYPES, load_gguf_blocks, veri
 from jaxinfer.model_loader.gguf_weights import load_gguf_params
 from jaxinfer.model_loader.orbax_checkpoint import is_orbax_folder, restore_params
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.causal_lm import causal_lm
 from jaxinfer.models.llama import build_llama
 from jaxinfer.models.params import PARAM_AXES, as_weights, random_params, to_layout
 from jaxinfer.parallel.sharding import Partitioner
@@ -51,7 +52,9 @@ def load_model(
                 f"gguf_weights 'on': no weight of {gguf_file.name} is in a block format the "
                 "kernel reads"
             )
-        graphdef, state = build_llama(arch, params, dtype, partitioner, weight_layout)
+        graphdef, state = build_llama(
+            arch, params, dtype, partitioner, weight_layout, model_class=causal_lm(arch)
+        )
         return graphdef, state, kept
     if is_orbax_folder(folder):
         params = restore_params(folder, dtype, partitioner, PARAM_AXES, replicas)
@@ -62,7 +65,7 @@ def load_model(
     if gguf_file is not None and quantization is not None and quantization.from_q4_blocks:
         int4_blocks = q4_blocks(gguf_file, params, config)
     graphdef, state = build_llama(
-        arch, params, dtype, partitioner, weight_layout, quantization, int4_blocks
+        arch, params, dtype, partitioner, weight_layout, quantization, int4_blocks, causal_lm(arch)
     )
     return graphdef, state, [] if int4_blocks is None else list(int4_blocks["layers"])
 

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.weights import mapped
+from jaxinfer.model_loader.hybrid_weights import load_hybrid_layers
 from jaxinfer.model_loader.quantized_checkpoint import read_linear
 from jaxinfer.models.families import family_for_architecture
 
@@ -161,9 +162,11 @@ def params_from_reader(
         ours: stacked(lambda p, theirs=theirs: norm(p + theirs + ".weight", (E,)))
         for ours, theirs in family_for_architecture(cfg.architecture).layer_norms.items()
     }
-    if "qkv_proj" not in skip:
+    if cfg.hybrid is not None:  # its attention and linear-attention layers
+        layers.update(load_hybrid_layers(reader, cfg, dtype))
+    if "qkv_proj" not in skip and cfg.hybrid is None:
         layers["qkv_proj"] = stacked(qkv)
-    if "o_proj" not in skip:
+    if "o_proj" not in skip and cfg.hybrid is None:
         layers["o_proj"] = stacked(lambda p: transposed(linear(p + "self_attn.o_proj.", (E, q))))
     # the dense FFN, or a MoE layer's shared expert
     mlp = "mlp.shared_expert." if cfg.moe is not None else "mlp."
@@ -177,7 +180,7 @@ def params_from_reader(
         )
     if I and "down_proj" not in skip:
         layers["down_proj"] = stacked(lambda p: transposed(linear(p + mlp + "down_proj.", (E, I))))
-    if cfg.qk_norm is not None:
+    if cfg.qk_norm is not None and cfg.hybrid is None:
         k_heads = K if cfg.qk_norm == "all" else 1
         q_width = q if cfg.qk_norm == "all" else D
 

@@ -32,6 +32,9 @@ class BatchInputs:
     num_seqs: np.ndarray  # i32[1], requests that are real
     # i32[T], each token's LoRA adapter slot (-1: the base model); None: no adapters served
     lora_slots: np.ndarray | None = None
+    # i32[R], each request's device row: a hybrid model's state slots (jaxinfer.layers
+    # .state_cache); None: a model without recurrent state
+    state_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -144,7 +144,7 @@ class LlamaForCausalLM(nnx.Module):
 class _Params(nnx.Module):
     def __init__(self, params: dict):
         for name, value in params.items():
-            setattr(self, name, nnx.Param(value))
+            setattr(self, name, _Params(value) if isinstance(value, dict) else nnx.Param(value))
 
 
 def embed_tokens(
@@ -308,6 +308,7 @@ def build_llama(
     weight_layout: str = IN_OUT,
     quantization: Quantization | str | None = None,
     int4_blocks: dict | None = None,
+    model_class: type[LlamaForCausalLM] | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split graph and state of a model whose parameters are `params` (the loader's tree: host
     arrays, or arrays already placed), its projections as weights of their format (quantized
@@ -315,7 +316,8 @@ def build_llama(
     the partitioner's mesh by its logical axes (every device receives only its shards), or on
     the default device. int4_blocks: a GGUF file's 4-bit blocks to take as the int4 weights
     themselves (jaxinfer.model_loader.gguf_blocks.load_gguf_blocks' tree, with_q4_blocks).
-    Weights the loader gives in another format already (a GGUF file's blocks) stay so."""
+    Weights the loader gives in another format already (a GGUF file's blocks) stay so.
+    model_class: the module (a hybrid's, jaxinfer.models.causal_lm); None: Llama's."""
     values = as_weights(config, {k: v for k, v in params.items() if not k.startswith("rope_")})
     if quantization is not None:
         values = quantize_weights(config, values, quantization)
@@ -324,7 +326,7 @@ def build_llama(
     axes = weight_axes(values)
     values, axes = to_layout(values, weight_layout), to_layout(axes, weight_layout)
     values["rope_cache"] = cos_sin_cache(
-        config.max_position_embeddings, config.head_dim, config.rope_theta, config.rope_scaling
+        config.max_position_embeddings, config.rotary_dim, config.rope_theta, config.rope_scaling
     )
     axes["rope_cache"] = PARAM_AXES["rope_cache"]
     if config.rope_local_theta is not None:  # the sliding layers' (unscaled)
@@ -336,4 +338,4 @@ def build_llama(
         placed = jax.tree.map(jnp.asarray, values)
     else:
         placed = jax.tree.map(partitioner.place, values, axes)
-    return nnx.split(LlamaForCausalLM(config, placed))
+    return nnx.split((model_class or LlamaForCausalLM)(config, placed))

@@ -45,6 +45,28 @@ PARAM_AXES = {
         "q_norm": ("layers", None),  # [L, D] per head, or [L, H * D] over all heads
         "k_norm": ("layers", None),  # [L, D], or [L, K * D]
         **{name: ("layers", *axes) for name, axes in EXPERT_AXES.items()},
+        # a hybrid model's (jaxinfer.models.qwen3_5): its linear layers' and attention layers'
+        "linear": {
+            "in_proj_qkv": ("layers", "embed", None),
+            "in_proj_z": ("layers", "embed", None),
+            "in_proj_b": ("layers", "embed", None),
+            "in_proj_a": ("layers", "embed", None),
+            "in_proj_qkvz": ("layers", "embed", None),
+            "in_proj_ba": ("layers", "embed", None),
+            "conv1d": ("layers", None, None),
+            "dt_bias": ("layers", None),
+            "A_log": ("layers", None),
+            "norm": ("layers", None),
+            "out_proj": ("layers", None, "embed"),
+        },
+        "attention": {
+            "q_proj": ("layers", "embed", None),
+            "k_proj": ("layers", "embed", None),
+            "v_proj": ("layers", "embed", None),
+            "o_proj": ("layers", None, "embed"),
+            "q_norm": ("layers", None),
+            "k_norm": ("layers", None),
+        },
     },
 }
 
@@ -59,6 +81,11 @@ LAYER_PROJECTIONS = {
     "down_proj": -2,
     **EXPERT_PROJECTIONS,
 }
+# A hybrid model's projections ([Ll or La, in, out]): every one contracts its axis -2.
+HYBRID_PROJECTIONS = (
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
+    "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+)  # fmt: skip
 
 
 def as_weights(config: LlamaConfig, params: dict) -> dict:
@@ -77,6 +104,12 @@ def as_weights(config: LlamaConfig, params: dict) -> dict:
         name: weight(a, projections[name]) if name in projections else a
         for name, a in params["layers"].items()
     }
+    for kind in ("linear", "attention"):  # a hybrid model's
+        if kind in out["layers"]:
+            out["layers"][kind] = {
+                name: weight(a, -2) if name in HYBRID_PROJECTIONS else a
+                for name, a in out["layers"][kind].items()
+            }
     out["embed"] = weight(params["embed"], -1)  # [V, E]
     if not config.tie_word_embeddings:
         out["lm_head"] = weight(params["lm_head"], -2)  # [E, V]
@@ -123,10 +156,18 @@ def quantize_weights(
     def quantize(w):
         return quantization.quantize(w) if isinstance(w, Dense) else w
 
+    def quantize_layers(layers: dict) -> dict:  # a hybrid's "linear" and "attention" too
+        return {
+            name: quantize_layers(w)
+            if isinstance(w, dict)
+            else quantize(w)
+            if name in LAYER_PROJECTIONS or name in HYBRID_PROJECTIONS
+            else w
+            for name, w in layers.items()
+        }
+
     out = dict(tree)
-    out["layers"] = {
-        name: quantize(w) if name in LAYER_PROJECTIONS else w for name, w in tree["layers"].items()
-    }
+    out["layers"] = quantize_layers(tree["layers"])
     head = head_name(config)
     if isinstance(tree[head], Dense):
         out[head] = quantization.head.quantize(tree[head])

@@ -49,7 +49,10 @@ def family_folder(tmp_path_factory):
 
 
 EXECUTIONS = {"cpu": ("scan", "out_in"), "reference": ("scan", "in_out")}
-CASES = [(f, "cpu") for f in FAMILIES] + [(f, "reference") for f in (*MOE_FAMILIES, "gemma3")]
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+CASES = [(f, "cpu") for f in FAMILIES] + [
+    (f, "reference") for f in (*MOE_FAMILIES, "gemma3", "qwen3_5", "qwen3_next")
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{e}" for f, e in CASES])

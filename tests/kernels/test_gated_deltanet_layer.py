@@ -1,7 +1,7 @@
 """A Gated DeltaNet layer (jaxinfer.layers.gated_deltanet) against HF transformers' own
 Qwen3NextGatedDeltaNet with the same random weights: a fresh prompt in one step, and the same
-prompt in two steps whose second continues from the states the first left in its slots,
-beside another request (both delta-rule forms)."""
+prompt in three steps, each continuing from the states the one before left in its slots,
+beside another request (both delta-rule forms, and the choice between them)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import torch
 import transformers
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from jaxinfer.layers.gated_deltanet import LinearAttentionShape, gated_deltanet
+from jaxinfer.arch_config import LinearAttentionShape
+from jaxinfer.layers.gated_deltanet import gated_deltanet
+from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.weights import Dense
 from pallas_kernels.gated_delta.reference import StateBatch
 
 E, HK, HV, DK, DV, K = 32, 2, 4, 8, 16, 4
@@ -39,18 +42,22 @@ def hf_layer():
 
 
 def _params(layer) -> dict:
+    def weight(linear):  # "in_out", as the loader gives it
+        return Dense(jnp.asarray(linear.weight.detach().numpy().T))
+
     return {
-        "in_proj_qkvz": layer.in_proj_qkvz.weight.detach().numpy().T,
-        "in_proj_ba": layer.in_proj_ba.weight.detach().numpy().T,
+        "in_proj_qkvz": weight(layer.in_proj_qkvz),
+        "in_proj_ba": weight(layer.in_proj_ba),
         "conv1d": layer.conv1d.weight.detach().numpy()[:, 0],
         "dt_bias": layer.dt_bias.detach().numpy(),
         "A_log": layer.A_log.detach().numpy(),
         "norm": layer.norm.weight.detach().numpy(),
-        "out_proj": layer.out_proj.weight.detach().numpy().T,
+        "out_proj": weight(layer.out_proj),
     }
 
 
 SHAPE = LinearAttentionShape(HK, HV, DK, DV, K, 1e-6)
+KERNELS = ModelKernels()
 
 
 def _batch(lengths, slots, fresh) -> StateBatch:
@@ -63,8 +70,8 @@ def _batch(lengths, slots, fresh) -> StateBatch:
     )
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "recurrent"])
-def test_layer_matches_hf_in_one_step_and_across_steps(hf_layer, chunked):
+@pytest.mark.parametrize("form", ["chunked", "recurrent", "auto"])
+def test_layer_matches_hf_in_one_step_and_across_steps(hf_layer, form):
     rng = np.random.default_rng(1)
     prompt = rng.standard_normal((23, E)).astype(np.float32)
     other = rng.standard_normal((5, E)).astype(np.float32)
@@ -76,16 +83,21 @@ def test_layer_matches_hf_in_one_step_and_across_steps(hf_layer, chunked):
     delta = jnp.zeros((3, HV, DK, DV))
     # one step
     y, _, _ = gated_deltanet(
-        params, prompt, conv, delta, _batch([23], [1], [True]), SHAPE, chunked=chunked
+        params, prompt, conv, delta, _batch([23], [1], [True]), SHAPE, KERNELS, form=form
     )
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
-    # two steps: 15 tokens, then the other 8 beside a fresh request in another slot
+    # three steps: 15 tokens; then 7 beside a fresh request in another slot; then the last
+    # one alone (a decode step: "auto" takes the recurrent form)
     y1, conv, delta = gated_deltanet(
-        params, prompt[:15], conv, delta, _batch([15], [2], [True]), SHAPE, chunked=chunked
+        params, prompt[:15], conv, delta, _batch([15], [2], [True]), SHAPE, KERNELS, form=form
     )
-    step2 = np.concatenate([other, prompt[15:]])
+    step2 = np.concatenate([other, prompt[15:22]])
     y2, conv, delta = gated_deltanet(
-        params, step2, conv, delta, _batch([5, 8], [0, 2], [True, False]), SHAPE, chunked=chunked
+        params, step2, conv, delta, _batch([5, 7], [0, 2], [True, False]), SHAPE, KERNELS,
+        form=form,
+    )  # fmt: skip
+    y3, conv, delta = gated_deltanet(
+        params, prompt[22:], conv, delta, _batch([1], [2], [False]), SHAPE, KERNELS, form=form
     )
-    np.testing.assert_allclose(np.concatenate([y1, y2[5:]]), expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([y1, y2[5:], y3]), expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(y2[:5], expected_other, rtol=1e-4, atol=1e-4)

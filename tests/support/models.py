@@ -82,6 +82,8 @@ def make_family_model(folder, family: str, seed: int = 0, **overrides):
     model = model_class(config_class(**{**BASE, **kwargs, **overrides}))
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):  # a linear layer's decay, as initialized
+                continue
             if "norm" not in name:
                 param.mul_(4.0)
             elif family in NOISY_NORMS:  # initialized to zeros: (1 + w) would hide w
@@ -106,7 +108,21 @@ BASE = dict(
 
 
 MOE = dict(num_experts_per_tok=2)
-NOISY_NORMS = ("gemma3",)
+NOISY_NORMS = ("gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Hybrids: two periods of a linear-attention layer and a full-attention one; partial RoPE.
+HYBRID = dict(
+    head_dim=16,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention"] * 2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+HYBRID_MOE = dict(
+    HYBRID, **MOE, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48
+)
 
 
 FAMILIES = {
@@ -148,6 +164,17 @@ FAMILIES = {
             tie_word_embeddings=True,
             pad_token_id=0,
         ),
+    ),
+    "qwen3_5": (transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig, HYBRID),
+    "qwen3_5_moe": (
+        transformers.Qwen3_5MoeForCausalLM,
+        transformers.Qwen3_5MoeTextConfig,
+        HYBRID_MOE,
+    ),
+    "qwen3_next": (
+        transformers.Qwen3NextForCausalLM,
+        transformers.Qwen3NextConfig,
+        dict(HYBRID_MOE, norm_topk_prob=True),
     ),
     "mistral_sliding_window": (
         transformers.MistralForCausalLM,

@@ -18,6 +18,7 @@ from jaxinfer.engine.execution.step import SchedulerOutput
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
+from jaxinfer.models.causal_lm import causal_lm
 from jaxinfer.models.llama import build_llama
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.parallel.mesh import make_mesh
@@ -63,7 +64,9 @@ class Harness:
         arch = self.config.model.arch
         partitioner = Partitioner(make_mesh(tensor_parallel_size), expert_parallel)
         params = load_llama_params(folder, arch, np.float32, self.config.parallel.kv_replicas)
-        graphdef, state = build_llama(arch, params, jnp.float32, partitioner, weight_layout)
+        graphdef, state = build_llama(
+            arch, params, jnp.float32, partitioner, weight_layout, model_class=causal_lm(arch)
+        )
         kernels = ModelKernels(weight_layout=weight_layout, matmul=matmul)
         self.partitioner = partitioner
         if attention is not None:

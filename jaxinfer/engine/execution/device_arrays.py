@@ -5,11 +5,13 @@ execution)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.layers import lora
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
+from jaxinfer.layers.state_cache import HybridCache, state_shapes
 from jaxinfer.parallel.sharding import Partitioner
 
 
@@ -17,19 +19,26 @@ def allocate_kv_cache(
     config: EngineConfig,
     partitioner: Partitioner,
     constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
-) -> KVCache:
+) -> KVCache | HybridCache:
     """The empty cache in config.cache.kv_format: values [L, 2, NB, BS, K, D] and the
-    format's scales (jaxinfer.layers.kv_cache)."""
+    format's scales (jaxinfer.layers.kv_cache); a hybrid model's for its attention layers,
+    with its linear layers' state slots beside it, one per request row."""
     arch, cache = config.model.arch, config.cache
     shape = (
-        arch.num_hidden_layers,
+        arch.num_kv_layers,
         2,
         cache.num_blocks,
         cache.block_size,
         arch.num_key_value_heads,
         arch.head_dim,
     )
-    return cache.kv_format.allocate(shape, partitioner, constants)
+    kv = cache.kv_format.allocate(shape, partitioner, constants)
+    if arch.hybrid is None:
+        return kv
+    conv, delta = state_shapes(arch, config.scheduler.max_num_seqs + 1)
+    return HybridCache(
+        kv, partitioner.zeros(conv, config.model.dtype), partitioner.zeros(delta, jnp.float32)
+    )
 
 
 def layer_of(stacked: jax.Array, layer: int, partitioner: Partitioner) -> jax.Array:

@@ -75,6 +75,7 @@ def assemble_batch(
         logits_indices=inputs.logits_indices,
         num_seqs=inputs.num_seqs,
         lora_slots=inputs.lora_slots,
+        state_rows=inputs.request_rows,
     )
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+from jaxinfer.arch_config import LINEAR_ATTENTION
 from jaxinfer.config import EngineConfig, EngineOptions
 from jaxinfer.config.configure import configure
 from jaxinfer.engine.execution.batch_builder import BatchBuilder
@@ -19,6 +20,7 @@ from jaxinfer.engine.startup.background_compile import BackgroundCompiler, first
 from jaxinfer.engine.startup.warmup import warmup, warmup_units
 from jaxinfer.engine.startup.warmup_progress import WarmupProgress
 from jaxinfer.layers.kernel_registry import KernelRegistry
+from jaxinfer.layers.state_cache import state_bytes_per_slot
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
 from jaxinfer.parallel.mesh import make_mesh
@@ -155,6 +157,8 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         "num_kv_blocks": config.cache.num_blocks,
         "kv_cache_dtype": config.cache.kv_format.name,
         "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
+        "kv_cache_layers": config.model.arch.num_kv_layers,
+        "recurrent_states": _states(config),
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "quantization": config.resolved.weight_format,
         "gguf_block_weights": list(gguf_weights),
@@ -166,6 +170,19 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         if config.lora is None
         else {"max_loras": config.lora.max_loras, "max_lora_rank": config.lora.max_rank},
         "resolved": config.resolved.describe(),
+    }
+
+
+def _states(config: EngineConfig) -> dict | None:
+    """A hybrid model's recurrent-state capacity: a slot per request row, in each linear
+    layer (jaxinfer.layers.state_cache)."""
+    arch = config.model.arch
+    if arch.hybrid is None:
+        return None
+    return {
+        "slots": config.scheduler.max_num_seqs,
+        "layers": arch.hybrid.count(LINEAR_ATTENTION),
+        "bytes_per_request": state_bytes_per_slot(arch, config.model.dtype),
     }
 
 

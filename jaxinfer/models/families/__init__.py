@@ -13,13 +13,17 @@ from jaxinfer.models.families import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
 )
 from jaxinfer.models.families.family import GGUFMetadata, ModelFamily
 
-FAMILIES: tuple[ModelFamily, ...] = tuple(
-    module.FAMILY
-    for module in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, gemma3)
+FAMILIES: tuple[ModelFamily, ...] = (
+    tuple(
+        module.FAMILY
+        for module in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, gemma3)
+    )
+    + qwen3_5.FAMILIES
 )
 
 

@@ -1,0 +1,47 @@
+"""What a hybrid model (linear-attention layers beside attention ones; jaxinfer.models
+.qwen3_5) runs with, settled for jaxinfer.config.resolve: the options it cannot run with are
+errors, and prefix caching is off with its reason.
+
+Its linear layers keep one recurrent state per request rather than K/V per token, so:
+- a cached prefix would need the state at the prefix's end, which is not kept (no state
+  checkpoints at block boundaries yet): prefix caching is off;
+- proposals a step rejects would have moved the state past the accepted tokens (no rollback
+  of the state yet): speculative decoding is refused.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.config.options import EngineOptions
+
+PREFIX_CACHING_OFF = (
+    "off: the model's linear-attention layers keep one state per request, and the state at "
+    "a cached prefix's end is not kept"
+)
+
+
+def check_hybrid(options: EngineOptions, arch: LlamaConfig) -> None:
+    """A ValueError naming the first option a hybrid model cannot run with."""
+    if arch.hybrid is None:
+        return
+    refused = {
+        "speculative_method": options.speculative_method != "none",
+        "enable_lora": options.enable_lora,
+        "tensor_parallel_size": options.tensor_parallel_size > 1,
+        "kv_cache_dtype": options.kv_cache_dtype != "auto",
+        "layer_execution": options.layer_execution == "per_layer",
+        "load_format": options.load_format == "dummy",
+    }
+    for name, is_set in refused.items():
+        if is_set:
+            raise ValueError(
+                f"{name} {getattr(options, name)!r} is not supported on a hybrid model "
+                f"({arch.architecture}, linear-attention layers) yet"
+            )
+
+
+def prefix_caching(options: EngineOptions, arch: LlamaConfig, reasons: dict[str, str]) -> bool:
+    if arch.hybrid is None or not options.enable_prefix_caching:
+        return options.enable_prefix_caching
+    reasons["prefix_caching"] = PREFIX_CACHING_OFF
+    return False

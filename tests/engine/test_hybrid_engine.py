@@ -1,0 +1,86 @@
+"""Hybrid models (Qwen3.5, Qwen3-Next: Gated DeltaNet layers beside attention layers) through
+the whole engine, against HF transformers' generate on tiny random models: chunked prefill
+(each request's states carried across its chunks), preemption (recomputed from zeros), n = 3
+(each sample's own states), a pool that holds few requests' blocks; and what the engine says
+and refuses for them. The layer-by-layer parity is in test_model_families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.config.hybrid import PREFIX_CACHING_OFF
+from tests.engine.test_model_families import hf_greedy
+from tests.support.engines import build_llm
+from tests.support.models import make_family_model
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [list(np.random.default_rng(i).integers(3, 320, size=n)) for i, n in
+           enumerate([23, 37, 9, 30, 41, 17])]  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def hybrid(request, tmp_path_factory):
+    folder = make_family_model(tmp_path_factory.mktemp(request.param), request.param)
+    return folder, hf_greedy(folder, PROMPTS, 12)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_generates_hugging_faces_tokens_under_chunking_and_preemption(
+    hybrid, async_scheduling
+):
+    folder, expected = hybrid
+    # 16 tokens a step (every prompt chunked); 15 blocks of 8 tokens for 4 running requests
+    # of up to 53 tokens: requests are preempted and recomputed
+    llm = build_llm(folder, "tiny", num_kv_blocks=16, async_scheduling=async_scheduling)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert llm.engine.stats().num_preemptions > 0, "the small pool must preempt"
+    pool = llm.engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks - 1
+
+
+def test_n_samples_each_keep_their_own_state(hybrid):
+    """n = 3 greedy samples of two prompts at once: every sample HF's tokens (a sample that
+    read another's state, or its parent's after it moved on, would differ)."""
+    folder, expected = hybrid
+    llm = build_llm(folder, "tiny", max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for output, tokens in zip(outputs, expected[:2], strict=True):
+        assert [list(c.token_ids) for c in output.outputs] == [tokens] * 3
+
+
+def test_describe_reports_states_and_prefix_caching_off(hybrid):
+    folder, _ = hybrid
+    llm = build_llm(folder, "tiny")
+    description = llm.engine.describe()
+    assert description["kv_cache_layers"] == 2  # of 4 layers, 2 are attention layers
+    states = description["recurrent_states"]
+    assert states["slots"] == 4 and states["layers"] == 2
+    # conv [C, K - 1] in float32 and delta f32[Hv, Dk, Dv], per layer
+    conv, delta = (2 * 2 * 16 + 4 * 8) * 3 * 4, 4 * 16 * 8 * 4
+    assert states["bytes_per_request"] == 2 * (conv + delta)
+    prefix = description["resolved"]["prefix_caching"]
+    assert prefix == {"value": False, "reason": PREFIX_CACHING_OFF}
+    assert not llm.engine.config.cache.enable_prefix_caching
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(speculative_method="ngram", num_speculative_tokens=2),
+        dict(enable_lora=True),
+        dict(kv_cache_dtype="int8"),
+        dict(layer_execution="per_layer"),
+    ],
+    ids=lambda o: next(iter(o)),
+)
+def test_options_a_hybrid_cannot_run_with_are_refused(hybrid, option):
+    folder, _ = hybrid
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"{name} .* not supported on a hybrid model"):
+        build_llm(folder, "tiny", **option)

@@ -278,6 +278,11 @@ class EngineOptions:
     lora_impl: str = option(
         "auto", "enable_lora: the batched LoRA kernel (reference, cpu, pallas, ...) or auto."
     )
+    gated_delta_impl: str = option(
+        "auto",
+        "A hybrid model's delta-rule kernel (reference, cpu, pallas, ...) or auto; other "
+        "models: auto only.",
+    )
     reasoning_parser: str | None = option(
         None,
         "The model's <think> blocks: qwen3 (where the output or the prompt opens one) or "

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 
 from cpu_kernels import build
+from cpu_kernels.gated_delta.kernel import load_gated_delta
 from cpu_kernels.gguf_matmul.kernel import load_gguf_matmul
 from cpu_kernels.lora.kernel import load_lora
 from cpu_kernels.matmul.kernel import load_matmul
@@ -22,6 +23,7 @@ NATIVE_LOADERS: dict[str, Callable[[Path], Callable]] = {
     "gguf_matmul": load_gguf_matmul,
     "paged_attention": load_paged_attention,
     "lora": load_lora,
+    "gated_delta": load_gated_delta,
 }
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import speculative
+from jaxinfer.config.gated_delta import gated_delta_kernel
 from jaxinfer.config.hybrid import check_hybrid, prefix_caching
 from jaxinfer.config.invariant import check_invariant_request
 from jaxinfer.config.lora import lora_kernel
@@ -93,6 +94,7 @@ def resolve(
         raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
     layer_execution = r.layer_execution(matmul_fn)
     lora, lora_fn = lora_kernel(options, platform, arch, r.dtype, registry, r.reasons)
+    delta, delta_fn = gated_delta_kernel(options, platform, arch, r.dtype, registry, r.reasons)
     resolved = ResolvedOptions(
         dtype=r.dtype,
         attention=attention,
@@ -113,11 +115,16 @@ def resolve(
         warmup=warmup(options, platform, layer_execution, r.reasons),
         compilation_cache_dir=r.compilation_cache_dir(),
         lora=lora,
+        gated_delta=delta,
         prefix_caching=prefix_caching(options, arch, r.reasons),
         reasons=tuple(sorted(r.reasons.items())),
     )
     kernels = r.kernels(resolved, attention_fn, matmul_fn, gguf_fn, pallas_matmul)
-    return Resolution(resolved, kernels if lora_fn is None else replace(kernels, lora=lora_fn))
+    if lora_fn is not None:
+        kernels = replace(kernels, lora=lora_fn)
+    if delta_fn is not None:
+        kernels = replace(kernels, gated_delta=delta_fn)
+    return Resolution(resolved, kernels)
 
 
 class _Resolver:

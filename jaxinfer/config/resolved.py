@@ -36,6 +36,7 @@ class ResolvedOptions:
     warmup: str  # "all" or "background" (token buckets compiled while serving)
     compilation_cache_dir: str | None  # None: no persistent compilation cache
     lora: str | None = None  # LoRA's kernel ("cpu": C++, or a registry name); None: off
+    gated_delta: str | None = None  # a hybrid model's delta-rule kernel; None: no such layers
     prefix_caching: bool = True  # off where asked, or where the model cannot (a hybrid's)
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
 

@@ -82,6 +82,7 @@ def check_options(options) -> None:
         "grouped_matmul_impl",
         "int4_matmul_impl",
         "lora_impl",
+        "gated_delta_impl",
     ):
         if not isinstance(getattr(options, name), str) or not getattr(options, name):
             raise ValueError(f"{name} must name a kernel, got {getattr(options, name)!r}")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.arch_config import LinearAttentionShape
+from jaxinfer.layers import invariant
 from jaxinfer.layers.weights import dense
 from pallas_kernels.gated_delta.conv import causal_conv1d
 from pallas_kernels.gated_delta.reference import (
@@ -31,10 +32,9 @@ from pallas_kernels.gated_delta.reference import (
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm of x [..., Dv] times weight, times silu(gate), in float32 (as HF's)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    out = weight * x32.astype(x.dtype)
+    """RMSNorm of x [..., Dv] times weight, times silu(gate), in float32 (as HF's; the mean
+    of squares a fixed tree, so each row's its own: batch_invariant)."""
+    out = invariant.rms_norm(x, weight, eps)
     return (out * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
@@ -81,7 +81,9 @@ def gated_deltanet(
     """The layer. `form`: the delta rule's "chunked" form (prefill chunks), its "recurrent"
     one (a token per request), or "auto": the recurrent form where every request of the
     batch has one token (a decode step), else the chunked one (both compiled, one runs).
-    `projections`: the family's input projections (PROJECTIONS)."""
+    `projections`: the family's input projections (PROJECTIONS). Under batch_invariant the
+    recurrent form always: each token's arithmetic then depends on its request alone, not on
+    how the step's tokens are chunked."""
     tokens = x.shape[0]
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim
     mixed, z, b, a = PROJECTIONS[projections](p, x, shape, kernels)
@@ -95,10 +97,7 @@ def gated_deltanet(
     )
     args = (q, k, v, g, beta, delta_states, batch)
     if form == "auto":
-        longest = jnp.max(jnp.diff(jnp.asarray(batch.query_start_loc)))
-        core, delta_states = jax.lax.cond(
-            longest > 1, lambda: gated_delta_chunked(*args), lambda: gated_delta_recurrent(*args)
-        )
+        core, delta_states = kernels.gated_delta(*args)
     elif form in ("chunked", "recurrent"):
         rule = gated_delta_chunked if form == "chunked" else gated_delta_recurrent
         core, delta_states = rule(*args)  # [T, Hv, Dv]

@@ -1,6 +1,6 @@
 """Named kernel implementations the model can run, chosen by the engine config.
 
-Four kinds, each with the signature of its pure-JAX reference:
+The kinds, each with the signature of its pure-JAX reference:
 
 - "attention": ragged_paged_attention_reference(q, kv_cache, block_tables, seq_lens,
   query_start_loc, num_seqs, *, sm_scale, sliding_window=None, layer=None) -> [T, H, D]
@@ -13,6 +13,9 @@ Four kinds, each with the signature of its pure-JAX reference:
 - "lora": lora_reference(x [T, I], a [L, S, R, I], b [L, S, R, O], slots [T], *, layer)
   -> [T, O] (each row times its LoRA adapter's pair, pallas_kernels.lora; the C++ kernel is
   loaded by the engine, cpu_kernels.lora)
+- "gated_delta": gated_delta_reference(q, k, v, g, beta, states, StateBatch) -> (o, states)
+  (a hybrid model's delta rule over a mixed batch, each request's state in its slot,
+  pallas_kernels.gated_delta; the C++ kernel is loaded by the engine, cpu_kernels.gated_delta)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -39,6 +42,8 @@ from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference, rms_norm
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
+from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as gated_delta
+from pallas_kernels.gated_delta.reference import gated_delta_reference
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.int4_matmul.kernel import int4_matmul
@@ -48,7 +53,7 @@ from pallas_kernels.lora.reference import lora_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-KINDS = ("attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora")
+KINDS = ("attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora", "gated_delta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,9 @@ class ModelKernels:
     # LoRA adapters' products (jaxinfer.layers.lora), where the engine serves them:
     # lora_reference(x [T, I], a [L, S, R, I], b [L, S, R, O], slots i32[T], *, layer).
     lora: Callable = lora_reference
+    # A hybrid model's delta rule (jaxinfer.layers.gated_deltanet), one call over a mixed
+    # batch: gated_delta_reference(q, k, v, g, beta, states, StateBatch) -> (o, states).
+    gated_delta: Callable = gated_delta_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
@@ -124,6 +132,7 @@ def default_registry() -> KernelRegistry:
         "grouped_matmul": (grouped_matmul_reference, grouped_matmul),
         "int4_matmul": (int4_matmul_reference, int4_matmul),
         "lora": (lora_reference, lora),
+        "gated_delta": (gated_delta_reference, gated_delta),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

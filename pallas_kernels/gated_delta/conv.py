@@ -43,7 +43,10 @@ def causal_conv1d(
     offsets = jnp.arange(num_tokens) - start
     rel = offsets[:, None] - (width - 1) + jnp.arange(width)  # [T, K]
     window = inputs(safe, start, rel)  # [T, K, C]
-    y = jnp.einsum("tkc,ck->tc", window.astype(jnp.float32), weight.astype(jnp.float32))
+    window, weight32 = window.astype(jnp.float32), weight.astype(jnp.float32)
+    y = window[:, 0] * weight32[:, 0]  # [T, C]; the taps added in order (each row its own)
+    for j in range(1, width):
+        y = y + window[:, j] * weight32[:, j]
     if activation:
         y = jax.nn.silu(y)
     y = jnp.where(real[:, None], y, 0).astype(x.dtype)

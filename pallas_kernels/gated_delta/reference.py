@@ -6,7 +6,8 @@ kernels:
 - chunked: the WY / UT-transform algorithm, chunks of C tokens through a few matmuls and a
   triangular solve each, the state carried from chunk to chunk (prefill chunks).
 
-The recurrent form has a Pallas kernel beside it (kernel.py) and a C++ one for XLA:CPU
+gated_delta_reference takes either per step (the "gated_delta" kernel kind's contract); the
+recurrent form has a Pallas kernel beside it (kernel.py) and a C++ one for XLA:CPU
 (cpu_kernels/gated_delta), each with this signature.
 
 Per value head, with state S [Dk, Dv] and a token's q, k [Dk], v [Dv], decay g (log space,
@@ -54,9 +55,26 @@ class StateBatch:
         )
 
 
+def _tree_sum(x: jax.Array) -> jax.Array:  # [..., N] -> [..., 1]
+    """The sum over the last axis by pairwise halves (an odd length gets a zero appended):
+    elementwise adds only, so a row's sum does not depend on the array's shape (XLA's own
+    reductions choose their blocking from it; batch_invariant)."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / |x| over the last axis (as the FLA library and HF: rsqrt of the sum plus eps)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * jax.lax.rsqrt(_tree_sum(x * x) + eps)
+
+
+def _read(state: jax.Array, key: jax.Array) -> jax.Array:  # [Hv, Dk, Dv], [Hv, Dk] -> [Hv, Dv]
+    """S^T k per head, its sum over Dk a fixed tree."""
+    return _tree_sum(jnp.swapaxes(state * key[:, :, None], -1, -2))[..., 0]
 
 
 def _prepare(q, k, v, g, beta, qk_l2norm: bool):
@@ -101,10 +119,9 @@ def gated_delta_recurrent(
         qt, kt, vt, gt, bt, slot, start, valid = token
         state = jnp.where(start, 0.0, states[slot])  # [Hv, Dk, Dv]
         state = state * jnp.exp(gt)[:, None, None]
-        memory = jnp.einsum("hkv,hk->hv", state, kt)
-        delta = (vt - memory) * bt[:, None]
+        delta = (vt - _read(state, kt)) * bt[:, None]
         state = state + kt[:, :, None] * delta[:, None, :]
-        out = jnp.einsum("hkv,hk->hv", state, qt)
+        out = _read(state, qt)
         states = jnp.where(valid, states.at[slot].set(state), states)
         return states, out
 
@@ -222,3 +239,26 @@ def gated_delta_chunked(
     out = outs[safe, jnp.clip(offset, 0, window - 1)]
     out = jnp.where((request < num_seqs[0])[:, None, None], out, 0.0)
     return out.astype(out_dtype), states
+
+
+def gated_delta_reference(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv], log decay
+    beta: jax.Array,  # [T, Hv]
+    states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    batch: StateBatch,
+    *,
+    qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
+    """The "gated_delta" kernel kind's contract, one call over a mixed batch: the recurrent
+    form where every request has one token (a decode step), else the chunked form (both
+    compiled, one runs)."""
+    args = (q, k, v, g, beta, states, batch)
+    longest = jnp.max(jnp.diff(jnp.asarray(batch.query_start_loc)))
+    return jax.lax.cond(
+        longest > 1,
+        lambda: gated_delta_chunked(*args, qk_l2norm=qk_l2norm),
+        lambda: gated_delta_recurrent(*args, qk_l2norm=qk_l2norm),
+    )

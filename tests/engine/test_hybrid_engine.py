@@ -6,6 +6,8 @@ and refuses for them. The layer-by-layer parity is in test_model_families."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -67,6 +69,7 @@ def test_describe_reports_states_and_prefix_caching_off(hybrid):
     prefix = description["resolved"]["prefix_caching"]
     assert prefix == {"value": False, "reason": PREFIX_CACHING_OFF}
     assert not llm.engine.config.cache.enable_prefix_caching
+    assert description["resolved"]["gated_delta"]["value"] == "cpu"  # the C++ kernel
 
 
 @pytest.mark.parametrize(
@@ -76,11 +79,43 @@ def test_describe_reports_states_and_prefix_caching_off(hybrid):
         dict(enable_lora=True),
         dict(kv_cache_dtype="int8"),
         dict(layer_execution="per_layer"),
+        dict(batch_invariant=True, gated_delta_impl="reference"),
     ],
     ids=lambda o: next(iter(o)),
 )
 def test_options_a_hybrid_cannot_run_with_are_refused(hybrid, option):
     folder, _ = hybrid
     name = next(iter(option))
-    with pytest.raises(ValueError, match=f"{name} .* not supported on a hybrid model"):
+    message = (
+        "batch_invariant: the reference delta rule"
+        if name == "batch_invariant"
+        else f"{name} .* not supported on a hybrid model"
+    )
+    with pytest.raises(ValueError, match=message):
         build_llm(folder, "tiny", **option)
+
+
+def test_gated_delta_impl_is_refused_for_a_model_without_linear_layers(tmp_path):
+    folder = make_family_model(tmp_path, "qwen3")
+    with pytest.raises(ValueError, match="gated_delta_impl applies to hybrid models"):
+        build_llm(folder, "tiny", gated_delta_impl="cpu")
+
+
+def test_batch_invariant_alone_among_others_and_under_preemption(hybrid):
+    """batch_invariant: a request's tokens and logprobs are bit-identical alone, among others
+    (its prompt chunked at other points, its decodes beside prefills), and preempted."""
+    from tests.engine.test_batch_invariant import FIXED_PROMPT, among, record, traffic
+
+    folder, _ = hybrid
+    options = dict(max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(1, 16))
+    llm = build_llm(folder, "tiny", **options, num_kv_blocks=256, batch_invariant=True)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
+    alone = record(llm.generate([FIXED_PROMPT], params, use_tqdm=False)[0])
+    for count in (3, 7):
+        assert among(llm, random.Random(count), count, params=params) == alone
+    small = build_llm(folder, "tiny", **options, num_kv_blocks=20, batch_invariant=True)
+    prompts, _ = traffic(random.Random(2), 7)
+    others = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    outputs = small.generate([*prompts, FIXED_PROMPT], [*others, params], use_tqdm=False)
+    assert small.engine.stats().num_preemptions > 0, "the small pool must preempt"
+    assert record(outputs[-1]) == alone

@@ -18,6 +18,7 @@ from pallas_kernels.gated_delta.reference import (
     StateBatch,
     gated_delta_chunked,
     gated_delta_recurrent,
+    gated_delta_reference,
 )
 
 # (tokens of each real request, starts fresh)
@@ -70,8 +71,12 @@ def _expected(batch):
 
 @pytest.mark.parametrize(
     "form",
-    [gated_delta_recurrent, functools.partial(gated_delta_chunked, chunk=16)],
-    ids=["recurrent", "chunked"],
+    [
+        gated_delta_recurrent,
+        functools.partial(gated_delta_chunked, chunk=16),
+        gated_delta_reference,
+    ],
+    ids=["recurrent", "chunked", "reference"],
 )
 def test_forms_match_hf_request_by_request(form):
     batch = _batch()
@@ -80,6 +85,17 @@ def test_forms_match_hf_request_by_request(form):
     np.testing.assert_allclose(out, expected_out, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(states, expected_states, rtol=1e-4, atol=1e-4)
     assert not np.asarray(out)[-3:].any()  # padding tokens
+
+
+def test_reference_takes_the_recurrent_form_for_a_decode_step():
+    """The kind's reference on a step of one token per request: the recurrent form's bits."""
+    q, k, v, g, beta, states, _ = _batch(seed=5)
+    qsl = np.arange(5, dtype=np.int32)  # four requests of one token each
+    batch = StateBatch(qsl, np.asarray([3, 1, 0, 6], np.int32), np.zeros(4, bool), np.full(1, 4))
+    args = (q[:4], k[:4], v[:4], g[:4], beta[:4], states, batch)
+    recurrent = jax.jit(gated_delta_recurrent)(*args)
+    for ours, theirs in zip(jax.jit(gated_delta_reference)(*args), recurrent, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
 
 
 def test_chunked_matches_hf_chunked_rule_on_one_long_sequence():

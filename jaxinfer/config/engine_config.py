@@ -211,7 +211,17 @@ def build_engine_config(
             options.block_size, cached.num_kv_layers, heads, cached.head_dim
         )
     budget = int(options.kv_cache_memory_gb * (1 << 30)) - state_bytes(arch, options, dtype)
-    num_blocks = options.num_kv_blocks or max(2, budget // bytes_per_block)
+    if budget <= 0 and not options.num_kv_blocks:
+        raise ValueError(
+            f"kv_cache_memory_gb {options.kv_cache_memory_gb} does not hold the linear layers' "
+            f"states of {options.max_num_seqs} requests ({state_bytes(arch, options, dtype)} "
+            "bytes); raise it or lower max_num_seqs"
+        )
+    if bytes_per_block == 0:  # no attention layer (every layer linear): blocks cost nothing
+        blocks_per_request = -(-max_model_len // options.block_size)
+        num_blocks = options.num_kv_blocks or options.max_num_seqs * blocks_per_request + 1
+    else:
+        num_blocks = options.num_kv_blocks or max(2, budget // bytes_per_block)
     num_speculative = options.num_speculative_tokens if options.speculative_method != "none" else 0
     return EngineConfig(
         model=ModelConfig(

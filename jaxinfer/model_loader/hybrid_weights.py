@@ -15,7 +15,7 @@ INTERLEAVED = ("in_proj_qkvz", "in_proj_ba")
 
 def load_hybrid_layers(reader, config: LlamaConfig, dtype) -> dict:
     """{"linear": {...} [Ll, ...], "attention": {...} [La, ...]} from `reader` (tensors by
-    name: get(name, shape, dtype))."""
+    name: get(name, shape, dtype)); a kind the model has no layers of is left out."""
     cfg, hybrid = config, config.hybrid
     s = hybrid.linear
     E, D = cfg.hidden_size, cfg.head_dim
@@ -60,7 +60,5 @@ def load_hybrid_layers(reader, config: LlamaConfig, dtype) -> dict:
         layers = [fn(f"model.layers.{i}.") for i, t in enumerate(hybrid.layer_types) if t == kind]
         return {n: np.ascontiguousarray(np.stack([la[n] for la in layers])) for n in layers[0]}
 
-    return {
-        "linear": stacked(LINEAR_ATTENTION, linear),
-        "attention": stacked(FULL_ATTENTION, attention),
-    }
+    kinds = {"linear": (LINEAR_ATTENTION, linear), "attention": (FULL_ATTENTION, attention)}
+    return {name: stacked(kind, fn) for name, (kind, fn) in kinds.items() if hybrid.count(kind)}

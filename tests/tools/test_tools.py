@@ -95,6 +95,26 @@ def test_decode_roofline_reports_each_batch(tmp_path):
     assert sum(k["share"] for k in kernels) == pytest.approx(1.0)
 
 
+def test_hybrid_bench_times_each_model_at_each_context(tmp_path):
+    output = tmp_path / "hybrid.json"
+    run(
+        "-m",
+        "tools.bench_hybrid",
+        "--contexts=64,256",
+        "--batch_size=2",
+        "--layers=4",
+        "--hidden_size=64",
+        "--steps=1",
+        f"--output_json={output}",
+    )
+    report = json.loads(output.read_text())
+    assert report["contexts"] == [64, 256]
+    steps = report["step_seconds"]
+    assert set(steps) == {"hybrid", "attention", "linear"}
+    assert all(len(times) == 2 and min(times) > 0 for times in steps.values())
+    assert len(report["hybrid_over_attention"]) == 2
+
+
 def test_shape_bench_serves_every_request_with_random_weights(tmp_path):
     output = tmp_path / "shape.json"
     args = ["--shape=smollm2", "--num_requests=6", "--max_input_len=40", "--max_output_len=8"]

@@ -112,7 +112,9 @@ class HybridLayers:
     layer_types: tuple[str, ...]
     linear: LinearAttentionShape
     rotary_dim: int
-    projections: str = "split"  # Qwen3.5's in_proj_qkv/z/b/a; "interleaved": Qwen3-Next's
+    # The checkpoint's input projections of the linear layers: Qwen3.5's in_proj_qkv/z/b/a,
+    # or Qwen3-Next's "interleaved" in_proj_qkvz/ba (read into one layout either way)
+    projections: str = "split"
 
     def __post_init__(self):
         if set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}:

@@ -7,6 +7,8 @@ Its linear layers keep one recurrent state per request rather than K/V per token
   checkpoints at block boundaries yet): prefix caching is off;
 - proposals a step rejects would have moved the state past the accepted tokens (no rollback
   of the state yet): speculative decoding is refused.
+Under tensor parallelism every device holds whole heads: of the attention layers' KV heads
+and of the linear layers' key-head groups (no copies of KV heads).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ def check_hybrid(options: EngineOptions, arch: LlamaConfig) -> None:
     refused = {
         "speculative_method": options.speculative_method != "none",
         "enable_lora": options.enable_lora,
-        "tensor_parallel_size": options.tensor_parallel_size > 1,
         "kv_cache_dtype": options.kv_cache_dtype != "auto",
         "layer_execution": options.layer_execution == "per_layer",
         "load_format": options.load_format == "dummy",
@@ -38,6 +39,13 @@ def check_hybrid(options: EngineOptions, arch: LlamaConfig) -> None:
                 f"{name} {getattr(options, name)!r} is not supported on a hybrid model "
                 f"({arch.architecture}, linear-attention layers) yet"
             )
+    tp, linear = options.tensor_parallel_size, arch.hybrid.linear
+    if arch.num_key_value_heads % tp or linear.num_k_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide a hybrid model's KV heads "
+            f"({arch.num_key_value_heads}) and its linear layers' key heads "
+            f"({linear.num_k_heads}): each device holds whole heads"
+        )
 
 
 def prefix_caching(options: EngineOptions, arch: LlamaConfig, reasons: dict[str, str]) -> bool:

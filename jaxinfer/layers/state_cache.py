@@ -42,6 +42,11 @@ def state_shapes(arch: LlamaConfig, num_slots: int) -> tuple[tuple, tuple]:
     return conv, delta
 
 
+# split by the linear layers' key-head groups, as their weights are (tensor parallelism)
+CONV_AXES = (None, None, "linear_heads", None)
+DELTA_AXES = (None, None, "linear_heads", None, None)
+
+
 def state_bytes_per_slot(arch: LlamaConfig, dtype) -> int:
     """Bytes one request's states take over all linear layers."""
     conv, delta = state_shapes(arch, 1)

@@ -46,24 +46,22 @@ PARAM_AXES = {
         "k_norm": ("layers", None),  # [L, D], or [L, K * D]
         **{name: ("layers", *axes) for name, axes in EXPERT_AXES.items()},
         # a hybrid model's (jaxinfer.models.qwen3_5): its linear layers' and attention layers'
-        "linear": {
-            "in_proj_qkv": ("layers", "embed", None),
-            "in_proj_z": ("layers", "embed", None),
-            "in_proj_b": ("layers", "embed", None),
-            "in_proj_a": ("layers", "embed", None),
-            "in_proj_qkvz": ("layers", "embed", None),
-            "in_proj_ba": ("layers", "embed", None),
-            "conv1d": ("layers", None, None),
-            "dt_bias": ("layers", None),
-            "A_log": ("layers", None),
+        "linear": {  # split by key-head groups (jaxinfer.layers.gated_deltanet)
+            "in_proj_qkv": ("layers", "embed", "linear_heads"),
+            "in_proj_z": ("layers", "embed", "linear_heads"),
+            "in_proj_b": ("layers", "embed", "linear_heads"),
+            "in_proj_a": ("layers", "embed", "linear_heads"),
+            "conv1d": ("layers", "linear_heads", None),
+            "dt_bias": ("layers", "linear_heads"),
+            "A_log": ("layers", "linear_heads"),
             "norm": ("layers", None),
-            "out_proj": ("layers", None, "embed"),
+            "out_proj": ("layers", "linear_heads", "embed"),
         },
-        "attention": {
-            "q_proj": ("layers", "embed", None),
-            "k_proj": ("layers", "embed", None),
-            "v_proj": ("layers", "embed", None),
-            "o_proj": ("layers", None, "embed"),
+        "attention": {  # split by heads (each query head's q and gate side by side)
+            "q_proj": ("layers", "embed", "q_heads_x_dim"),
+            "k_proj": ("layers", "embed", "kv_heads_x_dim"),
+            "v_proj": ("layers", "embed", "kv_heads_x_dim"),
+            "o_proj": ("layers", "q_heads_x_dim", "embed"),
             "q_norm": ("layers", None),
             "k_norm": ("layers", None),
         },
@@ -83,8 +81,8 @@ LAYER_PROJECTIONS = {
 }
 # A hybrid model's projections ([Ll or La, in, out]): every one contracts its axis -2.
 HYBRID_PROJECTIONS = (
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
-    "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+    "q_proj", "k_proj", "v_proj", "o_proj",
 )  # fmt: skip
 
 

@@ -94,7 +94,7 @@ def hybrid_layers(
                 i = index * per_linear + period[:j].count(LINEAR_ATTENTION)
                 hidden, c, d = gated_deltanet(
                     take(layers["linear"], i), x, conv[i], delta[i], states, hybrid.linear,
-                    kernels, projections=hybrid.projections,
+                    kernels,
                 )  # fmt: skip
                 conv, delta = conv.at[i].set(c), delta.at[i].set(d)
             else:

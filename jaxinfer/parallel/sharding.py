@@ -26,6 +26,8 @@ RULES: dict[str, str] = {
     "kv_heads": TP_AXIS,  # fused QKV (grouped by KV head) and the KV cache: by KV head
     "q_heads": TP_AXIS,  # attention output: by query head
     "q_heads_x_dim": TP_AXIS,  # O projection: by rows (query head x head dim)
+    "kv_heads_x_dim": TP_AXIS,  # a hybrid's K and V projections: by columns (KV head x dim)
+    "linear_heads": TP_AXIS,  # a hybrid's linear layers: by key-head groups
     "mlp": TP_AXIS,  # gate/up by columns, down by rows
     "expert_mlp": TP_AXIS,  # each MoE expert's gate/up and down, as "mlp"
 }

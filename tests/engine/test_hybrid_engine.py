@@ -119,3 +119,28 @@ def test_batch_invariant_alone_among_others_and_under_preemption(hybrid):
     outputs = small.generate([*prompts, FIXED_PROMPT], [*others, params], use_tqdm=False)
     assert small.engine.stats().num_preemptions > 0, "the small pool must preempt"
     assert record(outputs[-1]) == alone
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_tensor_parallel_splits_the_heads_and_gives_one_devices_tokens(family, tmp_path):
+    """Over 2 devices: each holds half of every layer's heads (the linear layers' key-head
+    groups, their states, the attention heads and the KV cache) and the greedy tokens are
+    HF's, as on one device."""
+    from tests.support.parity import Harness
+
+    folder = make_family_model(tmp_path, family)
+    harness = Harness(folder, "scan", tensor_parallel_size=2)
+    linear = harness.state["layers"]["linear"]["in_proj_qkv"].get_value().w  # [Ll, E, C]
+    assert linear.addressable_shards[0].data.shape[-1] * 2 == linear.shape[-1]
+    delta = harness.runner.kv_cache.delta  # [Ll, S, Hv, Dk, Dv]
+    assert delta.addressable_shards[0].data.shape[2] * 2 == delta.shape[2]
+    kv = harness.runner.kv_cache.kv.values  # [La, 2, NB, BS, K, D]
+    assert kv.addressable_shards[0].data.shape[4] * 2 == kv.shape[4]
+    prompts = {str(i): p for i, p in enumerate(PROMPTS[:3])}
+    assert list(harness.greedy(prompts, 8).values()) == hf_greedy(folder, PROMPTS[:3], 8)
+
+
+def test_tensor_parallel_needs_whole_heads_on_each_device(hybrid):
+    folder, _ = hybrid
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide"):
+        build_llm(folder, "tiny", tensor_parallel_size=4)

@@ -16,9 +16,12 @@ from jaxinfer.arch_config import LinearAttentionShape
 from jaxinfer.layers.gated_deltanet import gated_deltanet
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.weights import Dense
+from jaxinfer.model_loader.hybrid_weights import linear_layer
+from jaxinfer.models.params import HYBRID_PROJECTIONS
 from pallas_kernels.gated_delta.reference import StateBatch
 
 E, HK, HV, DK, DV, K = 32, 2, 4, 8, 16, 4
+SHAPE = LinearAttentionShape(HK, HV, DK, DV, K, 1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +45,17 @@ def hf_layer():
 
 
 def _params(layer) -> dict:
-    def weight(linear):  # "in_out", as the loader gives it
-        return Dense(jnp.asarray(linear.weight.detach().numpy().T))
+    """The layer's weights as the loader puts them (grouped by key head, "in_out")."""
+    tensors = {name: t.detach().numpy() for name, t in layer.state_dict().items()}
 
-    return {
-        "in_proj_qkvz": weight(layer.in_proj_qkvz),
-        "in_proj_ba": weight(layer.in_proj_ba),
-        "conv1d": layer.conv1d.weight.detach().numpy()[:, 0],
-        "dt_bias": layer.dt_bias.detach().numpy(),
-        "A_log": layer.A_log.detach().numpy(),
-        "norm": layer.norm.weight.detach().numpy(),
-        "out_proj": weight(layer.out_proj),
-    }
+    def get(name, shape):
+        assert tensors[name].shape == shape, name
+        return tensors[name]
+
+    params = linear_layer(get, "", SHAPE, E, "interleaved")
+    return {n: Dense(jnp.asarray(w)) if n in HYBRID_PROJECTIONS else w for n, w in params.items()}
 
 
-SHAPE = LinearAttentionShape(HK, HV, DK, DV, K, 1e-6)
 KERNELS = ModelKernels()
 
 

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.config import EngineConfig
 from jaxinfer.layers import lora
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
-from jaxinfer.layers.state_cache import HybridCache, state_shapes
+from jaxinfer.layers.state_cache import CONV_AXES, DELTA_AXES, HybridCache, state_shapes
 from jaxinfer.parallel.sharding import Partitioner
 
 
@@ -37,7 +37,9 @@ def allocate_kv_cache(
         return kv
     conv, delta = state_shapes(arch, config.scheduler.max_num_seqs + 1)
     return HybridCache(
-        kv, partitioner.zeros(conv, config.model.dtype), partitioner.zeros(delta, jnp.float32)
+        kv,
+        partitioner.zeros(conv, config.model.dtype, CONV_AXES),
+        partitioner.zeros(delta, jnp.float32, DELTA_AXES),
     )
 
 

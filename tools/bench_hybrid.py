@@ -17,6 +17,7 @@ of a step does not depend on them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -82,7 +83,7 @@ def step_times(folder: Path, contexts: list[int], batch_size: int) -> tuple[list
         model=str(folder),
         block_size=BLOCK_SIZE,
         num_kv_blocks=blocks + 1,
-        max_num_seqs=max(batch_size, 1),
+        max_num_seqs=batch_size,
         max_model_len=max(contexts) + 1,
         max_num_batched_tokens=max(batch_size, 16),
         token_buckets=(max(batch_size, 16),),
@@ -110,8 +111,6 @@ def step_times(folder: Path, contexts: list[int], batch_size: int) -> tuple[list
 
 def _with_rows(batch, batch_size: int):
     """The decode batch with each request's state slot (its row)."""
-    import dataclasses
-
     return dataclasses.replace(batch, state_rows=np.arange(batch_size, dtype=np.int32))
 
 

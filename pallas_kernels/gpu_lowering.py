@@ -81,6 +81,15 @@ def call(
     )
 
 
+def masked_store(ref: Any, value: jax.Array, mask: jax.Array) -> None:
+    """Writes `value` into `ref` (a ref or a view, `ref.at[...]`) where `mask` holds, leaving
+    the rest for other programs to write (the interpreter runs it too)."""
+    if gpu_backend() != "triton":
+        compiler_params(LaunchConfig())  # raises with the reason
+    triton = importlib.import_module("jax.experimental.pallas.triton")
+    triton.store(ref, value, mask=mask)
+
+
 def lower_for_gpu(fn: Callable[..., Any], *args: Any, device_kind: str = ABSTRACT_GPU) -> str:
     """The StableHLO text of `fn(*args)` lowered for CUDA on `device_kind` (no GPU needed): raises
     if a kernel does not lower through the chosen backend. Only the shapes and dtypes of `args`

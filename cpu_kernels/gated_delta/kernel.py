@@ -1,5 +1,8 @@
-"""The gated delta rule's recurrent form on XLA:CPU through the C++ kernel in kernel.cc, with
-the signature of pallas_kernels.gated_delta.reference.gated_delta_recurrent (float32):
+"""The gated delta rule on XLA:CPU through the C++ kernel in kernel.cc, with the signature of
+pallas_kernels.gated_delta.reference.gated_delta_reference (float32): a request's decode
+token in the recurrent form, a request's several tokens in the chunked (WY / UT) form, or
+every token in the recurrent form with chunk=0 (batch_invariant: a token's arithmetic then
+does not depend on how its request's tokens were split into steps):
 
     gated_delta = load_gated_delta(build_dir)   # compiles kernel.cc once, registers it
     o, states = gated_delta(q, k, v, g, beta, states, batch)
@@ -13,9 +16,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cpu_kernels.build import KernelBuildError, build, load, register
-from pallas_kernels.gated_delta.reference import StateBatch, per_request
+from pallas_kernels.gated_delta.reference import CHUNK, StateBatch, per_request
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 TARGET = "jaxinfer_gated_delta"
@@ -31,6 +35,7 @@ def gated_delta(
     batch: StateBatch,
     *,
     qk_l2norm: bool = True,
+    chunk: int = CHUNK,
 ) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
     def kernel(q, k, v, g, beta, initial, query_start_loc, num_seqs):
         shapes = (
@@ -38,10 +43,19 @@ def gated_delta(
             jax.ShapeDtypeStruct(initial.shape, jnp.float32),
         )
         return jax.ffi.ffi_call(TARGET, shapes)(
-            q, k, v, g, beta, initial, query_start_loc, num_seqs
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial,
+            query_start_loc,
+            num_seqs,
+            chunk=np.int64(chunk),
+            qk_l2norm=qk_l2norm,
         )
 
-    return per_request(kernel, q, k, v, g, beta, states, batch, qk_l2norm)
+    return per_request(kernel, q, k, v, g, beta, states, batch, qk_l2norm, prepared=False)
 
 
 def load_gated_delta(build_dir: Path):

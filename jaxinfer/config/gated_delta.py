@@ -2,11 +2,13 @@
 XLA:CPU where it runs, the Pallas kernel on a GPU, else the pure-JAX reference. Under
 batch_invariant the reference is refused: it takes another form for a decode step than for a
 prefill step, and XLA fuses its one-token scan into the ops after it, so a row's arithmetic
-would depend on the step's shape (the C++ and Pallas kernels walk each request's tokens one
-by one whatever the batch)."""
+would depend on the step's shape. The C++ and Pallas kernels take their recurrent forms for
+every token there (chunk 0: a chunked form's arithmetic depends on where a prompt splits
+into steps; the recurrent one walks each request's tokens one by one whatever the batch)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from jaxinfer.arch_config import LlamaConfig
@@ -38,7 +40,7 @@ def gated_delta_kernel(
         if fn is not None:
             if name == "auto":
                 reasons["gated_delta"] = "the C++ kernel runs here"
-            return "cpu", fn
+            return "cpu", _recurrent_if_invariant(fn, options)
         if name == "auto":
             name = "reference" if cpu else "pallas"
             reasons["gated_delta"] = (
@@ -51,4 +53,12 @@ def gated_delta_kernel(
         )
     if name == "pallas" and cpu:
         raise ValueError("gated_delta_impl 'pallas' runs on a GPU (pallas_interpret on CPU)")
-    return name, registry.get("gated_delta", name)
+    fn = registry.get("gated_delta", name)
+    if name in ("pallas", "pallas_interpret"):
+        fn = _recurrent_if_invariant(fn, options)
+    return name, fn
+
+
+def _recurrent_if_invariant(fn: Callable, options: EngineOptions) -> Callable:
+    """The built-in kernels' recurrent form for every step under batch_invariant."""
+    return functools.partial(fn, chunk=0) if options.batch_invariant else fn

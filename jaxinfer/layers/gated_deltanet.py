@@ -51,8 +51,8 @@ def gated_deltanet(
     form: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (y [T, E], conv_states, delta_states)
     """The layer. `form`: "auto", the model's delta-rule kernel (kernels.gated_delta: the
-    reference takes the recurrent form for a decode step, else the chunked one; the C++ and
-    Pallas kernels walk each request's tokens); or the reference's "chunked" or "recurrent"
+    reference, the C++ and the Pallas kernels take the recurrent form for a decode step, else
+    the chunked one); or the reference's "chunked" or "recurrent"
     form alone."""
     tokens = x.shape[0]
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim

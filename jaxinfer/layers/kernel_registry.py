@@ -42,7 +42,7 @@ from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference, rms_norm
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
-from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as gated_delta
+from pallas_kernels.gated_delta.kernel import gated_delta
 from pallas_kernels.gated_delta.reference import gated_delta_reference
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference

@@ -1,5 +1,10 @@
-"""The gated delta rule's recurrent form (reference.py: decodes, and any mixed batch) as a
-Pallas kernel for the GPU: one program per (request, value head) walks the request's tokens
+"""The gated delta rule as Pallas kernels for the GPU: `gated_delta`, the "gated_delta"
+kernel kind's Pallas entry, runs the recurrent kernel here for a decode step and the chunked
+one (chunked.py) for a step with a longer request, like the reference; `chunk=0` keeps the
+recurrent kernel for every step (batch_invariant: a token's arithmetic then does not depend
+on how its request's tokens were split into steps).
+
+The recurrent form (reference.py: decodes, and any mixed batch) as a Pallas kernel: one program per (request, value head) walks the request's tokens
 in order, its [Dk, Dv] state in registers, reading each token's q, k, v, decay and beta and
 writing its output; the final state goes back to the request's slot (outside the kernel, one
 scatter). q and k are normalized, repeated to the value heads and q scaled before the kernel
@@ -15,7 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
-from pallas_kernels.gated_delta.reference import StateBatch, per_request
+from pallas_kernels.gated_delta.chunked import gated_delta_chunked
+from pallas_kernels.gated_delta.reference import CHUNK, StateBatch, per_request
 
 
 def _recurrent_kernel(
@@ -70,3 +76,30 @@ def gated_delta_recurrent(
         )(query_start_loc, num_seqs, q, k, v, g, beta, initial)
 
     return per_request(kernel, q, k, v, g, beta, states, batch, qk_l2norm)
+
+
+def gated_delta(
+    q: jax.Array,  # [T, Hk, Dk]
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    g: jax.Array,  # [T, Hv], log decay
+    beta: jax.Array,  # [T, Hv]
+    states: jax.Array,  # f32[S, Hv, Dk, Dv]
+    batch: StateBatch,
+    *,
+    qk_l2norm: bool = True,
+    chunk: int = CHUNK,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (o [T, Hv, Dv] in v's dtype, states)
+    """The recurrent kernel where every request has one token (or chunk is 0), else the
+    chunked one (both compiled, one runs)."""
+    args = (q, k, v, g, beta, states, batch)
+    options = {"qk_l2norm": qk_l2norm, "interpret": interpret}
+    if chunk == 0:
+        return gated_delta_recurrent(*args, **options)
+    longest = jnp.max(jnp.diff(jnp.asarray(batch.query_start_loc)))
+    return jax.lax.cond(
+        longest > 1,
+        lambda: gated_delta_chunked(*args, chunk=chunk, **options),
+        lambda: gated_delta_recurrent(*args, **options),
+    )

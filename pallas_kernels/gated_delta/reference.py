@@ -130,15 +130,32 @@ def gated_delta_recurrent(
     return jnp.where(real[:, None, None], out, 0.0).astype(out_dtype), states
 
 
-def per_request(kernel, q, k, v, g, beta, states, batch: StateBatch, qk_l2norm: bool = True):
+def per_request(
+    kernel,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    states,
+    batch: StateBatch,
+    qk_l2norm: bool = True,
+    *,
+    prepared: bool = True,
+):
     """A kernel that walks each request from its initial state, with the signature of the
-    forms here: `kernel(q, k, v, g, beta, initial, query_start_loc, num_seqs)` (prepared q
-    and k [T, Hv, Dk], v [T, Hv, Dv], g and beta [T, Hv], initial f32[R, Hv, Dk, Dv]) returns
-    (o [T, Hv, Dv], final [R, Hv, Dk, Dv]); here each request's initial state is gathered from
-    its slot (zeros when fresh), the finals of real requests scattered back to their slots,
-    and the outputs of padding tokens zeroed (a kernel need not write them)."""
+    forms here: `kernel(q, k, v, g, beta, initial, query_start_loc, num_seqs)` (g and beta
+    [T, Hv], v [T, Hv, Dv], initial f32[R, Hv, Dk, Dv]) returns (o [T, Hv, Dv], final
+    [R, Hv, Dk, Dv]); with `prepared` its q and k come normalized, repeated to the value heads
+    and q scaled ([T, Hv, Dk]), else as given (float32 [T, Hk, Dk]: the kernel does it). Here
+    each request's initial state is gathered from its slot (zeros when fresh), the finals of
+    real requests scattered back to their slots, and the outputs of padding tokens zeroed (a
+    kernel need not write them)."""
     out_dtype = jnp.asarray(v).dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    if prepared:
+        q, k, v, g, beta = _prepare(q, k, v, g, beta, qk_l2norm)
+    else:
+        q, k, v, g, beta = (jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta))
     query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
     states = jnp.asarray(states, jnp.float32)
     num_tokens, num_reqs = v.shape[0], state_slots.shape[0]

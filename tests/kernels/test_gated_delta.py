@@ -171,9 +171,12 @@ def test_pallas_recurrent_kernel_interpreted_matches_the_reference():
     np.testing.assert_allclose(states, expected_states, rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_recurrent_kernel_lowers_for_the_gpu():
+@pytest.mark.parametrize("chunk", [0, 64], ids=["recurrent", "with-chunked"])
+def test_pallas_kernels_lower_for_the_gpu(chunk):
+    """The kind's Pallas entry lowers for CUDA: the recurrent kernel alone (chunk 0), or both
+    kernels behind its decode-or-prefill switch."""
     from pallas_kernels import gpu_lowering
-    from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as pallas_recurrent
+    from pallas_kernels.gated_delta.kernel import gated_delta
 
     tokens, requests = 64, 16
     args = (
@@ -190,16 +193,80 @@ def test_pallas_recurrent_kernel_lowers_for_the_gpu():
             np.zeros(1, np.int32),
         ),
     )
-    text = gpu_lowering.lower_for_gpu(pallas_recurrent, *args)
-    assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1
+    text = gpu_lowering.lower_for_gpu(functools.partial(gated_delta, chunk=chunk), *args)
+    calls = gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call())
+    assert calls == (1 if chunk == 0 else 2)
 
 
-def test_cpu_kernel_matches_the_reference(cpu_kernel_dir):
+def test_pallas_entry_switches_forms_like_the_reference():
+    """The Pallas entry (interpreted) over a batch with a prefill and over a decode-only
+    batch, against the recurrent reference."""
+    from pallas_kernels.gated_delta.kernel import gated_delta
+
+    kernel = jax.jit(functools.partial(gated_delta, chunk=16, interpret=True))
+    q, k, v, g, beta, states, batch = _batch(seed=8)
+    decodes = StateBatch(
+        np.asarray([0, 1, 2], np.int32),
+        batch.state_slots[:2],
+        batch.fresh[:2],
+        batch.num_seqs * 0 + 2,
+    )
+    for where in (batch, decodes):
+        args = (q, k, v, g, beta, states, where)
+        expected_out, expected_states = gated_delta_recurrent(*args)
+        out, final = kernel(*args)
+        np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(final, expected_states, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 16, 64], ids=["recurrent", "chunks-16", "chunks-64"])
+def test_cpu_kernel_matches_the_reference(cpu_kernel_dir, chunk):
+    """Both of the C++ kernel's forms: chunk 0 walks every token, else a request's several
+    tokens go in chunks (several full ones and a shorter last one for the 37-token prefill)."""
     from cpu_kernels.gated_delta.kernel import load_gated_delta
 
-    kernel = load_gated_delta(cpu_kernel_dir)
+    kernel = functools.partial(load_gated_delta(cpu_kernel_dir), chunk=chunk)
     batch = _batch(seed=5)
     expected_out, expected_states = gated_delta_recurrent(*batch)
+    out, states = jax.jit(kernel)(*batch)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(states, expected_states, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernel_chunked_on_wide_heads(cpu_kernel_dir):
+    """Head dims that fill the kernel's 16-column register blocks (48 = 3 blocks) and chunks
+    whose rows are not a multiple of its 4-row blocks (70 tokens: 64 + 6), from a carried
+    state, against the recurrent reference."""
+    from cpu_kernels.gated_delta.kernel import load_gated_delta
+
+    rng = np.random.default_rng(11)
+    tokens, hk, hv, dim = 75, 1, 2, 48
+    q, k = (rng.standard_normal((tokens, hk, dim)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((tokens, hv, dim)).astype(np.float32)
+    g = (-np.log1p(np.exp(rng.standard_normal((tokens, hv)))) * 0.2).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((tokens, hv))))).astype(np.float32)
+    states = (rng.standard_normal((3, hv, dim, dim)) * 0.5).astype(np.float32)
+    batch = StateBatch(
+        np.asarray([0, 70, 71, 75], np.int32),
+        np.asarray([2, 0, 1], np.int32),
+        np.asarray([False, False, True]),
+        np.asarray([3], np.int32),
+    )
+    args = (q, k, v, g, beta, states, batch)
+    expected_out, expected_states = gated_delta_recurrent(*args)
+    out, final = jax.jit(load_gated_delta(cpu_kernel_dir))(*args)
+    np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=2e-5)
+    np.testing.assert_allclose(final, expected_states, rtol=1e-5, atol=2e-5)
+
+
+def test_pallas_chunked_kernel_interpreted_matches_the_reference():
+    """Chunks of 16 over the batch's 37- and 20-token requests (several chunks and a shorter
+    last one, from zeros and from a carried state), beside decodes and padding."""
+    from pallas_kernels.gated_delta.chunked import gated_delta_chunked as pallas_chunked
+
+    batch = _batch(seed=6)
+    expected_out, expected_states = gated_delta_recurrent(*batch)
+    kernel = functools.partial(pallas_chunked, chunk=16, interpret=True)
     out, states = jax.jit(kernel)(*batch)
     np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(states, expected_states, rtol=1e-5, atol=1e-5)

@@ -115,6 +115,26 @@ def test_hybrid_bench_times_each_model_at_each_context(tmp_path):
     assert len(report["hybrid_over_attention"]) == 2
 
 
+def test_gated_delta_bench_times_both_forms(tmp_path):
+    output = tmp_path / "gated_delta.json"
+    run(
+        "-m",
+        "tools.bench_gated_delta",
+        "--tokens=16,70",
+        "--key_heads=1",
+        "--value_heads=2",
+        "--head_dim=16",
+        "--repeats=1",
+        "--reference",
+        f"--output_json={output}",
+    )
+    report = json.loads(output.read_text())
+    assert report["tokens"] == [16, 70]
+    assert set(report["seconds"]) == {"cpu_recurrent", "cpu_chunked", "reference_chunked"}
+    assert all(len(times) == 2 and min(times) > 0 for times in report["seconds"].values())
+    assert len(report["chunked_speedup"]) == 2
+
+
 def test_shape_bench_serves_every_request_with_random_weights(tmp_path):
     output = tmp_path / "shape.json"
     args = ["--shape=smollm2", "--num_requests=6", "--max_input_len=40", "--max_output_len=8"]

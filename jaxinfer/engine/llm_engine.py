@@ -60,6 +60,7 @@ class LLMEngine:
             self.config.cache.num_blocks,
             self.config.cache.enable_prefix_caching,
             sliding_window=arch.released_window,
+            state_slots=self.config.scheduler.max_num_seqs if arch.hybrid else 0,
         )
         self.speculation = Speculation(self.config, self.draft)
         self.loras = LoraAdapters(self.config, self.runner) if self.config.lora else None

@@ -51,6 +51,20 @@ class ServerMetrics:
             ["kv_cache_dtype"],
             registry=self.registry,
         ).labels(cache.kv_format.name).set(cache.capacity_tokens())
+        self.cache_usage = prom.Gauge(
+            "jaxinfer:cache_usage_perc",
+            "Fraction of each kind of cache entry in use (kv_blocks; recurrent_states: a "
+            "hybrid model's per-request state slots).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.cache_capacity = prom.Gauge(
+            "jaxinfer:cache_capacity",
+            "Entries of each kind of cache (kv_blocks: usable blocks; recurrent_states: "
+            "requests' state slots).",
+            ["kind"],
+            registry=self.registry,
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.preemptions = counter("num_preemptions", "Requests preempted.")
@@ -124,6 +138,10 @@ class ServerMetrics:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_cache_usage)
+            for kind, value in stats.cache_usage.items():
+                self.cache_usage.labels(kind).set(value)
+            for kind, value in stats.cache_capacity.items():
+                self.cache_capacity.labels(kind).set(value)
             for key, value, metric in [
                 ("preemptions", stats.num_preemptions, self.preemptions),
                 ("queries", stats.prefix_cache_queries, self.cache_queries),

@@ -70,6 +70,17 @@ def test_describe_reports_states_and_prefix_caching_off(hybrid):
     assert prefix == {"value": False, "reason": PREFIX_CACHING_OFF}
     assert not llm.engine.config.cache.enable_prefix_caching
     assert description["resolved"]["gated_delta"]["value"] == "cpu"  # the C++ kernel
+    # The manager holds a state slot per running request, beside the blocks, and says so.
+    engine = llm.engine
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=3), "a")
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3), "b")
+    engine.step()
+    stats = engine.stats()
+    assert stats.cache_capacity["recurrent_states"] == 4
+    assert stats.cache_usage["recurrent_states"] == 0.5 and stats.cache_usage["kv_blocks"] > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().cache_usage == {"kv_blocks": 0.0, "recurrent_states": 0.0}
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,8 @@ def exported_samples() -> set[str]:
     spec = SpecStats()
     spec.record(3, 2)  # proposals and acceptances, so the per-position counter has samples
     fields = {name: 0 for name in SchedulerStats.__dataclass_fields__}
+    kinds = {"kv_blocks": 8, "recurrent_states": 4}
+    fields.update(cache_usage=dict.fromkeys(kinds, 0.0), cache_capacity=kinds)
     stats = SchedulerStats(**{**fields, "kv_cache_usage": 0.0, "spec": spec.snapshot()})
     engine = types.SimpleNamespace(
         config=types.SimpleNamespace(

@@ -155,6 +155,8 @@ def test_prometheus_counters():
         prefix_cache_hits=0,
         num_generated_tokens=0,
         spec=spec,
+        cache_usage={},
+        cache_capacity={},
     )
     engine = types.SimpleNamespace(
         config=types.SimpleNamespace(

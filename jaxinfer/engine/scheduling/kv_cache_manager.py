@@ -9,6 +9,11 @@ blocks that lie wholly before every position it will still attend to go back to 
 block list keeps the null block in their place, so positions still index it. A freed block
 keeps its hash, so it stays a prefix-cache hit until evicted; a hit is a chain from the first
 block, so a prefix whose early blocks were evicted is recomputed from there, never read wrong.
+
+A hybrid model's linear-attention layers keep, per running request, a recurrent-state slot
+(the short convolution's and the delta rule's states) instead of blocks: the manager holds
+one for each request it gives blocks to, up to `state_slots`, and frees it with them (the
+device slot is the request's row, jaxinfer.layers.state_cache). Usage is reported per kind.
 """
 
 from __future__ import annotations
@@ -46,9 +51,13 @@ class KVCacheManager:
         num_blocks: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        state_slots: int = 0,
     ):
-        """sliding_window: the model's (None: blocks are held until the request ends)."""
+        """sliding_window: the model's (None: blocks are held until the request ends).
+        state_slots: recurrent-state slots (a hybrid model's; 0: the model keeps none)."""
         self.block_size = block_size
+        self.state_slots = state_slots
+        self._state_holders: set[str] = set()  # ids of requests holding a state slot
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
@@ -105,6 +114,10 @@ class KVCacheManager:
         unheld_hits = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
         if max(missing, 0) > self.pool.num_free_blocks - unheld_hits:
             return False
+        if self.state_slots and request.request_id not in self._state_holders:
+            if len(self._state_holders) >= self.state_slots:
+                return False
+            self._state_holders.add(request.request_id)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             request.block_ids.extend(computed_blocks)
@@ -151,7 +164,26 @@ class KVCacheManager:
                 self.pool.cache(request.block_ids[index], hashes[index])
         request.num_cached_blocks = num_full
 
+    def usage(self) -> dict[str, float]:
+        """The fraction of each kind of entry in use: "kv_blocks" (of the usable blocks), and
+        "recurrent_states" (of the slots) for a hybrid model."""
+        usage = {"kv_blocks": self.pool.usage}
+        if self.state_slots:
+            usage["recurrent_states"] = len(self._state_holders) / self.state_slots
+        return usage
+
+    def capacity(self) -> dict[str, int]:
+        """Each kind's entries: usable KV blocks, and recurrent-state slots for a hybrid."""
+        capacity = {"kv_blocks": self.pool.num_blocks - 1}  # (the null block is not usable)
+        if self.state_slots:
+            capacity["recurrent_states"] = self.state_slots
+        return capacity
+
+    def holds_state(self, request: Request) -> bool:
+        return request.request_id in self._state_holders
+
     def free(self, request: Request) -> None:
+        self._state_holders.discard(request.request_id)
         self.pool.free([b for b in request.block_ids[::-1] if b != NULL_BLOCK])
         request.block_ids = []
         request.num_cached_blocks = 0

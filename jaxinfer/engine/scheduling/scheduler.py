@@ -382,6 +382,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             spec=self.spec_stats.snapshot() if self.spec_stats is not None else None,
+            cache_usage=self.kv.usage(),
+            cache_capacity=self.kv.capacity(),
         )
 
     def abort(self, request: Request) -> None:

@@ -18,6 +18,10 @@ class SchedulerStats:
     num_preemptions: int
     num_generated_tokens: int  # sampled tokens kept, of every request (finished or not)
     spec: SpecStats | None = None  # speculative decoding's counts (None when it is off)
+    # Each kind of cache entry: the fraction in use and how many there are
+    # (KVCacheManager.usage and capacity: "kv_blocks", "recurrent_states" for a hybrid).
+    cache_usage: dict[str, float] = dataclasses.field(default_factory=dict)
+    cache_capacity: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -167,7 +167,7 @@ void Chunked(const Inputs& in, int64_t h, int64_t begin, int64_t end, int64_t ch
   const int64_t heads = in.heads, dk = in.dk, dv = in.dv;
   std::vector<float> q(chunk * dk), k(chunk * dk), kt(dk * chunk), kw(chunk * dk);
   std::vector<float> vb(chunk * dv), u(chunk * dv), o(chunk * dv), w(chunk * dv);
-  std::vector<float> cum(chunk + 8), scale(chunk), tri(chunk * chunk), a(chunk * chunk);
+  std::vector<float> cum(chunk + 8), grow(chunk), tri(chunk * chunk), a(chunk * chunk);
   std::vector<float> decays(chunk * chunk), x(chunk * dk);
   for (int64_t start = begin; start < end; start += chunk) {
     const int64_t n = std::min(chunk, end - start);
@@ -204,10 +204,9 @@ void Chunked(const Inputs& in, int64_t h, int64_t begin, int64_t end, int64_t ch
       }
     }
     // u = T (beta v); x = T (beta k exp(c)); u -= x S
-    for (int64_t i = 0; i < n; ++i) scale[i] = decays[i * chunk];  // exp(c_i - c_0)
-    const float first = std::exp(cum[0]);
+    for (int64_t i = 0; i < n; ++i) grow[i] = std::exp(cum[i]);
     for (int64_t i = 0; i < n; ++i) {
-      const float s = in.beta[(start + i) * heads + h] * scale[i] * first;
+      const float s = in.beta[(start + i) * heads + h] * grow[i];
       for (int64_t d = 0; d < dk; ++d) kw[i * dk + d] = s * k[i * dk + d];
     }
     MatMul(tri.data(), chunk, vb.data(), dv, u.data(), dv, n, n, dv, false);
@@ -218,7 +217,7 @@ void Chunked(const Inputs& in, int64_t h, int64_t begin, int64_t end, int64_t ch
     MatMul(q.data(), dk, kt.data(), chunk, a.data(), chunk, n, dk, n, false);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < n; ++j) a[i * chunk + j] *= decays[i * chunk + j];
-      const float s = scale[i] * first;
+      const float s = grow[i];
       for (int64_t d = 0; d < dk; ++d) q[i * dk + d] *= s;
     }
     MatMul(q.data(), dk, state, dv, o.data(), dv, n, dk, dv, false);

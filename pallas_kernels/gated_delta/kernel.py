@@ -4,11 +4,12 @@ one (chunked.py) for a step with a longer request, like the reference; `chunk=0`
 recurrent kernel for every step (batch_invariant: a token's arithmetic then does not depend
 on how its request's tokens were split into steps).
 
-The recurrent form (reference.py: decodes, and any mixed batch) as a Pallas kernel: one program per (request, value head) walks the request's tokens
-in order, its [Dk, Dv] state in registers, reading each token's q, k, v, decay and beta and
-writing its output; the final state goes back to the request's slot (outside the kernel, one
-scatter). q and k are normalized, repeated to the value heads and q scaled before the kernel
-(reference._prepare), so the kernel sees Hv heads throughout.
+The recurrent form (reference.py: decodes, and any mixed batch) as a Pallas kernel: one
+program per (request, value head) walks the request's tokens in order, its [Dk, Dv] state in
+registers, reading each token's q, k, v, decay and beta and writing its output; the final
+state goes back to the request's slot (outside the kernel, one scatter). q and k are
+normalized, repeated to the value heads and q scaled before the kernel (reference._prepare),
+so the kernel sees Hv heads throughout.
 
 T: tokens, R: requests, Hv: value heads, Dk / Dv: head dims, S: state slots.
 """

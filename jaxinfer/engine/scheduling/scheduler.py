@@ -373,16 +373,17 @@ class Scheduler:
         self._release(request)
 
     def stats(self) -> SchedulerStats:
+        usage = self.kv.usage()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv.pool.usage,
+            kv_cache_usage=usage["kv_blocks"],
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             spec=self.spec_stats.snapshot() if self.spec_stats is not None else None,
-            cache_usage=self.kv.usage(),
+            cache_usage=usage,
             cache_capacity=self.kv.capacity(),
         )
 

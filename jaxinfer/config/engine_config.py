@@ -38,6 +38,9 @@ class CacheConfig:
     num_blocks: int  # including the null block 0
     kv_format: KVCacheFormat  # jaxinfer.layers.kv_cache, settled once
     enable_prefix_caching: bool = True
+    # A hybrid model's slots for its states at block boundaries (prefix caching; 0: none),
+    # beside one slot per request row (jaxinfer.engine.scheduling.state_checkpoints).
+    state_checkpoints: int = 0
 
     def capacity_tokens(self) -> int:
         """Tokens the pool holds (the null block aside)."""
@@ -210,12 +213,14 @@ def build_engine_config(
         bytes_per_block += kv_format.bytes_per_block(
             options.block_size, cached.num_kv_layers, heads, cached.head_dim
         )
-    budget = int(options.kv_cache_memory_gb * (1 << 30)) - state_bytes(arch, options, dtype)
+    checkpoints = options.max_num_seqs if arch.hybrid and resolved.prefix_caching else 0
+    states = state_bytes(arch, options.max_num_seqs + 1 + checkpoints, dtype)
+    budget = int(options.kv_cache_memory_gb * (1 << 30)) - states
     if budget <= 0 and not options.num_kv_blocks:
         raise ValueError(
             f"kv_cache_memory_gb {options.kv_cache_memory_gb} does not hold the linear layers' "
-            f"states of {options.max_num_seqs} requests ({state_bytes(arch, options, dtype)} "
-            "bytes); raise it or lower max_num_seqs"
+            f"states of {options.max_num_seqs} requests and {checkpoints} prefix checkpoints "
+            f"({states} bytes); raise it or lower max_num_seqs"
         )
     if bytes_per_block == 0:  # no attention layer (every layer linear): blocks cost nothing
         blocks_per_request = -(-max_model_len // options.block_size)
@@ -240,6 +245,7 @@ def build_engine_config(
             num_blocks=num_blocks,
             enable_prefix_caching=resolved.prefix_caching,
             kv_format=kv_format,
+            state_checkpoints=checkpoints,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,
@@ -293,9 +299,9 @@ def pooling_type(asked: str, folder: Path) -> str:
     return "last"
 
 
-def state_bytes(arch: LlamaConfig, options: EngineOptions, dtype) -> int:
-    """What a hybrid model's state slots take of the cache's memory (one per request row,
-    jaxinfer.layers.state_cache), 0 for other models."""
+def state_bytes(arch: LlamaConfig, num_slots: int, dtype) -> int:
+    """What a hybrid model's state slots take of the cache's memory (one per request row and
+    per prefix checkpoint, jaxinfer.layers.state_cache), 0 for other models."""
     if arch.hybrid is None:
         return 0
-    return (options.max_num_seqs + 1) * state_bytes_per_slot(arch, dtype)
+    return num_slots * state_bytes_per_slot(arch, dtype)

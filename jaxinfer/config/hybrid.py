@@ -1,10 +1,11 @@
 """What a hybrid model (linear-attention layers beside attention ones; jaxinfer.models
 .qwen3_5) runs with, settled for jaxinfer.config.resolve: the options it cannot run with are
-errors, and prefix caching is off with its reason.
+errors, and how prefix caching works for it is said.
 
 Its linear layers keep one recurrent state per request rather than K/V per token, so:
-- a cached prefix would need the state at the prefix's end, which is not kept (no state
-  checkpoints at block boundaries yet): prefix caching is off;
+- a cached prefix needs the states at the prefix's end: they are checkpointed at block
+  boundaries (jaxinfer.engine.scheduling.state_checkpoints), for which a prompt's steps end
+  at the boundaries a hit can use;
 - proposals a step rejects would have moved the state past the accepted tokens (no rollback
   of the state yet): speculative decoding is refused.
 Under tensor parallelism every device holds whole heads: of the attention layers' KV heads
@@ -16,9 +17,9 @@ from __future__ import annotations
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.options import EngineOptions
 
-PREFIX_CACHING_OFF = (
-    "off: the model's linear-attention layers keep one state per request, and the state at "
-    "a cached prefix's end is not kept"
+PREFIX_CACHING_CHECKPOINTS = (
+    "the linear-attention layers' states are checkpointed where prompt steps end at block "
+    "boundaries (a prompt's last step is cut at its last full block); a hit restores them"
 )
 
 
@@ -49,7 +50,6 @@ def check_hybrid(options: EngineOptions, arch: LlamaConfig) -> None:
 
 
 def prefix_caching(options: EngineOptions, arch: LlamaConfig, reasons: dict[str, str]) -> bool:
-    if arch.hybrid is None or not options.enable_prefix_caching:
-        return options.enable_prefix_caching
-    reasons["prefix_caching"] = PREFIX_CACHING_OFF
-    return False
+    if arch.hybrid is not None and options.enable_prefix_caching:
+        reasons["prefix_caching"] = PREFIX_CACHING_CHECKPOINTS
+    return options.enable_prefix_caching

@@ -61,6 +61,7 @@ class LLMEngine:
             self.config.cache.enable_prefix_caching,
             sliding_window=arch.released_window,
             state_slots=self.config.scheduler.max_num_seqs if arch.hybrid else 0,
+            state_checkpoints=self.config.cache.state_checkpoints,
         )
         self.speculation = Speculation(self.config, self.draft)
         self.loras = LoraAdapters(self.config, self.runner) if self.config.lora else None
@@ -262,7 +263,7 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             return False
         self._in_flight = None
-        return self.kv_cache_manager.pool.reset_cache()
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def describe(self) -> dict:
         """What the engine runs: the model, its sizes, and every option as resolved (with why,

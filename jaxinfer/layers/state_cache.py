@@ -63,3 +63,16 @@ def state_batch(
     at position 0)."""
     first = jnp.clip(query_start_loc[:-1], 0, positions.shape[0] - 1)
     return StateBatch(query_start_loc, state_rows, positions[first] == 0, num_seqs)
+
+
+def copy_slots(
+    cache: HybridCache,
+    sources: jax.Array,  # i32[U]
+    targets: jax.Array,  # i32[U]
+) -> HybridCache:
+    """Every linear layer's states of slots `sources` copied into slots `targets` (a
+    request's states kept at a block boundary, or restored from there: jaxinfer.engine
+    .scheduling.state_checkpoints). All are read before any is written."""
+    conv = cache.conv.at[:, targets].set(cache.conv[:, sources])
+    delta = cache.delta.at[:, targets].set(cache.delta[:, sources])
+    return HybridCache(cache.kv, conv, delta)

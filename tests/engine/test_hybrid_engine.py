@@ -1,8 +1,10 @@
 """Hybrid models (Qwen3.5, Qwen3-Next: Gated DeltaNet layers beside attention layers) through
 the whole engine, against HF transformers' generate on tiny random models: chunked prefill
-(each request's states carried across its chunks), preemption (recomputed from zeros), n = 3
-(each sample's own states), a pool that holds few requests' blocks; and what the engine says
-and refuses for them. The layer-by-layer parity is in test_model_families."""
+(each request's states carried across its chunks), preemption (recomputed from zeros or a
+checkpoint), prefix hits (the states restored from a checkpoint at a block boundary), n = 3
+(the samples start from their parent's checkpoint, then keep their own states), a pool that
+holds few requests' blocks; and what the engine says and refuses for them. The layer-by-layer
+parity is in test_model_families."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import SamplingParams
-from jaxinfer.config.hybrid import PREFIX_CACHING_OFF
+from jaxinfer.config.hybrid import PREFIX_CACHING_CHECKPOINTS
 from tests.engine.test_model_families import hf_greedy
 from tests.support.engines import build_llm
 from tests.support.models import make_family_model
@@ -45,30 +47,59 @@ def test_engine_generates_hugging_faces_tokens_under_chunking_and_preemption(
     assert pool.num_free_blocks == pool.num_blocks - 1
 
 
-def test_n_samples_each_keep_their_own_state(hybrid):
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["checkpoints", "recompute"])
+def test_n_samples_each_keep_their_own_state(hybrid, prefix_caching):
     """n = 3 greedy samples of two prompts at once: every sample HF's tokens (a sample that
-    read another's state, or its parent's after it moved on, would differ)."""
+    read another's state, or its parent's after it moved on, would differ). With prefix
+    caching the samples wait for the first one's checkpoint and start from it."""
     folder, expected = hybrid
-    llm = build_llm(folder, "tiny", max_num_seqs=8)
+    llm = build_llm(folder, "tiny", max_num_seqs=8, enable_prefix_caching=prefix_caching)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
     outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     for output, tokens in zip(outputs, expected[:2], strict=True):
         assert [list(c.token_ids) for c in output.outputs] == [tokens] * 3
+    # 2 samples of each prompt hit its blocks up to the last full one (8-token blocks)
+    hits = 2 * sum((len(p) - 1) // 8 * 8 for p in PROMPTS[:2]) if prefix_caching else 0
+    assert llm.engine.stats().prefix_cache_hits == hits
 
 
-def test_describe_reports_states_and_prefix_caching_off(hybrid):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefix_hits_restore_the_checkpointed_states(hybrid, async_scheduling):
+    """Prompts that share a cached prefix (the same prompt again, a prompt extending one, a
+    prompt extending another's first block) start from the states checkpointed at the hit's
+    end and give HF's tokens; a hit without its checkpoint is never taken."""
+    folder, expected = hybrid
+    llm = build_llm(folder, "tiny", max_num_seqs=8, async_scheduling=async_scheduling)
+    engine = llm.engine
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], GREEDY)] == (
+        expected[:3]
+    )
+    later = [
+        PROMPTS[0],  # the same: a hit up to its last full block (16 of 23)
+        PROMPTS[1] + [7, 8, 9, 10, 11, 12, 13],  # 44: its checkpoint at 32 (of 37)
+        PROMPTS[0][:11] + [5] * 20,  # its first block in common: no checkpoint at 8
+        PROMPTS[2] * 2,  # 9 tokens: its checkpoint at 8
+    ]
+    before = engine.stats().prefix_cache_hits
+    outputs = llm.generate(later, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == hf_greedy(folder, later, 12)
+    assert engine.stats().prefix_cache_hits - before == 16 + 32 + 0 + 8
+    usage = engine.stats().cache_usage
+    assert 0 < usage["state_checkpoints"] <= 1
+
+
+def test_describe_reports_states_and_how_prefix_caching_works(hybrid):
     folder, _ = hybrid
     llm = build_llm(folder, "tiny")
     description = llm.engine.describe()
     assert description["kv_cache_layers"] == 2  # of 4 layers, 2 are attention layers
     states = description["recurrent_states"]
-    assert states["slots"] == 4 and states["layers"] == 2
+    assert states["slots"] == 4 and states["layers"] == 2 and states["prefix_checkpoints"] == 4
     # conv [C, K - 1] in float32 and delta f32[Hv, Dk, Dv], per layer
     conv, delta = (2 * 2 * 16 + 4 * 8) * 3 * 4, 4 * 16 * 8 * 4
     assert states["bytes_per_request"] == 2 * (conv + delta)
     prefix = description["resolved"]["prefix_caching"]
-    assert prefix == {"value": False, "reason": PREFIX_CACHING_OFF}
-    assert not llm.engine.config.cache.enable_prefix_caching
+    assert prefix == {"value": True, "reason": PREFIX_CACHING_CHECKPOINTS}
     assert description["resolved"]["gated_delta"]["value"] == "cpu"  # the C++ kernel
     # The manager holds a state slot per running request, beside the blocks, and says so.
     engine = llm.engine
@@ -76,11 +107,13 @@ def test_describe_reports_states_and_prefix_caching_off(hybrid):
     engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3), "b")
     engine.step()
     stats = engine.stats()
-    assert stats.cache_capacity["recurrent_states"] == 4
+    assert stats.cache_capacity["recurrent_states"] == stats.cache_capacity["state_checkpoints"]
     assert stats.cache_usage["recurrent_states"] == 0.5 and stats.cache_usage["kv_blocks"] > 0
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats().cache_usage == {"kv_blocks": 0.0, "recurrent_states": 0.0}
+    usage = engine.stats().cache_usage
+    assert usage["kv_blocks"] == 0.0 and usage["recurrent_states"] == 0.0
+    assert usage["state_checkpoints"] == 0.0  # (the prompts are shorter than one block)
 
 
 @pytest.mark.parametrize(

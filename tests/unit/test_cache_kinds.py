@@ -1,6 +1,6 @@
-"""The KV-cache manager's second kind of entry: a hybrid model's recurrent-state slot per
-request, held with the request's blocks and freed with them, its usage and capacity reported
-beside the blocks'."""
+"""The KV-cache manager's other kinds of entry: a hybrid model's recurrent-state slot per
+request, held with the request's blocks and freed with them, and its states checkpointed at
+block boundaries for prefix hits; usage and capacity reported beside the blocks'."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 
 
-def _request(name: str) -> Request:
+def _request(name: str, prompt: list[int] | None = None) -> Request:
     return Request(
         request_id=name,
-        prompt_token_ids=list(range(3, 9)),
+        prompt_token_ids=list(range(3, 9)) if prompt is None else prompt,
         sampling_params=SamplingParams(temperature=0),
         eos_token_ids=frozenset(),
         seed=0,
@@ -40,3 +40,104 @@ def test_a_model_without_recurrent_layers_reports_blocks_only():
     kv = KVCacheManager(block_size=4, num_blocks=9)
     assert kv.allocate_blocks(_request("a"), 6)
     assert kv.usage() == {"kv_blocks": 0.25} and kv.capacity() == {"kv_blocks": 8}
+
+
+def _hybrid(num_blocks: int = 17, checkpoints: int = 2) -> KVCacheManager:
+    return KVCacheManager(4, num_blocks, state_slots=4, state_checkpoints=checkpoints)
+
+
+def _prefill(kv: KVCacheManager, request: Request, budget: int) -> list[tuple[int, int]]:
+    """Schedules the request's prompt (admitted without hits) at `budget` tokens a step, as the
+    scheduler does: each step's (end, checkpoint slot)."""
+    steps = []
+    while request.num_computed_tokens < request.num_tokens:
+        kv.step_scheduled()
+        start = request.num_computed_tokens
+        num_new = kv.align_chunk(request, start, min(request.num_tokens - start, budget))
+        assert kv.allocate_blocks(request, num_new)
+        request.num_computed_tokens = start + num_new
+        steps.append((start + num_new, kv.checkpoint_slot(request, start, start + num_new)))
+    kv.cache_full_blocks(request)
+    return steps
+
+
+def test_prompt_steps_end_at_the_boundaries_whose_states_are_checkpointed():
+    kv = _hybrid(checkpoints=8)
+    # 11 tokens in one step: cut at the last boundary a hit can use (8 = (11 - 1) // 4 * 4)
+    assert _prefill(kv, _request("a", list(range(11))), 16) == [(8, 0), (11, -1)]
+    # a budget of 6: each chunk cut at a boundary below it (4, 8), then the last one (12)
+    steps = _prefill(kv, _request("b", list(range(50, 64))), 6)
+    assert steps == [(4, 1), (8, 2), (12, 3), (14, -1)]
+    # 8 tokens: the last usable boundary is 4; the step to 8 ends at a boundary of the
+    # prompt and is kept too (a longer prompt may share all of it)
+    assert _prefill(kv, _request("c", list(range(80, 88))), 16) == [(4, 4), (8, 5)]
+    # Decodes are never cut, nor checkpointed.
+    request = _request("d", list(range(3)))
+    _prefill(kv, request, 16)
+    request.num_output_placeholders = 1  # (its first step sampled)
+    request.append_output_token(9)
+    assert kv.align_chunk(request, 3, 1) == 1 and kv.checkpoint_slot(request, 3, 4) == -1
+
+
+def test_a_hit_ends_at_a_written_checkpoint():
+    kv = _hybrid(checkpoints=8)
+    first = _request("a", list(range(14)))
+    assert kv.align_chunk(first, 0, 14) == 12 and kv.allocate_blocks(first, 12)
+    first.num_computed_tokens = 12
+    assert kv.checkpoint_slot(first, 0, 12) == 0
+    kv.cache_full_blocks(first)  # (the scheduler registers them as the step is scheduled)
+    same = _request("b", list(range(14)))
+    assert kv.get_computed_blocks(same) == [] and same.state_restore == -1  # not written yet
+    kv.step_scheduled()  # the next step: written before it runs
+    hits = kv.get_computed_blocks(same)
+    assert len(hits) == 3 and same.state_restore == 0
+    # The blocks up to 8 are cached too, but no states were kept there: a prompt sharing
+    # only them computes from the start.
+    other = _request("c", [*range(8), 99, 99, 99, 99, 99])
+    assert kv.get_computed_blocks(other) == [] and other.state_restore == -1
+
+
+def test_a_request_waits_for_the_checkpoint_a_running_one_is_bound_to_write():
+    kv = _hybrid(checkpoints=8)
+    first, sample = _request("a", list(range(10))), _request("b", list(range(10)))
+    assert not kv.awaits_checkpoint(first)
+    kv.step_scheduled()
+    assert kv.allocate_blocks(first, 8)  # admitted: it will write the checkpoint at 8
+    assert kv.awaits_checkpoint(sample) and not kv.awaits_checkpoint(first)
+    salted = _request("c", list(range(10)))
+    salted.cache_salt = "another tenant"
+    assert not kv.awaits_checkpoint(salted)  # never shares, so never waits
+    first.num_computed_tokens = 8
+    assert kv.checkpoint_slot(first, 0, 8) == 0
+    kv.cache_full_blocks(first)
+    assert kv.awaits_checkpoint(sample)  # reserved, not yet written
+    kv.step_scheduled()
+    assert not kv.awaits_checkpoint(sample)
+    assert len(kv.get_computed_blocks(sample)) == 2 and sample.state_restore == 0
+    # A producer that leaves before writing releases those waiting for it.
+    third, fourth = _request("e", list(range(30, 40))), _request("f", list(range(30, 40)))
+    assert kv.allocate_blocks(third, 4) and kv.awaits_checkpoint(fourth)
+    kv.free(third)
+    assert not kv.awaits_checkpoint(fourth)
+
+
+def test_checkpoints_are_bounded_and_go_with_their_blocks():
+    kv = _hybrid(num_blocks=9, checkpoints=2)
+    assert kv.capacity()["state_checkpoints"] == 2
+    requests = [_request(str(i), list(range(10 * i, 10 * i + 6))) for i in range(3)]
+    for request in requests:  # each checkpoints at 4: the third evicts the first's
+        assert _prefill(kv, request, 16)[0][1] >= 0
+        kv.free(request)
+    kv.step_scheduled()
+    assert kv.usage()["state_checkpoints"] == 1.0
+    found = [
+        bool(kv.get_computed_blocks(_request("x", list(r.prompt_token_ids)))) for r in requests
+    ]
+    assert found == [False, True, True]
+    # Evicting the third's first block (the pool reuses freed blocks oldest first) drops its
+    # checkpoint with it.
+    filler = _request("y", list(range(200, 232)))
+    assert kv.allocate_blocks(filler, 32)
+    assert kv.usage()["state_checkpoints"] == 0.0
+    kv.free(filler)
+    assert kv.reset_prefix_cache() and kv.pool.cached == {}

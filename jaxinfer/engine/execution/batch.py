@@ -132,6 +132,17 @@ class RowValues:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotCopies:
+    """A hybrid model's state slots copied into others (checkpoints kept, restored; slots
+    past the request rows are checkpoints). Padding entries copy the padding row onto
+    itself."""
+
+    sources: np.ndarray  # i32[U]
+    targets: np.ndarray  # i32[U]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PenaltyRows:
     """Token history of requests that took a row and use penalties: the prompt (for the
     repetition penalty) and the output so far (counts, after a preemption)."""

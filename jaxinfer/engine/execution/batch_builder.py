@@ -12,6 +12,7 @@ from jaxinfer.engine.execution.batch import (
     PenaltyRows,
     RowValues,
     SamplingMetadata,
+    SlotCopies,
     StepInputs,
 )
 from jaxinfer.engine.execution.pooling import pooled_span, pooling_rows
@@ -42,6 +43,10 @@ class BatchBuilder:
         self.rows = RowTable(config.scheduler.max_num_seqs)
         self.lora = config.lora is not None  # each token names its adapter slot
         self.padding_row = self.rows.padding_row  # the last row of per-request arrays
+        # A hybrid model's state checkpoints (slots after the rows': state_checkpoints), and
+        # the copies into them of the last step's, made before the next step runs.
+        self.state_checkpoints = config.cache.state_checkpoints
+        self._pending_saves: list[tuple[int, int]] = []  # (row, slot)
         # Bitmask rows per request row: one per position a step may sample for it.
         self.mask_rows_per_request = 1 + config.scheduler.num_speculative_tokens
         largest = max(
@@ -103,6 +108,7 @@ class BatchBuilder:
                 rows * self.mask_rows_per_request,
                 np.full((num_rows, bitmask_width(self.vocab_size)), -1, np.int32),
             ),
+            state_saves=SlotCopies(rows, rows) if self.state_checkpoints else None,
         )
 
     def build(self, scheduler_output: SchedulerOutput) -> HostStep:
@@ -117,6 +123,8 @@ class BatchBuilder:
         bs = self.block_size
         changed_blocks: list[tuple[int, ScheduledRequest]] = []  # (row, item)
         fresh: list[tuple[int, ScheduledRequest]] = []
+        restores: list[tuple[int, int]] = []  # (checkpoint slot, row)
+        saves: list[tuple[int, int]] = []  # (row, checkpoint slot)
         constrained: list[tuple[int, ScheduledRequest]] = []
         prompt_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, position, count)
         pool_spans: list[tuple[int, int, int, int]] = []  # (row, flat start, offset, count)
@@ -149,6 +157,10 @@ class BatchBuilder:
                 changed_blocks.append((row, item))
             if item.row_init is not None:
                 fresh.append((row, item))
+            if item.state_restore >= 0:
+                restores.append((self.padding_row + 1 + item.state_restore, row))
+            if item.state_save >= 0:
+                saves.append((row, self.padding_row + 1 + item.state_save))
             inputs.request_rows[index] = row
             inputs.seq_lens[index] = first + count
             inputs.query_start_loc[index + 1] = end
@@ -181,7 +193,10 @@ class BatchBuilder:
             penalties=self._penalty_rows([x for x in fresh if x[1].row_init.token_ids]),
             bias=self._bias_rows([x for x in fresh if x[1].row_init.bias is not None]),
             bitmask=self._bitmask_rows(constrained),
+            state_saves=self._slot_copies(self._pending_saves),
+            state_restores=self._slot_copies(restores),
         )
+        self._pending_saves = saves
         prompt_rows = self._prompt_rows(items, prompt_spans)
         return HostStep(inputs, sampling, flags, updates, prompt_rows, pooling_rows(pool_spans))
 
@@ -213,6 +228,13 @@ class BatchBuilder:
 
     def _rows(self, count: int) -> np.ndarray:
         return np.full(self.update_bucket(count), self.padding_row, np.int32)
+
+    def _slot_copies(self, copies: list[tuple[int, int]]) -> SlotCopies | None:
+        if not copies:
+            return None
+        sources, targets = self._rows(len(copies)), self._rows(len(copies))
+        sources[: len(copies)], targets[: len(copies)] = zip(*copies, strict=True)
+        return SlotCopies(sources, targets)
 
     def _block_table_rows(self, changed: list[tuple[int, ScheduledRequest]]) -> RowValues | None:
         if not changed:

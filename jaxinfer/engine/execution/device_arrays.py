@@ -22,7 +22,8 @@ def allocate_kv_cache(
 ) -> KVCache | HybridCache:
     """The empty cache in config.cache.kv_format: values [L, 2, NB, BS, K, D] and the
     format's scales (jaxinfer.layers.kv_cache); a hybrid model's for its attention layers,
-    with its linear layers' state slots beside it, one per request row."""
+    with its linear layers' state slots beside it, one per request row and per prefix
+    checkpoint (after the rows')."""
     arch, cache = config.model.arch, config.cache
     shape = (
         arch.num_kv_layers,
@@ -35,7 +36,7 @@ def allocate_kv_cache(
     kv = cache.kv_format.allocate(shape, partitioner, constants)
     if arch.hybrid is None:
         return kv
-    conv, delta = state_shapes(arch, config.scheduler.max_num_seqs + 1)
+    conv, delta = state_shapes(arch, config.scheduler.max_num_seqs + 1 + cache.state_checkpoints)
     return HybridCache(
         kv,
         partitioner.zeros(conv, config.model.dtype, CONV_AXES),

@@ -30,6 +30,7 @@ from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
 from jaxinfer.layers.lora import LoraWeights, slot_contents, target_shapes, write_slot
+from jaxinfer.layers.state_cache import copy_slots
 from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens, lm_head
 from jaxinfer.parallel.dispatch import DispatchWindow, dispatch_window
@@ -172,6 +173,8 @@ class ModelRunner:
         self.lora = None if config.lora is None else allocate_lora(config, part)
         shardings = jax.tree.map(lambda a: a.sharding, self.lora)  # kept by every write
         self._write_lora = jax.jit(write_slot, donate_argnums=0, out_shardings=shardings)
+        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        self._copy_slots = jax.jit(copy_slots, donate_argnums=0, out_shardings=kv_shardings)
         params = nnx.to_pure_dict(state)
         stacked = params.pop("layers")
         self.top_params = params  # embed, norm, lm_head, rope_cache
@@ -380,19 +383,17 @@ class ModelRunner:
         return jax.device_put(contents, self.partitioner.replicated)
 
     def apply_updates(self, updates: RowUpdates) -> None:
+        put = functools.partial(jax.device_put, device=self.partitioner.replicated)
         if updates.block_table is not None:
-            self.block_table = self._set_rows(
-                self.block_table, jax.device_put(updates.block_table, self.partitioner.replicated)
-            )
-        if updates.penalties is not None:
-            self.sampler_state = self._set_penalty_rows(
-                self.sampler_state, jax.device_put(updates.penalties, self.partitioner.replicated)
-            )
-        if updates.bias is not None:
-            self.sampler_state = self._set_bias_rows(
-                self.sampler_state, jax.device_put(updates.bias, self.partitioner.replicated)
-            )
-        if updates.bitmask is not None:
-            self.sampler_state = self._set_bitmask_rows(
-                self.sampler_state, jax.device_put(updates.bitmask, self.partitioner.replicated)
-            )
+            self.block_table = self._set_rows(self.block_table, put(updates.block_table))
+        for values, program in (
+            (updates.penalties, self._set_penalty_rows),
+            (updates.bias, self._set_bias_rows),
+            (updates.bitmask, self._set_bitmask_rows),
+        ):
+            if values is not None:
+                self.sampler_state = program(self.sampler_state, put(values))
+        for copies in (updates.state_saves, updates.state_restores):  # in this order
+            if copies is not None:
+                sources, targets = put((copies.sources, copies.targets))
+                self.kv_cache = self._copy_slots(self.kv_cache, sources, targets)

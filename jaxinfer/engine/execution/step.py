@@ -20,7 +20,13 @@ import dataclasses
 
 import numpy as np
 
-from jaxinfer.engine.execution.batch import PenaltyRows, RowValues, SamplingMetadata, StepInputs
+from jaxinfer.engine.execution.batch import (
+    PenaltyRows,
+    RowValues,
+    SamplingMetadata,
+    SlotCopies,
+    StepInputs,
+)
 from jaxinfer.engine.sampling.sampler import SamplerOutput
 from jaxinfer.pooling_params import PoolingParams
 from jaxinfer.sampling_params import SamplingParams
@@ -61,6 +67,10 @@ class ScheduledRequest:
     draft_token_ids: tuple[int, ...] = ()
     pooling: PoolingParams | None = None  # an embedding request's
     lora_slot: int = -1  # the device slot of the request's LoRA adapter (-1: none)
+    # A hybrid model's state checkpoints (jaxinfer.engine.scheduling.state_checkpoints): the
+    # slot its states start from (a prefix hit) and the slot they are kept in after the step.
+    state_restore: int = -1
+    state_save: int = -1
 
     @property
     def num_sample_rows(self) -> int:
@@ -98,6 +108,10 @@ class RowUpdates:
     penalties: PenaltyRows | None = None
     bias: RowValues | None = None  # f32[U, V]
     bitmask: RowValues | None = None  # i32[U, W]
+    # A hybrid model's state slots copied: the last step's checkpoints, then prefix hits'
+    # restores (jaxinfer.engine.scheduling.state_checkpoints)
+    state_saves: SlotCopies | None = None
+    state_restores: SlotCopies | None = None
 
 
 @dataclasses.dataclass(frozen=True)

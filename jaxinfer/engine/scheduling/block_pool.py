@@ -8,6 +8,7 @@ hash and stays findable until it is needed for something else, in least-recently
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 NULL_BLOCK = 0
 
@@ -24,6 +25,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # hash -> block holding those tokens
         # Blocks no request holds, oldest first; those with a hash are still cache hits.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        # Told the hash of each cached block evicted (what is kept with it goes too).
+        self.on_evict: Callable[[bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,3 +88,5 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block] = None
+            if self.on_evict is not None:
+                self.on_evict(block_hash)

@@ -13,7 +13,9 @@ block, so a prefix whose early blocks were evicted is recomputed from there, nev
 A hybrid model's linear-attention layers keep, per running request, a recurrent-state slot
 (the short convolution's and the delta rule's states) instead of blocks: the manager holds
 one for each request it gives blocks to, up to `state_slots`, and frees it with them (the
-device slot is the request's row, jaxinfer.layers.state_cache). Usage is reported per kind.
+device slot is the request's row, jaxinfer.layers.state_cache). With prefix caching, their
+states at block boundaries are kept too, for prefix hits (state_checkpoints). Usage is reported
+per kind.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK, BlockPool
 from jaxinfer.engine.scheduling.request import Request
+from jaxinfer.engine.scheduling.state_checkpoints import StateCheckpoints
 
 _ROOT = b"\x00" * 32
 
@@ -52,13 +55,19 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         state_slots: int = 0,
+        state_checkpoints: int = 0,
     ):
         """sliding_window: the model's (None: blocks are held until the request ends).
-        state_slots: recurrent-state slots (a hybrid model's; 0: the model keeps none)."""
+        state_slots: recurrent-state slots (a hybrid model's; 0: the model keeps none).
+        state_checkpoints: slots for their states at block boundaries (prefix caching)."""
         self.block_size = block_size
         self.state_slots = state_slots
         self._state_holders: set[str] = set()  # ids of requests holding a state slot
         self.pool = BlockPool(num_blocks)
+        self.checkpoints = None
+        if state_checkpoints and enable_prefix_caching:
+            self.checkpoints = StateCheckpoints(state_checkpoints)
+            self.pool.on_evict = self.checkpoints.drop
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.prefix_cache_queries = 0  # prompt tokens looked up
@@ -80,24 +89,84 @@ class KVCacheManager:
             )
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """Cached blocks holding a prefix of a request that has computed nothing yet. The last
-        token is always left to compute, since its logits are needed."""
-        if (
+    def _may_hit(self, request: Request) -> bool:
+        return not (
             not self.enable_prefix_caching
             or request.num_computed_tokens
             or request.sampling_params.prompt_logprobs is not None  # needs every position
             or (request.pooling is not None and request.pooling.pooling != "last")  # ditto
-        ):
+        )
+
+    def _last_boundary(self, request: Request) -> int:
+        """Full blocks a prefix hit may cover: the last token is always left to compute, since
+        its logits are needed."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of a request that has computed nothing yet. A hybrid
+        model's hit ends where its states were checkpointed (request.state_restore is set to
+        that checkpoint's slot)."""
+        request.state_restore = -1
+        if not self._may_hit(request):
             return []
-        limit = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request)[: self._last_boundary(request)]
         hits = []
-        for block_hash in self.block_hashes(request)[:limit]:
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
+        if self.checkpoints is not None:
+            while hits and (slot := self.checkpoints.find(hashes[len(hits) - 1])) is None:
+                hits.pop()
+            request.state_restore = slot if hits else -1
         return hits
+
+    def align_chunk(self, request: Request, start: int, num_new: int) -> int:
+        """A hybrid model's prompt step from token `start` cut to end at a block boundary
+        where its states are checkpointed (state_checkpoints): the last one a prefix hit can
+        use, or the end of a chunk the budget cut short, rounded down. Decodes are unchanged."""
+        if self.checkpoints is None or start >= request.num_prompt_tokens:
+            return num_new
+        bs, end = self.block_size, start + num_new
+        last = self._last_boundary(request) * bs
+        if start < last < end:
+            return last - start
+        if end < last and end // bs * bs > start:
+            return end // bs * bs - start
+        return num_new
+
+    def checkpoint_slot(self, request: Request, first: int, end: int) -> int:
+        """The checkpoint slot a step over the request's prompt (from token `first` to `end`)
+        writes its states to: -1 unless it ends at a block boundary of known tokens whose
+        checkpoint is not there already."""
+        if (
+            self.checkpoints is None
+            or end % self.block_size
+            or first >= request.num_prompt_tokens
+            or end > request.num_tokens
+        ):
+            return -1
+        slot = self.checkpoints.reserve(self.block_hashes(request)[end // self.block_size - 1])
+        return -1 if slot is None else slot
+
+    def awaits_checkpoint(self, request: Request) -> bool:
+        """Whether a waiting request's prompt ends (up to its last token) like that of a
+        running request that will checkpoint its states there soon: the samples of an n > 1
+        request, the same prompt sent twice. It then waits for the hit, not to recompute."""
+        if self.checkpoints is None or not self._may_hit(request):
+            return False
+        last = self._last_boundary(request)
+        if last == 0:
+            return False
+        producer = self.checkpoints.producer(self.block_hashes(request)[last - 1])
+        return producer not in (None, request.request_id)
+
+    def step_scheduled(self) -> None:
+        """A new step is being scheduled: the checkpoints reserved by earlier steps are
+        written before it runs."""
+        if self.checkpoints is not None:
+            self.checkpoints.written()
 
     def allocate_blocks(
         self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()
@@ -118,6 +187,10 @@ class KVCacheManager:
             if len(self._state_holders) >= self.state_slots:
                 return False
             self._state_holders.add(request.request_id)
+            last = self._last_boundary(request)
+            if self.checkpoints is not None and last > len(computed_blocks):
+                block_hash = self.block_hashes(request)[last - 1]
+                self.checkpoints.will_produce(block_hash, request.request_id)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             request.block_ids.extend(computed_blocks)
@@ -170,6 +243,8 @@ class KVCacheManager:
         usage = {"kv_blocks": self.pool.usage}
         if self.state_slots:
             usage["recurrent_states"] = len(self._state_holders) / self.state_slots
+        if self.checkpoints is not None:
+            usage["state_checkpoints"] = self.checkpoints.usage
         return usage
 
     def capacity(self) -> dict[str, int]:
@@ -177,13 +252,25 @@ class KVCacheManager:
         capacity = {"kv_blocks": self.pool.num_blocks - 1}  # (the null block is not usable)
         if self.state_slots:
             capacity["recurrent_states"] = self.state_slots
+        if self.checkpoints is not None:
+            capacity["state_checkpoints"] = self.checkpoints.num_slots
         return capacity
 
     def holds_state(self, request: Request) -> bool:
         return request.request_id in self._state_holders
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (and state checkpoint); only while no block is held."""
+        if not self.pool.reset_cache():
+            return False
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+        return True
+
     def free(self, request: Request) -> None:
         self._state_holders.discard(request.request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.forget_producer(request.request_id)
         self.pool.free([b for b in request.block_ids[::-1] if b != NULL_BLOCK])
         request.block_ids = []
         request.num_cached_blocks = 0

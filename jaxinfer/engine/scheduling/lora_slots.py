@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -26,6 +26,13 @@ class SlotAdapter:
     name: str
     contents: Any
     key: int
+
+
+class AdapterUser(Protocol):
+    """What LoraSlots.take and drop read of a request (jaxinfer.engine.scheduling.request)."""
+
+    lora: SlotAdapter | None
+    lora_slot: int  # the adapter's slot while it runs (-1: none)
 
 
 class LoraSlots:
@@ -57,6 +64,21 @@ class LoraSlots:
         self._idle.pop(slot, None)
         self.users[slot] += 1
         return slot
+
+    def take(self, request: AdapterUser) -> bool:
+        """Whether the request may run: it has no adapter, or its adapter got a slot (then
+        request.lora_slot)."""
+        if request.lora is None:
+            return True
+        slot = self.acquire(request.lora)
+        request.lora_slot = -1 if slot is None else slot
+        return slot is not None
+
+    def drop(self, request: AdapterUser) -> None:
+        """The request gives back its adapter's slot, if it holds one."""
+        if request.lora_slot >= 0:
+            self.release(request.lora_slot)
+            request.lora_slot = -1
 
     def release(self, slot: int) -> None:
         """One request fewer uses `slot`; unused, it is the most recently used idle slot."""

@@ -90,6 +90,9 @@ class Request:
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # for the next step
     lora: SlotAdapter | None = None  # its LoRA adapter (jaxinfer.engine.scheduling.lora_slots)
     lora_slot: int = -1  # the adapter's device slot while the request runs
+    # A hybrid model's prefix hit: the checkpoint slot its states are restored from
+    # (jaxinfer.engine.scheduling.state_checkpoints; -1: none).
+    state_restore: int = -1
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)

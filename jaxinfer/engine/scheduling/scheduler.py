@@ -85,14 +85,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []  # (request, new tokens)
         preempted: list[str] = []
+        self.kv.step_scheduled()
 
         admitted: set[str] = set()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens, budget
-            )
+            computed = request.num_computed_tokens
+            num_new = min(request.num_tokens_with_placeholders - computed, budget)
+            num_new = self.kv.align_chunk(request, computed, num_new)
             if num_new <= 0 or sampled_enough(request, self.config.max_model_len):
                 index += 1  # its in-flight step finishes it, or there is nothing to compute
                 continue
@@ -126,17 +127,18 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[position]
-            if not self._take_lora_slot(request):
+            if self.kv.awaits_checkpoint(request) or (self.loras and not self.loras.take(request)):
                 position += 1
                 continue
             hits = self.kv.get_computed_blocks(request)
-            num_cached = len(hits) * self.kv.block_size
-            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            start = request.num_computed_tokens + len(hits) * self.kv.block_size
+            num_new = self.kv.align_chunk(request, start, min(request.num_tokens - start, budget))
             if not self.kv.allocate_blocks(request, num_new, hits):
-                self._drop_lora_slot(request)
+                if self.loras:
+                    self.loras.drop(request)
                 break
             if self.kv.enable_prefix_caching:
-                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+                self.kv.record_prefix_lookup(request.num_tokens, start)
                 # Admitted now, never preempted in this step: its prompt blocks can be shared
                 # at once (the n samples of one prompt, prompts arriving together).
                 self.kv.cache_full_blocks(request, request.num_computed_tokens + num_new)
@@ -262,6 +264,8 @@ class Scheduler:
             draft_token_ids=drafts,
             pooling=request.pooling,
             lora_slot=request.lora_slot,
+            state_restore=request.state_restore if admitted else -1,
+            state_save=self.kv.checkpoint_slot(request, first, first + num_new),
         )
         request.num_computed_tokens = first + num_new
         if samples:
@@ -283,23 +287,11 @@ class Scheduler:
                 request.spec.record(len(drafts), accepted)
         return sampled[: accepted + 1]
 
-    def _take_lora_slot(self, request: Request) -> bool:
-        """Whether the request may run: it has no adapter, or its adapter got a slot."""
-        if request.lora is None or self.loras is None:
-            return True
-        slot = self.loras.acquire(request.lora)
-        request.lora_slot = -1 if slot is None else slot
-        return slot is not None
-
-    def _drop_lora_slot(self, request: Request) -> None:
-        if request.lora_slot >= 0:
-            self.loras.release(request.lora_slot)
-            request.lora_slot = -1
-
     def _release(self, request: Request) -> None:
         """Gives back everything a request holds that leaves the running set (its device row
         goes with the next step's SchedulerOutput.released)."""
-        self._drop_lora_slot(request)
+        if self.loras:
+            self.loras.drop(request)
         self.kv.free(request)
         del self._running_ids[request.request_id]
         self._released.append(request.request_id)

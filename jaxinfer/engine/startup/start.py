@@ -174,13 +174,14 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
 
 
 def _states(config: EngineConfig) -> dict | None:
-    """A hybrid model's recurrent-state capacity: a slot per request row, in each linear
-    layer (jaxinfer.layers.state_cache)."""
+    """A hybrid model's recurrent-state capacity: a slot per request row, and per prefix
+    checkpoint, in each linear layer (jaxinfer.layers.state_cache)."""
     arch = config.model.arch
     if arch.hybrid is None:
         return None
     return {
         "slots": config.scheduler.max_num_seqs,
+        "prefix_checkpoints": config.cache.state_checkpoints,
         "layers": arch.hybrid.count(LINEAR_ATTENTION),
         "bytes_per_request": state_bytes_per_slot(arch, config.model.dtype),
     }

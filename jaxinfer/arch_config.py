@@ -224,11 +224,3 @@ class LlamaConfig:
     @property
     def sm_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_scale is None else self.attention_scale
-
-    @property
-    def released_window(self) -> int | None:
-        """The window behind which a request's KV blocks can be freed: the sliding window
-        when every layer slides, else None (a global layer reads every block)."""
-        if self.sliding_layers is not None and not all(self.sliding_layers):
-            return None
-        return self.sliding_window

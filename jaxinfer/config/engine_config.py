@@ -9,11 +9,16 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.config.cache_specs import (
+    CacheSpec,
+    layer_specs,
+    num_attention_layers,
+    state_bytes_per_request,
+)
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolved import ResolvedOptions
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.quantization import Quantization
-from jaxinfer.layers.state_cache import state_bytes_per_slot
 from jaxinfer.models.families.hf_config import read_config
 from jaxinfer.parallel.mesh import check_tp_size, kv_replicas
 
@@ -37,6 +42,8 @@ class CacheConfig:
     block_size: int
     num_blocks: int  # including the null block 0
     kv_format: KVCacheFormat  # jaxinfer.layers.kv_cache, settled once
+    # What each group of the model's layers keeps per request (jaxinfer.config.cache_specs)
+    layer_specs: tuple[CacheSpec, ...]
     enable_prefix_caching: bool = True
     # A hybrid model's slots for its states at block boundaries (prefix caching; 0: none),
     # beside one slot per request row (jaxinfer.engine.scheduling.state_checkpoints).
@@ -207,14 +214,17 @@ def build_engine_config(
             f"({arch.max_position_embeddings})"
         )
     kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
+    specs = layer_specs(arch, dtype)
     bytes_per_block = 0  # on each device: the caches are split by KV heads
     for cached in [arch] + ([read_config(draft_path / "config.json")] if draft_path else []):
         heads = cached.num_key_value_heads * kv_replicas(cached, tp) // tp
+        layers = num_attention_layers(layer_specs(cached, dtype))
         bytes_per_block += kv_format.bytes_per_block(
-            options.block_size, cached.num_kv_layers, heads, cached.head_dim
+            options.block_size, layers, heads, cached.head_dim
         )
-    checkpoints = options.max_num_seqs if arch.hybrid and resolved.prefix_caching else 0
-    states = state_bytes(arch, options.max_num_seqs + 1 + checkpoints, dtype)
+    per_request = state_bytes_per_request(specs)  # (a hybrid's linear layers')
+    checkpoints = options.max_num_seqs if per_request and resolved.prefix_caching else 0
+    states = (options.max_num_seqs + 1 + checkpoints) * per_request  # a slot per row, too
     budget = int(options.kv_cache_memory_gb * (1 << 30)) - states
     if budget <= 0 and not options.num_kv_blocks:
         raise ValueError(
@@ -245,6 +255,7 @@ def build_engine_config(
             num_blocks=num_blocks,
             enable_prefix_caching=resolved.prefix_caching,
             kv_format=kv_format,
+            layer_specs=specs,
             state_checkpoints=checkpoints,
         ),
         scheduler=SchedulerConfig(
@@ -297,11 +308,3 @@ def pooling_type(asked: str, folder: Path) -> str:
         if config.get(key):
             return kind
     return "last"
-
-
-def state_bytes(arch: LlamaConfig, num_slots: int, dtype) -> int:
-    """What a hybrid model's state slots take of the cache's memory (one per request row and
-    per prefix checkpoint, jaxinfer.layers.state_cache), 0 for other models."""
-    if arch.hybrid is None:
-        return 0
-    return num_slots * state_bytes_per_slot(arch, dtype)

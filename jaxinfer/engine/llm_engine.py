@@ -55,14 +55,7 @@ class LLMEngine:
         self.warmup_seconds, self.warmup_programs = started.warmup_seconds, started.warmup_programs
         self.warmup_cache_hits = started.warmup_cache_hits
         arch, folder = self.config.model.arch, started.folder
-        self.kv_cache_manager = KVCacheManager(
-            self.config.cache.block_size,
-            self.config.cache.num_blocks,
-            self.config.cache.enable_prefix_caching,
-            sliding_window=arch.released_window,
-            state_slots=self.config.scheduler.max_num_seqs if arch.hybrid else 0,
-            state_checkpoints=self.config.cache.state_checkpoints,
-        )
+        self.kv_cache_manager = KVCacheManager.for_engine(self.config)
         self.speculation = Speculation(self.config, self.draft)
         self.loras = LoraAdapters(self.config, self.runner) if self.config.lora else None
         self.scheduler = Scheduler(

@@ -93,6 +93,10 @@ def test_describe_reports_states_and_how_prefix_caching_works(hybrid):
     llm = build_llm(folder, "tiny")
     description = llm.engine.describe()
     assert description["kv_cache_layers"] == 2  # of 4 layers, 2 are attention layers
+    assert description["cache_groups"] == [
+        {"kind": "recurrent_state", "layers": [0, 2]},
+        {"kind": "full_attention", "layers": [1, 3]},
+    ]
     states = description["recurrent_states"]
     assert states["slots"] == 4 and states["layers"] == 2 and states["prefix_checkpoints"] == 4
     # conv [C, K - 1] in float32 and delta f32[Hv, Dk, Dv], per layer

@@ -1,13 +1,43 @@
 """The KV-cache manager's other kinds of entry: a hybrid model's recurrent-state slot per
 request, held with the request's blocks and freed with them, and its states checkpointed at
-block boundaries for prefix hits; usage and capacity reported beside the blocks'."""
+block boundaries for prefix hits; usage and capacity reported beside the blocks'; and the
+layer groups' cache specs the manager is built from."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxinfer.arch_config import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    HybridLayers,
+    LinearAttentionShape,
+    LlamaConfig,
+)
+from jaxinfer.config.cache_specs import AttentionSpec, StateSpec, layer_specs, released_window
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
+
+ARCH = LlamaConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+HYBRID = (StateSpec((0, 1, 2), 1000), AttentionSpec((3,)))  # 3 linear layers, 1 attention
 
 
 def _request(name: str, prompt: list[int] | None = None) -> Request:
@@ -22,7 +52,7 @@ def _request(name: str, prompt: list[int] | None = None) -> Request:
 
 
 def test_a_state_slot_is_held_with_the_blocks_and_freed_with_them():
-    kv = KVCacheManager(block_size=4, num_blocks=9, enable_prefix_caching=False, state_slots=2)
+    kv = KVCacheManager(4, 9, enable_prefix_caching=False, specs=HYBRID, state_slots=2)
     first, second, third = _request("a"), _request("b"), _request("c")
     assert kv.capacity() == {"kv_blocks": 8, "recurrent_states": 2}
     assert kv.allocate_blocks(first, 6) and kv.allocate_blocks(second, 6)
@@ -43,7 +73,7 @@ def test_a_model_without_recurrent_layers_reports_blocks_only():
 
 
 def _hybrid(num_blocks: int = 17, checkpoints: int = 2) -> KVCacheManager:
-    return KVCacheManager(4, num_blocks, state_slots=4, state_checkpoints=checkpoints)
+    return KVCacheManager(4, num_blocks, True, HYBRID, state_slots=4, state_checkpoints=checkpoints)
 
 
 def _prefill(kv: KVCacheManager, request: Request, budget: int) -> list[tuple[int, int]]:
@@ -141,3 +171,25 @@ def test_checkpoints_are_bounded_and_go_with_their_blocks():
     assert kv.usage()["state_checkpoints"] == 0.0
     kv.free(filler)
     assert kv.reset_prefix_cache() and kv.pool.cached == {}
+
+
+def test_each_layer_group_declares_its_cache_spec():
+    """A model's layers grouped by what they keep: one group for every attention layer, a
+    sliding one beside it where only some layers slide (blocks are then never released), and
+    a hybrid's linear layers as a recurrent-state group of their states' size."""
+    assert layer_specs(ARCH, jnp.float32) == (AttentionSpec((0, 1, 2, 3)),)
+    sliding = dataclasses.replace(ARCH, sliding_window=6)
+    assert layer_specs(sliding, jnp.float32) == (AttentionSpec((0, 1, 2, 3), 6),)
+    assert released_window(layer_specs(sliding, jnp.float32)) == 6
+    mixed = dataclasses.replace(sliding, sliding_layers=(True, True, True, False))
+    specs = layer_specs(mixed, jnp.float32)
+    assert specs == (AttentionSpec((0, 1, 2), 6), AttentionSpec((3,)))
+    assert [s.kind for s in specs] == ["sliding_window", "full_attention"]
+    assert released_window(specs) is None
+    linear = LinearAttentionShape(2, 4, 8, 8, 4, 1e-6)
+    types = (LINEAR_ATTENTION, FULL_ATTENTION) * 2
+    hybrid = dataclasses.replace(ARCH, hybrid=HybridLayers(types, linear, 4))
+    specs = layer_specs(hybrid, jnp.float32)
+    conv, delta = (2 * 2 * 8 + 4 * 8) * 3 * 4, 4 * 8 * 8 * 4  # [C, K - 1], f32[Hv, Dk, Dv]
+    assert specs == (StateSpec((0, 2), 2 * (conv + delta)), AttentionSpec((1, 3)))
+    assert released_window(specs) is None

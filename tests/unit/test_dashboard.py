@@ -9,6 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxinfer.config.cache_specs import AttentionSpec
 from jaxinfer.config.engine_config import CacheConfig
 from jaxinfer.engine.scheduling.stats import SchedulerStats, SpecStats
 from jaxinfer.layers.kv_cache import KVCacheFormat
@@ -29,7 +30,10 @@ def exported_samples() -> set[str]:
         config=types.SimpleNamespace(
             speculative=types.SimpleNamespace(method="ngram"),
             cache=CacheConfig(
-                block_size=16, num_blocks=9, kv_format=KVCacheFormat.resolve("auto", "float32")
+                block_size=16,
+                num_blocks=9,
+                kv_format=KVCacheFormat.resolve("auto", "float32"),
+                layer_specs=(AttentionSpec((0,)),),
             ),
         ),
         stats=lambda: stats,

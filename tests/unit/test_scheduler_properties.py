@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.config import SchedulerConfig, token_buckets
+from jaxinfer.config.cache_specs import AttentionSpec, StateSpec
 from jaxinfer.engine.execution.row_table import RowTable
 from jaxinfer.engine.execution.step import StepOutput
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
@@ -122,6 +123,11 @@ def check_invariants(scheduler: Scheduler, requests: list[Request], output=None)
         assert output.num_scheduled_tokens <= config.max_num_batched_tokens
         assert sum(item.num_new_tokens for item in output.scheduled) == output.num_scheduled_tokens
         assert len(output.scheduled) <= config.max_num_seqs
+        for item in output.scheduled if kv.state_slots else ():  # a hybrid model's
+            hit = item.row_init is not None and item.num_computed_tokens > 0
+            assert hit == (item.state_restore >= 0), "a prefix hit without its states"
+            end = item.num_computed_tokens + item.num_new_tokens
+            assert item.state_save < 0 or end % kv.block_size == 0, "states kept mid-block"
         assert all(item.num_new_tokens > 0 for item in output.scheduled)
         by_id = {r.request_id: r for r in requests}
         for item in output.scheduled:  # what the batch builder will read must be there
@@ -183,6 +189,7 @@ operations = st.lists(
     spec_free_tokens=st.sampled_from([1, 8, 96]),
     spec_lookahead=st.sampled_from([0, 0, 5]),
     sliding_window=st.sampled_from([None, None, 6, 21]),
+    checkpoints=st.sampled_from([None, None, 1, 3]),
     seed=st.integers(0, 2**16),
 )
 def test_random_add_step_abort_keeps_block_accounting(
@@ -197,9 +204,14 @@ def test_random_add_step_abort_keeps_block_accounting(
     spec_free_tokens,
     spec_lookahead,
     sliding_window,
+    checkpoints,
     seed,
 ):
+    """checkpoints: a hybrid model's (a recurrent-state group beside attention, that many
+    state checkpoints; None: attention only)."""
     max_model_len = 128
+    if checkpoints is not None:  # (a hybrid has no sliding window, nor speculation)
+        sliding_window, num_speculative = None, 0
     pipelined = pipelined and not num_speculative  # (proposals need the tokens on the host)
     rng = random.Random(seed)
     config = SchedulerConfig(
@@ -211,7 +223,15 @@ def test_random_add_step_abort_keeps_block_accounting(
         spec_free_tokens=spec_free_tokens,
         spec_lookahead=spec_lookahead if num_speculative else 0,  # (a draft model's blocks)
     )
-    kv = KVCacheManager(block_size, num_blocks, prefix_caching, sliding_window=sliding_window)
+    if checkpoints is None:
+        kv = KVCacheManager(
+            block_size, num_blocks, prefix_caching, (AttentionSpec((0,), sliding_window),)
+        )
+    else:
+        specs = (StateSpec((0,), 100), AttentionSpec((1,)))
+        kv = KVCacheManager(
+            block_size, num_blocks, prefix_caching, specs, max_num_seqs, checkpoints
+        )
     scheduler = Scheduler(config, kv)
     requests: list[Request] = []
 
@@ -219,7 +239,13 @@ def test_random_add_step_abort_keeps_block_accounting(
 
     rows = RowTable(max_num_seqs)  # the batch builder's, fed as the engine feeds it
 
+    # A hybrid's checkpoint slots as the device fills them: the states at the end of which
+    # block each holds (the builder copies a step's into them before the next step runs).
+    checkpoint_slots: dict[int, bytes] = {}
+    saves: list[tuple[int, bytes]] = []
+
     def step():
+        nonlocal saves
         if num_speculative:
             propose(scheduler, rng, num_speculative)
         output = scheduler.schedule()
@@ -227,6 +253,17 @@ def test_random_add_step_abort_keeps_block_accounting(
         if output.scheduled:  # (the engine builds only steps that schedule something)
             check_rows(rows, output)
             assert len(rows) == len(scheduler.running), "a row was never given back"
+            checkpoint_slots.update(saves)
+            saves = []
+            by_id = {r.request_id: r for r in requests}
+            for item in output.scheduled:
+                hashes = kv.block_hashes(by_id[item.request_id])
+                if item.state_restore >= 0:
+                    block = item.num_computed_tokens // block_size - 1
+                    assert checkpoint_slots.get(item.state_restore) == hashes[block]
+                if item.state_save >= 0:
+                    block = (item.num_computed_tokens + item.num_new_tokens) // block_size - 1
+                    saves.append((item.state_save, hashes[block]))
         in_flight.append(output)
         while len(in_flight) > (1 if pipelined and output.scheduled else 0):
             process(scheduler, in_flight.pop(0))
@@ -276,10 +313,33 @@ def test_random_add_step_abort_keeps_block_accounting(
                 assert token == fake_next(tokens)
                 tokens.append(token)
     assert all(count == 0 for count in kv.pool.ref_counts)
+    assert all(value == 0 for kind, value in kv.usage().items() if kind != "state_checkpoints")
     if num_speculative:
         stats = scheduler.spec_stats
         assert stats.num_accepted_tokens <= stats.num_draft_tokens
     assert kv.pool.num_free_blocks == num_blocks - 1
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=operations,
+    block_size=st.sampled_from([4, 8, 16]),
+    num_blocks=st.integers(24, 64),
+    max_num_seqs=st.integers(1, 8),
+    budget=st.integers(4, 96),
+    pipelined=st.booleans(),
+    checkpoints=st.sampled_from([1, 3, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_hybrid_prefix_hits_restore_the_states_written_at_their_end(
+    ops, block_size, num_blocks, max_num_seqs, budget, pipelined, checkpoints, seed
+):
+    """A hybrid model with prefix caching: every hit restores a checkpoint slot that holds
+    the states at the hit's end, written by a step before (check_invariants, step())."""
+    test_random_add_step_abort_keeps_block_accounting.hypothesis.inner_test(
+        ops, block_size, num_blocks, max_num_seqs, budget, True, pipelined, 0, 1, 0, None,
+        checkpoints, seed,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

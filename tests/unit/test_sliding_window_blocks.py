@@ -5,6 +5,7 @@ block on."""
 
 from __future__ import annotations
 
+from jaxinfer.config.cache_specs import AttentionSpec
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request
@@ -30,7 +31,7 @@ def _prefill(kv: KVCacheManager, request: Request) -> None:
 
 
 def test_blocks_behind_the_window_are_freed_and_stay_cached():
-    kv = KVCacheManager(block_size=4, num_blocks=16, sliding_window=6)
+    kv = KVCacheManager(block_size=4, num_blocks=16, specs=(AttentionSpec((0,), 6),))
     prompt = list(range(3, 23))  # 20 tokens: blocks 0-4
     request = _request("a", prompt)
     _prefill(kv, request)
@@ -49,7 +50,7 @@ def test_blocks_behind_the_window_are_freed_and_stay_cached():
 
 
 def test_an_evicted_first_block_ends_the_prefix():
-    kv = KVCacheManager(block_size=4, num_blocks=8, sliding_window=6)
+    kv = KVCacheManager(block_size=4, num_blocks=8, specs=(AttentionSpec((0,), 6),))
     prompt = list(range(3, 23))
     request = _request("a", prompt)
     _prefill(kv, request)
@@ -64,7 +65,7 @@ def test_an_evicted_first_block_ends_the_prefix():
 
 def test_without_a_window_or_before_it_nothing_is_freed():
     for window in (None, 64):
-        kv = KVCacheManager(block_size=4, num_blocks=16, sliding_window=window)
+        kv = KVCacheManager(block_size=4, num_blocks=16, specs=(AttentionSpec((0,), window),))
         request = _request("a", list(range(3, 23)))
         _prefill(kv, request)
         assert kv.allocate_blocks(request, 1)

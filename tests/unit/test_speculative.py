@@ -142,6 +142,7 @@ def test_kept_rows_and_recorded_tokens():
 
 
 def test_prometheus_counters():
+    from jaxinfer.config.cache_specs import AttentionSpec
     from jaxinfer.config.engine_config import CacheConfig
     from jaxinfer.server.metrics import ServerMetrics
 
@@ -162,7 +163,10 @@ def test_prometheus_counters():
         config=types.SimpleNamespace(
             speculative=types.SimpleNamespace(method="ngram"),
             cache=CacheConfig(
-                block_size=16, num_blocks=9, kv_format=KVCacheFormat.resolve("auto", "float32")
+                block_size=16,
+                num_blocks=9,
+                kv_format=KVCacheFormat.resolve("auto", "float32"),
+                layer_specs=(AttentionSpec((0,)),),
             ),
         ),
         stats=lambda: stats,

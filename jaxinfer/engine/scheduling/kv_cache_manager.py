@@ -10,10 +10,11 @@ block list keeps the null block in their place, so positions still index it. A f
 keeps its hash, so it stays a prefix-cache hit until evicted; a hit is a chain from the first
 block, so a prefix whose early blocks were evicted is recomputed from there, never read wrong.
 
-A hybrid model's linear-attention layers keep, per running request, a recurrent-state slot
-(the short convolution's and the delta rule's states) instead of blocks: the manager holds
-one for each request it gives blocks to, up to `state_slots`, and frees it with them (the
-device slot is the request's row, jaxinfer.layers.state_cache). With prefix caching, their
+The model's layer groups declare what they keep (jaxinfer.config.cache_specs): attention
+groups K/V in the shared blocks; a hybrid model's linear-attention layers, per running
+request, a recurrent-state slot (the short convolution's and the delta rule's states)
+instead: the manager holds one for each request it gives blocks to, up to `state_slots`, and
+frees it with them (the device slot is the request's row, jaxinfer.layers.state_cache). With prefix caching, their
 states at block boundaries are kept too, for prefix hits (state_checkpoints). Usage is reported
 per kind.
 """
@@ -24,6 +25,8 @@ import hashlib
 
 import numpy as np
 
+from jaxinfer.config import EngineConfig
+from jaxinfer.config.cache_specs import AttentionSpec, CacheSpec, StateSpec, released_window
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK, BlockPool
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.engine.scheduling.state_checkpoints import StateCheckpoints
@@ -53,13 +56,18 @@ class KVCacheManager:
         block_size: int,
         num_blocks: int,
         enable_prefix_caching: bool = True,
-        sliding_window: int | None = None,
+        specs: tuple[CacheSpec, ...] = (AttentionSpec(()),),
         state_slots: int = 0,
         state_checkpoints: int = 0,
     ):
-        """sliding_window: the model's (None: blocks are held until the request ends).
-        state_slots: recurrent-state slots (a hybrid model's; 0: the model keeps none).
-        state_checkpoints: slots for their states at block boundaries (prefix caching)."""
+        """specs: what each group of the model's layers keeps per request
+        (jaxinfer.config.cache_specs). The attention groups share the block pool: blocks
+        behind a sliding window that every group has go back to it. A recurrent-state group
+        holds one of `state_slots` per running request, and checkpoints of it at block
+        boundaries in `state_checkpoints` more (with prefix caching)."""
+        if any(isinstance(s, StateSpec) for s in specs) != bool(state_slots):
+            raise ValueError("state_slots go with a recurrent-state layer group, and only then")
+        self.specs = specs
         self.block_size = block_size
         self.state_slots = state_slots
         self._state_holders: set[str] = set()  # ids of requests holding a state slot
@@ -69,9 +77,24 @@ class KVCacheManager:
             self.checkpoints = StateCheckpoints(state_checkpoints)
             self.pool.on_evict = self.checkpoints.drop
         self.enable_prefix_caching = enable_prefix_caching
-        self.sliding_window = sliding_window
+        self.sliding_window = released_window(specs)  # (None: blocks held to the end)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> KVCacheManager:
+        """The manager of an engine's cache: a state slot per running request for a model
+        with recurrent-state layers."""
+        cache = config.cache
+        has_states = any(isinstance(s, StateSpec) for s in cache.layer_specs)
+        return cls(
+            cache.block_size,
+            cache.num_blocks,
+            cache.enable_prefix_caching,
+            cache.layer_specs,
+            state_slots=config.scheduler.max_num_seqs if has_states else 0,
+            state_checkpoints=cache.state_checkpoints,
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

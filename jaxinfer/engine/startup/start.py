@@ -158,6 +158,9 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         "kv_cache_dtype": config.cache.kv_format.name,
         "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
         "kv_cache_layers": config.model.arch.num_kv_layers,
+        "cache_groups": [
+            {"kind": spec.kind, "layers": list(spec.layers)} for spec in config.cache.layer_specs
+        ],
         "recurrent_states": _states(config),
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
         "quantization": config.resolved.weight_format,

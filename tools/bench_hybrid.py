@@ -13,6 +13,13 @@ tokens in the KV cache; the report gives the step times, each model's growth fro
 context to the last, and the hybrid's step against the all-attention one's at each context.
 The cache contents are zeros and the linear layers' states whatever the slots hold: the cost
 of a step does not depend on them.
+
+--write_model=FOLDER only writes the hybrid model there, for other tools to run (prefix
+caching on a hybrid, tools.bench_throughput):
+
+    python -m tools.bench_hybrid --write_model=/tmp/hybrid --hidden_size=512 --contexts=2048
+    python -m tools.bench_throughput --model=/tmp/hybrid --num_requests=32 \
+        --shared_prefix_len=1024 --min_output_len=16 --max_output_len=32 --compare_prefix_caching
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ flags.DEFINE_integer("steps", 20, "Timed steps per point (after two warm-up step
 flags.DEFINE_integer("layers", 8, "Layers of each model (a multiple of 4).")
 flags.DEFINE_integer("hidden_size", 256, "The models' hidden size.")
 flags.DEFINE_string("output_json", None, "Also write the rows here.")
+flags.DEFINE_string("write_model", None, "Only write the hybrid model into this folder.")
 
 BLOCK_SIZE = 16
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -118,6 +126,9 @@ def main(argv):
     del argv
     contexts = [int(c) for c in FLAGS.contexts]
     period = FLAGS.layers // 4
+    if FLAGS.write_model:
+        write_model(Path(FLAGS.write_model), [LINEAR, LINEAR, LINEAR, FULL] * period, max(contexts))
+        return
     models = {
         "hybrid": [LINEAR, LINEAR, LINEAR, FULL] * period,
         "attention": [FULL] * FLAGS.layers,

@@ -115,6 +115,28 @@ def test_hybrid_bench_times_each_model_at_each_context(tmp_path):
     assert len(report["hybrid_over_attention"]) == 2
 
 
+def test_prefix_caching_bench_runs_on_a_written_hybrid_model(tmp_path):
+    """bench_hybrid --write_model, then bench_throughput's prefix-caching comparison on it
+    (the hybrid's states restored from checkpoints)."""
+    folder = tmp_path / "hybrid"
+    run("-m", "tools.bench_hybrid", f"--write_model={folder}", "--layers=4", "--hidden_size=64")
+    assert (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
+    output = run(
+        "-m",
+        "tools.bench_throughput",
+        f"--model={folder}",
+        "--num_requests=4",
+        "--shared_prefix_len=64",
+        "--min_output_len=2",
+        "--max_output_len=3",
+        "--max_num_batched_tokens=128",
+        "--token_buckets=16,128",
+        "--compare_prefix_caching",
+    )
+    hit_rate = float(output.split("prefix cache hit rate ")[1].split("%")[0])
+    assert hit_rate > 0 and "ratio prefix caching on / off" in output
+
+
 def test_gated_delta_bench_times_both_forms(tmp_path):
     output = tmp_path / "gated_delta.json"
     run(

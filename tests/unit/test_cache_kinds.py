@@ -127,6 +127,21 @@ def test_a_hit_ends_at_a_written_checkpoint():
     assert kv.get_computed_blocks(other) == [] and other.state_restore == -1
 
 
+def test_a_prompt_that_shares_blocks_with_another_is_cut_where_they_end():
+    """A prompt whose first blocks another prompt holds too (a system prompt), but without
+    states kept at their end, has its step cut there: the prompts after it hit up to there."""
+    kv = _hybrid(checkpoints=8)
+    system = list(range(100, 108))  # two blocks
+    assert _prefill(kv, _request("a", [*system, 1, 2, 3, 4, 5, 6]), 16) == [(12, 0), (14, -1)]
+    kv.step_scheduled()
+    second = _request("b", [*system, 7, 8, 9, 10, 11, 12])
+    assert kv.get_computed_blocks(second) == []  # its blocks are cached, no states at 8
+    assert _prefill(kv, second, 16) == [(8, 1), (12, 2), (14, -1)]
+    kv.step_scheduled()
+    third = _request("c", [*system, 13, 14, 15, 16, 17, 18])
+    assert len(kv.get_computed_blocks(third)) == 2 and third.state_restore == 1
+
+
 def test_a_request_waits_for_the_checkpoint_a_running_one_is_bound_to_write():
     kv = _hybrid(checkpoints=8)
     first, sample = _request("a", list(range(10))), _request("b", list(range(10)))

@@ -147,15 +147,22 @@ class KVCacheManager:
 
     def align_chunk(self, request: Request, start: int, num_new: int) -> int:
         """A hybrid model's prompt step from token `start` cut to end at a block boundary
-        where its states are checkpointed (state_checkpoints): the last one a prefix hit can
-        use, or the end of a chunk the budget cut short, rounded down. Decodes are unchanged."""
+        where its states are checkpointed (state_checkpoints): where the blocks that other
+        prompts hold too end (a shared system prompt: the prompts after this one hit up to
+        there), at the last boundary a hit can use, or at the end of a chunk the budget cut
+        short, rounded down. Decodes are unchanged."""
         if self.checkpoints is None or start >= request.num_prompt_tokens:
             return num_new
         bs, end = self.block_size, start + num_new
-        last = self._last_boundary(request) * bs
-        if start < last < end:
-            return last - start
-        if end < last and end // bs * bs > start:
+        last = self._last_boundary(request)
+        hashes = self.block_hashes(request)
+        shared = start // bs
+        while shared < last and self.pool.lookup(hashes[shared]) is not None:
+            shared += 1
+        for cut in (shared * bs, last * bs):
+            if start < cut < end:
+                return cut - start
+        if end < last * bs and end // bs * bs > start:
             return end // bs * bs - start
         return num_new
 

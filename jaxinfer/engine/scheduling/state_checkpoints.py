@@ -8,8 +8,9 @@ chained hash: the whole prefix, its cache salt). A later request whose prefix ho
 restores the checkpoint into its own slot and computes from the boundary on.
 
 The scheduler makes prompts' steps end at boundaries (KVCacheManager.align_chunk): at the last
-one a hit can use, ((prompt length - 1) // block size) blocks, and at the end of each chunk
-that a token budget cuts short (rounded down to a boundary).
+one a hit can use, ((prompt length - 1) // block size) blocks; where the blocks a prompt
+shares with earlier ones end (a system prompt: the next prompts hit there); and at the end of
+each chunk that a token budget cuts short (rounded down to a boundary).
 
 The device copies run in order with the steps (jaxinfer.engine.execution.batch_builder): a
 step's checkpoints are written just before the next step runs, and the restores after them,

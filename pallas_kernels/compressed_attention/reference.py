@@ -1,0 +1,58 @@
+"""DeepSeek-V4's attention in pure JAX over the flattened batch of a step (the reference of
+its kernels): each query attends, in one softmax with a per-head sink logit, to the shared
+K=V entries of the last `window` positions of its request (the sliding window, paged like
+K/V) and to its request's compressed entries (paged the same way, one entry per `ratio`
+tokens): all those whose window has closed (heavily compressed attention), or those of them
+the Lightning Indexer picked (compressed sparse attention). A layer without a compressor
+passes no entries. The sink takes probability but adds nothing to the output.
+
+T: tokens, R: requests, H: query heads, D: head dim (one shared K=V head), NB / BS: the
+window's blocks and tokens per block, MB: its blocks per request, NBc / Bc / MBc: the same
+for the compressed entries, k: picks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def compressed_attention(
+    q: jax.Array,  # f32[T, H, D]
+    kv: jax.Array,  # f32[NB, BS, D], each position's K=V entry
+    block_table: jax.Array,  # i32[R, MB]
+    entries: jax.Array | None,  # f32[NBc, Bc, D], compressed K=V entries (None: none)
+    entry_table: jax.Array | None,  # i32[R, MBc]
+    picks: jax.Array | None,  # i32[T, k], the indexer's (-1: none); None: every closed one
+    sinks: jax.Array,  # f32[H], each head's sink logit
+    query_start_loc: jax.Array,  # i32[R + 1]
+    positions: jax.Array,  # i32[T]
+    *,
+    window: int,  # a query sees its own position and the window - 1 before it
+    ratio: int,  # tokens per compressed entry
+    scale: float,
+) -> jax.Array:  # f32[T, H, D]
+    num_tokens = q.shape[0]
+    block_size = kv.shape[1]
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    request = jnp.searchsorted(query_start_loc[1:], tokens, side="right")
+    request = jnp.minimum(request, block_table.shape[0] - 1)  # (padding tokens: any row)
+    near = positions[:, None] - jnp.arange(window)  # [T, W], the window's positions
+    blocks = block_table[request[:, None], jnp.clip(near, 0) // block_size]
+    keys = kv[blocks, jnp.clip(near, 0) % block_size]  # [T, W, D]
+    visible = near >= 0
+    if entries is not None:
+        table = entry_table[request]  # [T, MBc]
+        far = entries[table].reshape(num_tokens, -1, entries.shape[-1])  # [T, E, D]
+        indices = jnp.arange(far.shape[1])
+        closed = indices < ((positions + 1) // ratio)[:, None]  # [T, E]
+        if picks is not None:
+            chosen = (indices[None, :, None] == picks[:, None, :]).any(-1)  # [T, E]
+            closed &= chosen
+        keys = jnp.concatenate([keys, far], axis=1)
+        visible = jnp.concatenate([visible, closed], axis=1)
+    logits = jnp.einsum("thd,tsd->ths", q, keys) * scale
+    logits = jnp.where(visible[:, None], logits, -jnp.inf)
+    sink = jnp.broadcast_to(sinks[None, :, None], (num_tokens, sinks.shape[0], 1))
+    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("ths,tsd->thd", probs, keys)

@@ -9,11 +9,11 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     """How a token's experts and their weights are chosen (jaxinfer.layers.moe.routing): the
-    union of what Mixtral, Qwen-MoE, OLMoE and DeepSeek-V3 do."""
+    union of what Mixtral, Qwen-MoE, OLMoE and DeepSeek-V3 and V4 do."""
 
     num_experts: int
     top_k: int
-    scoring: str = "softmax"  # "softmax" or "sigmoid" of the router logits
+    scoring: str = "softmax"  # "softmax", "sigmoid" or "sqrtsoftplus" of the router logits
     renormalize: bool = False  # the top-k weights divided by their sum (norm_topk_prob)
     scaling_factor: float = 1.0  # routed_scaling_factor, applied after renormalizing
     correction_bias: bool = False  # e_score_correction_bias: added for the choice only
@@ -21,8 +21,10 @@ class RouterConfig:
     topk_groups: int = 1  # ... of which the topk_group best (by their top-2 sum) are eligible
 
     def __post_init__(self):
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"router scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+            raise ValueError(
+                f"router scoring must be softmax, sigmoid or sqrtsoftplus, got {self.scoring!r}"
+            )
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, {self.num_experts}]")
         if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:

@@ -1,6 +1,7 @@
 """The router against Hugging Face's own routers on random inputs: Qwen2-MoE, Qwen3-MoE,
-OLMoE (norm_topk_prob both ways), Mixtral (always renormalized), and DeepSeek-V3's sigmoid
-router with its correction bias, grouped top-k and routed scaling factor. Exact ties (experts
+OLMoE (norm_topk_prob both ways), Mixtral (always renormalized), DeepSeek-V3's sigmoid
+router with its correction bias, grouped top-k and routed scaling factor, and DeepSeek-V4's
+sqrt(softplus) router and its hash-routed layers' (experts fixed by the token id). Exact ties (experts
 with identical router rows) are checked by what a tie leaves undetermined: torch.topk may
 return either of two tied experts, jaxinfer takes the lower index."""
 
@@ -164,6 +165,55 @@ def test_deepseek_v3_router(norm):
     # the groups matter: without them some tokens choose otherwise
     ungrouped = RouterConfig(**{**vars(ours_config), "num_groups": 1, "topk_groups": 1})
     assert np.any(_by_expert(*_ours(hidden, weight, ungrouped, bias))[1] != _by_expert(*ours)[1])
+
+
+def _deepseek_v4_router_config(config) -> RouterConfig:
+    return RouterConfig(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        scoring=config.scoring_func,
+        renormalize=config.norm_topk_prob,
+        scaling_factor=config.routed_scaling_factor,
+        correction_bias=True,
+    )
+
+
+def test_deepseek_v4_routers():
+    """sqrt(softplus) scores, the correction bias in the choice only, renormalized, times
+    routed_scaling_factor; a hash-routed layer's experts come from tid2eid[token id], weighted
+    by the same scores."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HashRouter,
+        DeepseekV4TopKRouter,
+    )
+
+    config = transformers.DeepseekV4Config(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        num_hidden_layers=2,
+    )
+    assert config.scoring_func == "sqrtsoftplus"
+    hidden, weight = _inputs(3, ties=False)
+    bias = np.random.default_rng(4).standard_normal(EXPERTS).astype(np.float32) * 0.1
+    ours_config = _deepseek_v4_router_config(config)
+    theirs = _hf_route(DeepseekV4TopKRouter(config).eval(), hidden, weight, bias)
+    _check(_ours(hidden, weight, ours_config, bias), theirs, ties=False)
+
+    router = DeepseekV4HashRouter(config).eval()
+    rng = np.random.default_rng(5)
+    table = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(config.vocab_size)])
+    token_ids = rng.integers(0, config.vocab_size, TOKENS)
+    with torch.no_grad():
+        router.weight.copy_(torch.from_numpy(weight))
+        router.tid2eid.copy_(torch.from_numpy(table))
+        _, want_weights, want_experts = router(
+            torch.from_numpy(hidden), torch.from_numpy(token_ids)
+        )
+    weights, experts = route(hidden @ weight.T, ours_config, bias, table[token_ids])
+    np.testing.assert_array_equal(np.asarray(experts), want_experts.numpy())
+    np.testing.assert_allclose(np.asarray(weights), want_weights.numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_ties_go_to_the_lower_index():

@@ -1,12 +1,13 @@
 """Routing: which experts each token goes to and with what weights.
 
-One implementation of what the supported families do (and DeepSeek-V3's router):
+One implementation of what the supported families do (and DeepSeek-V3's and V4's routers):
 
-- scores: softmax (Mixtral, Qwen-MoE, OLMoE) or sigmoid (DeepSeek-V3) of the router logits,
-  in float32;
+- scores: softmax (Mixtral, Qwen-MoE, OLMoE), sigmoid (DeepSeek-V3) or sqrt(softplus)
+  (DeepSeek-V4) of the router logits, in float32;
 - choice: the top k scores, plus a correction bias used for the choice only
   (e_score_correction_bias), optionally within the best `topk_groups` of `num_groups` groups of
-  experts ranked by the sum of their top 2 biased scores (grouped top-k);
+  experts ranked by the sum of their top 2 biased scores (grouped top-k); or, in a hash-routed
+  layer (DeepSeek-V4's first layers), experts fixed by the token id (tid2eid), given;
 - weights: the chosen experts' unbiased scores, renormalized to sum to 1 when `renormalize`
   (norm_topk_prob; Mixtral always), then times `scaling_factor` (routed_scaling_factor).
 
@@ -30,14 +31,19 @@ def route(
     logits: jax.Array,  # f32[T, X], the router's
     config: RouterConfig,
     correction_bias: jax.Array | None = None,  # f32[X]
+    hashed_experts: jax.Array | None = None,  # i32[T, k], a hash-routed layer's choice
 ) -> tuple[jax.Array, jax.Array]:  # (weights f32[T, k], experts i32[T, k])
-    """The k experts of each token, best first, and their weights."""
+    """The k experts of each token, best first (as given, when hashed), and their weights."""
     logits = logits.astype(jnp.float32)
     if config.scoring == "softmax":
         exp = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
         scores = exp / tree_sum(exp)[..., None]
-    else:
+    elif config.scoring == "sigmoid":
         scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jnp.sqrt(jax.nn.softplus(logits))
+    if hashed_experts is not None:
+        return _weights(scores, hashed_experts, config), hashed_experts.astype(jnp.int32)
     choice = scores
     if config.correction_bias:
         if correction_bias is None:
@@ -46,15 +52,20 @@ def route(
     if config.num_groups > 1:
         choice = _within_best_groups(choice, config.num_groups, config.topk_groups)
     _, experts = jax.lax.top_k(choice, config.top_k)  # [T, k]
+    return _weights(scores, experts, config), experts.astype(jnp.int32)
+
+
+def _weights(scores: jax.Array, experts: jax.Array, config: RouterConfig) -> jax.Array:
+    """The chosen experts' scores, renormalized and scaled as the config says: f32[T, k]."""
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if config.renormalize:
         denominator = tree_sum(weights)[..., None]
-        if config.scoring == "sigmoid":
-            denominator = denominator + 1e-20  # as DeepSeek-V3 (softmax scores are positive)
+        if config.scoring != "softmax":
+            denominator = denominator + 1e-20  # as DeepSeek (softmax scores are positive)
         weights = weights / denominator
     if config.scaling_factor != 1.0:
         weights = weights * config.scaling_factor
-    return weights, experts.astype(jnp.int32)
+    return weights
 
 
 def _within_best_groups(choice: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:

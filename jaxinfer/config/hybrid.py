@@ -19,7 +19,8 @@ from jaxinfer.config.options import EngineOptions
 
 PREFIX_CACHING_CHECKPOINTS = (
     "the linear-attention layers' states are checkpointed where prompt steps end at block "
-    "boundaries (a prompt's last step is cut at its last full block); a hit restores them"
+    "boundaries (steps are cut at a prompt's last full block and where the blocks it shares "
+    "with earlier prompts end); a hit restores them"
 )
 
 

@@ -14,29 +14,15 @@ from jaxinfer.arch_config import (
     LINEAR_ATTENTION,
     HybridLayers,
     LinearAttentionShape,
-    LlamaConfig,
 )
 from jaxinfer.config.cache_specs import AttentionSpec, StateSpec, layer_specs, released_window
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request
+from jaxinfer.models.shapes import shape
 from jaxinfer.outputs import RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
 
-ARCH = LlamaConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-    attention_bias=False,
-)
+ARCH = dataclasses.replace(shape("smollm2"), num_hidden_layers=4)
 HYBRID = (StateSpec((0, 1, 2), 1000), AttentionSpec((3,)))  # 3 linear layers, 1 attention
 
 

@@ -4,6 +4,8 @@ No prefill or decode phase: each step gives every request num_tokens - num_compu
 tokens, within max_num_seqs, the token budget, max_model_len and the free KV blocks. Running
 requests go first, in arrival order, so a long prompt (chunked by the budget) never stalls them;
 when the pool runs dry the latest-arrived running request is preempted and recomputed later.
+A hybrid model's prompt steps are cut at block boundaries where its states are checkpointed
+for prefix hits (KVCacheManager.align_chunk).
 
 A step is applied to the requests when it is scheduled: num_computed_tokens advances and each
 request that samples gains an output placeholder. update_from_output later fills the

@@ -67,7 +67,13 @@ def hybrid_layers(
     per_linear, per_full = period.count(LINEAR_ATTENTION), period.count(FULL_ATTENTION)
     hidden, residual, cos_sin = embed_tokens(config, params, batch)
     layers = params["layers"]
-    states = state_batch(batch.query_start_loc, batch.positions, batch.state_rows, batch.num_seqs)
+    # The linear layers' kernels see the step's requests' states only, gathered from their
+    # slots (request r's in row r) and scattered back: a step costs its requests' states, not
+    # every slot's (request rows and prefix checkpoints).
+    rows = jnp.asarray(batch.state_rows)  # i32[R]
+    states = state_batch(
+        batch.query_start_loc, batch.positions, jnp.arange(rows.shape[0]), batch.num_seqs
+    )
     # a matmul kernel reads each layer's projections out of the stacked weights in place
     in_place = kernels.matmul is not None and kernels.weight_layout == OUT_IN
 
@@ -93,10 +99,10 @@ def hybrid_layers(
             if kind == LINEAR_ATTENTION:
                 i = index * per_linear + period[:j].count(LINEAR_ATTENTION)
                 hidden, c, d = gated_deltanet(
-                    take(layers["linear"], i), x, conv[i], delta[i], states, hybrid.linear,
-                    kernels,
+                    take(layers["linear"], i), x, conv[i, rows], delta[i, rows], states,
+                    hybrid.linear, kernels,
                 )  # fmt: skip
-                conv, delta = conv.at[i].set(c), delta.at[i].set(d)
+                conv, delta = conv.at[i, rows].set(c), delta.at[i, rows].set(d)
             else:
                 i = index * per_full + period[:j].count(FULL_ATTENTION)
                 p_attn = take(layers["attention"], i)

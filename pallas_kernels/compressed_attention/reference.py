@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
+
 
 def compressed_attention(
     q: jax.Array,  # f32[T, H, D]
@@ -34,8 +36,7 @@ def compressed_attention(
 ) -> jax.Array:  # f32[T, H, D]
     num_tokens = q.shape[0]
     block_size = kv.shape[1]
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    request = jnp.searchsorted(query_start_loc[1:], tokens, side="right")
+    request = token_request_index(query_start_loc, num_tokens)
     request = jnp.minimum(request, block_table.shape[0] - 1)  # (padding tokens: any row)
     near = positions[:, None] - jnp.arange(window)  # [T, W], the window's positions
     blocks = block_table[request[:, None], jnp.clip(near, 0) // block_size]

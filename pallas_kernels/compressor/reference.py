@@ -24,6 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
+
 
 class CompressorBatch(NamedTuple):
     query_start_loc: jax.Array  # i32[R + 1], each request's first token in the step
@@ -37,12 +39,6 @@ class CompressorState(NamedTuple):
     buffer_gate: jax.Array  # f32[S, m, F]
     previous_kv: jax.Array  # f32[S, m, D], the last closed window's Ca (CSA; else [S, 0, D])
     previous_gate: jax.Array  # f32[S, m, D]
-
-
-def _token_requests(batch: CompressorBatch, num_tokens: int) -> jax.Array:  # i32[T]
-    """Each token's request (padding tokens: past the last request)."""
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    return jnp.searchsorted(batch.query_start_loc[1:], tokens, side="right").astype(jnp.int32)
 
 
 def compress(
@@ -60,7 +56,7 @@ def compress(
     ratio = bias.shape[0]
     dim = features // 2 if overlap else features
     num_reqs = batch.state_rows.shape[0]
-    request = _token_requests(batch, num_tokens)  # [T]
+    request = token_request_index(batch.query_start_loc, num_tokens)  # [T]
     valid = request < batch.num_seqs[0]
     request = jnp.minimum(request, num_reqs - 1)
     row = batch.state_rows[request]  # [T]

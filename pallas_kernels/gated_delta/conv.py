@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta.reference import StateBatch, _request_of
+from pallas_kernels.gated_delta.reference import StateBatch
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
 
 
 def causal_conv1d(
@@ -27,7 +28,7 @@ def causal_conv1d(
     query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
     num_tokens, width = x.shape[0], weight.shape[1]
     num_reqs = state_slots.shape[0]
-    request = _request_of(query_start_loc, num_tokens)
+    request = token_request_index(query_start_loc, num_tokens)
     real = request < jnp.minimum(num_seqs[0], num_reqs)
     safe = jnp.minimum(request, num_reqs - 1)
     start = query_start_loc[safe]

@@ -35,6 +35,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
+
 CHUNK = 64
 
 
@@ -87,12 +89,6 @@ def _prepare(q, k, v, g, beta, qk_l2norm: bool):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def _request_of(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:  # i32[T]
-    """Each token's request (R for tokens past the last request's)."""
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    return jnp.searchsorted(query_start_loc[1:], tokens, side="right").astype(jnp.int32)
-
-
 def gated_delta_recurrent(
     q: jax.Array,  # [T, Hk, Dk]
     k: jax.Array,  # [T, Hk, Dk]
@@ -110,7 +106,7 @@ def gated_delta_recurrent(
     query_start_loc, state_slots, fresh, num_seqs = batch.arrays()
     states = jnp.asarray(states, jnp.float32)
     num_tokens, num_reqs = q.shape[0], state_slots.shape[0]
-    request = _request_of(query_start_loc, num_tokens)
+    request = token_request_index(query_start_loc, num_tokens)
     real = request < jnp.minimum(num_seqs[0], num_reqs)
     safe = jnp.minimum(request, num_reqs - 1)
     first = jnp.arange(num_tokens) == query_start_loc[safe]
@@ -162,7 +158,7 @@ def per_request(
     initial = jnp.where(fresh[:, None, None, None], 0.0, states[state_slots])
     qsl, count = query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32)
     out, final = kernel(q, k, v, g, beta, initial, qsl, count)
-    real = _request_of(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
+    real = token_request_index(query_start_loc, num_tokens) < jnp.minimum(num_seqs[0], num_reqs)
     slots = jnp.where(jnp.arange(num_reqs) < num_seqs[0], state_slots, states.shape[0])
     out = jnp.where(real[:, None, None], out, 0.0).astype(out_dtype)
     return out, states.at[slots].set(final, mode="drop")
@@ -250,7 +246,7 @@ def gated_delta_chunked(
     slots = jnp.where(real, state_slots, states.shape[0])  # padding: dropped
     states = states.at[slots].set(finals, mode="drop")
     # Each token's output from its request's window.
-    request = _request_of(query_start_loc, num_tokens)
+    request = token_request_index(query_start_loc, num_tokens)
     safe = jnp.minimum(request, num_reqs - 1)
     offset = jnp.arange(num_tokens) - query_start_loc[safe]
     out = outs[safe, jnp.clip(offset, 0, window - 1)]

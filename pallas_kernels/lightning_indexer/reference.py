@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
+
 
 def indexer_topk(
     q: jax.Array,  # f32[T, H, Di], RoPE'd at the queries' positions
@@ -32,8 +34,7 @@ def indexer_topk(
     scale: float,  # Di ** -0.5
 ) -> jax.Array:  # i32[T, k]: entry indices, best first; -1 past the visible ones
     num_tokens = q.shape[0]
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    request = jnp.searchsorted(query_start_loc[1:], tokens, side="right")
+    request = token_request_index(query_start_loc, num_tokens)
     request = jnp.minimum(request, block_table.shape[0] - 1)  # (padding tokens: any row)
     entries = keys[block_table].reshape(block_table.shape[0], -1, keys.shape[-1])  # [R, E, Di]
     per_token = entries[request]  # [T, E, Di]

@@ -43,6 +43,9 @@ class MoeConfig:
     intermediate_size: int  # each routed expert's
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False
+    # The gated FFNs' (routed and shared) gate clamped to <= limit and up to [-limit, limit]
+    # before the product (DeepSeek-V4's swiglu_limit); None: no clamp.
+    swiglu_limit: float | None = None
 
     @property
     def num_experts(self) -> int:
@@ -141,6 +144,57 @@ class HybridLayers:
         return sum(t == kind for t in self.layer_types)
 
 
+SLIDING_ATTENTION = "sliding_attention"
+COMPRESSED_SPARSE_ATTENTION = "compressed_sparse_attention"
+HEAVILY_COMPRESSED_ATTENTION = "heavily_compressed_attention"
+COMPRESSED_KINDS = (COMPRESSED_SPARSE_ATTENTION, HEAVILY_COMPRESSED_ATTENTION)
+HASH_MOE = "hash_moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedLayers:
+    """DeepSeek-V4's decoder (jaxinfer.models.deepseek_v4): shared-KV attention (one K=V head)
+    over a sliding window in every layer, beside compressed entries in the compressed
+    layers, one per `ratios[kind]` tokens (all of them: HCA; the Lightning Indexer's top-k:
+    CSA); a low-rank query path and a grouped low-rank output projection; `hc_mult` residual
+    streams (hyper-connections); hash-routed MoE layers first."""
+
+    layer_types: tuple[str, ...]  # sliding / compressed sparse / heavily compressed attention
+    mlp_layer_types: tuple[str, ...]  # "hash_moe" (experts by token id) or "moe"
+    ratios: tuple[tuple[str, int], ...]  # (kind, tokens per compressed entry)
+    rotary_dim: int  # RoPE on each head's trailing rotary_dim dims, interleaved pairs
+    compress_rope_theta: float  # the compressed layers' RoPE base (sliding ones: rope_theta)
+    q_lora_rank: int
+    o_groups: int  # the output projection's head groups ...
+    o_lora_rank: int  # ... each projected to this rank first
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int  # residual streams
+    hc_sinkhorn_iters: int
+    hc_eps: float
+
+    def __post_init__(self):
+        kinds = (SLIDING_ATTENTION, *COMPRESSED_KINDS)
+        if set(self.layer_types) - set(kinds):
+            raise ValueError(f"layer_types {sorted(set(self.layer_types))} are not all of {kinds}")
+        if set(self.mlp_layer_types) - {HASH_MOE, "moe"}:
+            raise ValueError(f"mlp_layer_types {sorted(set(self.mlp_layer_types))} are not all "
+                             "of hash_moe, moe")  # fmt: skip
+        if len(self.mlp_layer_types) != len(self.layer_types):
+            raise ValueError("mlp_layer_types and layer_types differ in length")
+
+    def ratio(self, kind: str) -> int:
+        return dict(self.ratios)[kind]
+
+    def count(self, kind: str) -> int:
+        return sum(t == kind for t in self.layer_types)
+
+    def index(self, layer: int) -> int:
+        """The layer's index among the layers of its kind."""
+        return self.layer_types[:layer].count(self.layer_types[layer])
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Architecture hyper-parameters; names follow Hugging Face's LlamaConfig."""
@@ -182,6 +236,8 @@ class LlamaConfig:
     # Linear-attention layers beside the attention layers (a hybrid model); None: attention
     # in every layer.
     hybrid: HybridLayers | None = None
+    # DeepSeek-V4's compressed attention, hyper-connections and MoE; None: another family.
+    compressed: CompressedLayers | None = None
 
     @property
     def num_kv_layers(self) -> int:

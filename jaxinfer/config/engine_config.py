@@ -15,8 +15,10 @@ from jaxinfer.config.cache_specs import (
     num_attention_layers,
     state_bytes_per_request,
 )
+from jaxinfer.config.compressed import size_pools
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolved import ResolvedOptions
+from jaxinfer.layers.compressed_cache import entry_columns
 from jaxinfer.layers.kv_cache import KVCacheFormat
 from jaxinfer.layers.quantization import Quantization
 from jaxinfer.models.families.hf_config import read_config
@@ -48,6 +50,9 @@ class CacheConfig:
     # A hybrid model's slots for its states at block boundaries (prefix caching; 0: none),
     # beside one slot per request row (jaxinfer.engine.scheduling.state_checkpoints).
     state_checkpoints: int = 0
+    # DeepSeek-V4's compressed stores: (key, blocks of block_size entries, the null block 0
+    # included) each (jaxinfer.config.compressed)
+    entry_blocks: tuple[tuple[str, int], ...] = ()
 
     def capacity_tokens(self) -> int:
         """Tokens the pool holds (the null block aside)."""
@@ -137,6 +142,16 @@ class EngineConfig:
     def max_blocks_per_request(self) -> int:
         return -(-self.model.max_model_len // self.cache.block_size)
 
+    @property
+    def block_table_width(self) -> int:
+        """A block-table row's columns: the request's KV blocks, then (DeepSeek-V4) each
+        compressed kind's entry blocks (jaxinfer.layers.compressed_cache.entry_columns)."""
+        arch = self.model.arch
+        if arch.compressed is None:
+            return self.max_blocks_per_request
+        columns = entry_columns(arch, self.cache.block_size, self.model.max_model_len)
+        return columns[-1][2] if columns else self.max_blocks_per_request
+
 
 def token_buckets(
     max_num_batched_tokens: int, chosen: tuple[int, ...] | None = None
@@ -216,7 +231,8 @@ def build_engine_config(
     kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
     specs = layer_specs(arch, dtype)
     bytes_per_block = 0  # on each device: the caches are split by KV heads
-    for cached in [arch] + ([read_config(draft_path / "config.json")] if draft_path else []):
+    cached_models = [arch] + ([read_config(draft_path / "config.json")] if draft_path else [])
+    for cached in cached_models if arch.compressed is None else []:
         heads = cached.num_key_value_heads * kv_replicas(cached, tp) // tp
         layers = num_attention_layers(layer_specs(cached, dtype))
         bytes_per_block += kv_format.bytes_per_block(
@@ -232,7 +248,11 @@ def build_engine_config(
             f"states of {options.max_num_seqs} requests and {checkpoints} prefix checkpoints "
             f"({states} bytes); raise it or lower max_num_seqs"
         )
-    if bytes_per_block == 0:  # no attention layer (every layer linear): blocks cost nothing
+    entry_blocks = ()
+    if arch.compressed is not None:
+        pools = size_pools(arch, specs, options, budget, dtype)
+        num_blocks, entry_blocks = pools.num_blocks, pools.entry_blocks
+    elif bytes_per_block == 0:  # no attention layer (every layer linear): blocks cost nothing
         blocks_per_request = -(-max_model_len // options.block_size)
         num_blocks = options.num_kv_blocks or options.max_num_seqs * blocks_per_request + 1
     else:
@@ -257,6 +277,7 @@ def build_engine_config(
             kv_format=kv_format,
             layer_specs=specs,
             state_checkpoints=checkpoints,
+            entry_blocks=entry_blocks,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,

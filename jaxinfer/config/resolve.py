@@ -1,9 +1,9 @@
-"""The one place where "auto" is settled: EngineOptions and the Platform (plus the model's
-shape and the kernel registry) in, a frozen ResolvedOptions and the ModelKernels out. Every
-choice made from "auto" records why (`ResolvedOptions.describe()`, logged at start-up and
-returned at GET /v1/engine); nothing downstream decides again. On a GPU each Pallas kernel
-chosen is first probed on the model's shapes (jaxinfer.layers.kernel_probe): "auto" falls
-back to the reference where one fails, an explicit "pallas" that fails is an error.
+"""The one place where "auto" is settled: EngineOptions and the Platform (plus the model's shape
+and the kernel registry) in, a frozen ResolvedOptions and the ModelKernels out. Every choice
+made from "auto" records why (`ResolvedOptions.describe()`, logged at start-up and returned at
+GET /v1/engine); nothing downstream decides again. On a GPU each Pallas kernel chosen is first
+probed on the model's shapes (jaxinfer.layers.kernel_probe): "auto" falls back to the
+reference where one fails, an explicit "pallas" that fails is an error.
 
 The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and one device
 (XLA cannot split a custom call over a mesh), and a C++ compiler to build them once:
@@ -16,10 +16,10 @@ The C++ kernels for XLA:CPU (cpu_kernels) need XLA:CPU, float32 activations and 
   (cpu_kernels/gguf_matmul), with float or int8 activations.
 
 batch_invariant (CPU): every product through the C++ matmul kernel in its fixed order, no XLA
-GEMM or GGUF blocks; attention through the C++ kernel; norms through the "invariant"
-reference and the sampler's sums as fixed trees (jaxinfer.config.invariant has the rules).
-On a GPU: the projections through the Pallas matmul kernel (jaxinfer.layers.pallas_matmul),
-the Pallas attention and norm kernels in their invariant forms, float weights only.
+GEMM or GGUF blocks; attention through the C++ kernel; norms through the "invariant" reference
+and the sampler's sums as fixed trees (jaxinfer.config.invariant has the rules). On a GPU: the
+projections through the Pallas matmul kernel (jaxinfer.layers.pallas_matmul), the Pallas
+attention and norm kernels in their invariant forms, float weights only.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from pathlib import Path
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import speculative
+from jaxinfer.config.compressed import check_compressed
+from jaxinfer.config.compressed import prefix_caching as compressed_prefix_caching
 from jaxinfer.config.gated_delta import gated_delta_kernel
 from jaxinfer.config.hybrid import check_hybrid, prefix_caching
 from jaxinfer.config.invariant import check_invariant_request
@@ -68,6 +70,7 @@ def resolve(
     this GPU at the model's shapes, or None (jaxinfer.layers.kernel_probe); "auto" then takes
     the reference, an explicit "pallas" is an error."""
     check_hybrid(options, arch)
+    check_compressed(options, arch)
     r = _Resolver(options, platform, arch, registry, gguf_source, probe)
     ffn = r.pick("ffn", options.ffn_impl)
     norm = r.pick("norm", options.norm_impl)
@@ -116,7 +119,8 @@ def resolve(
         compilation_cache_dir=r.compilation_cache_dir(),
         lora=lora,
         gated_delta=delta,
-        prefix_caching=prefix_caching(options, arch, r.reasons),
+        prefix_caching=prefix_caching(options, arch, r.reasons)
+        and compressed_prefix_caching(options, arch, r.reasons),
         reasons=tuple(sorted(r.reasons.items())),
     )
     kernels = r.kernels(resolved, attention_fn, matmul_fn, gguf_fn, pallas_matmul)
@@ -209,6 +213,9 @@ class _Resolver:
         options, reasons = self.options, self.reasons
         reference_ffn = self.registry.get("ffn", ffn) is fused_ffn_reference
         layout = options.weight_layout
+        if layout == "auto" and self.arch.compressed is not None:
+            layout = IN_OUT
+            reasons["weight_layout"] = "DeepSeek-V4's layers take the checkpoint's layout"
         if layout == "auto" and (self.invariant or self.options.matmul_impl in PALLAS_MATMULS):
             layout = OUT_IN
             reasons["weight_layout"] = "the matmul kernel's layout" + (
@@ -334,8 +341,8 @@ class _Resolver:
     def layer_execution(self, matmul_fn) -> str:
         if self.options.layer_execution != "auto":
             return self.options.layer_execution
-        if self.arch.hybrid is not None:
-            execution, why = "scan", "a hybrid model's layers run as a scan over their periods"
+        if self.arch.hybrid is not None or self.arch.compressed is not None:
+            execution, why = "scan", "the model's own layers (hybrid, DeepSeek-V4) in one program"
         elif matmul_fn is not None:
             execution, why = "scan", "the matmul kernel reads each layer's weights in place"
         elif self.cpu:

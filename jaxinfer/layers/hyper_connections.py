@@ -38,7 +38,7 @@ class HeadWeights:
     scale: jax.Array  # f32[1]
 
 
-def _unweighted_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+def unweighted_rms_norm(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
@@ -53,7 +53,7 @@ def mix_weights(
     """The block's input (the streams collapsed by `pre`), and the `post` and `comb`
     weightings that expand() applies after it."""
     num_tokens, num, _ = streams.shape
-    flat = _unweighted_rms_norm(streams.reshape(num_tokens, -1), norm_eps)
+    flat = unweighted_rms_norm(streams.reshape(num_tokens, -1), norm_eps)
     logits = flat @ weights.fn.T  # [T, (2 + N) * N]
     pre_logits, post_logits, comb_logits = jnp.split(logits, [num, 2 * num], axis=-1)
     pre_base, post_base, comb_base = jnp.split(weights.base, [num, 2 * num])
@@ -92,6 +92,6 @@ def collapse_head(
     norm_eps: float,
 ) -> jax.Array:  # f32[T, E]
     """The streams collapsed into the hidden state the final norm and LM head read."""
-    flat = _unweighted_rms_norm(streams.reshape(streams.shape[0], -1), norm_eps)
+    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1), norm_eps)
     pre = jax.nn.sigmoid(flat @ head.fn.T * head.scale + head.base) + eps
     return jnp.einsum("tn,tne->te", pre, streams)

@@ -136,6 +136,14 @@ def dense_ffn(x: jax.Array, gate_up, down, kernels, activation: str = "silu") ->
     return gated_ffn_out_in(x, gate_up, down, activation)
 
 
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None = None) -> jax.Array:
+    """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit), gate clamped to <= limit
+    and up to [-limit, limit] first."""
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
 def own_kernel(weight) -> bool:
     """Whether a weight's format multiplies only through its own kernel (`project`): it has
     no array XLA's paths could take (jaxinfer.layers.weights.Int4)."""

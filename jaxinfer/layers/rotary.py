@@ -50,3 +50,27 @@ def apply_rotary(x: jnp.ndarray, cos_sin: jnp.ndarray) -> jnp.ndarray:
     x2 = x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_interleaved_rotary(
+    x: jnp.ndarray,  # [T, ..., D]
+    positions: jnp.ndarray,  # i32[T]
+    theta: float,
+    rotary_dim: int,
+    *,
+    inverse: bool = False,
+) -> jnp.ndarray:
+    """DeepSeek-V4's RoPE: the trailing `rotary_dim` dims of each vector turned in pairs of
+    neighbours (2i, 2i + 1) by position * theta^(-2i / rotary_dim); `inverse` turns them
+    back (the angle negated)."""
+    inv_freq = jnp.asarray(inverse_frequencies(rotary_dim, theta, None))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, R / 2]
+    angles = angles.reshape(angles.shape[0], *([1] * (x.ndim - 2)), -1)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if inverse:
+        sin = -sin
+    pairs = x[..., -rotary_dim:].astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    first, second = pairs[..., 0], pairs[..., 1]
+    turned = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    turned = turned.reshape(*x.shape[:-1], rotary_dim).astype(x.dtype)
+    return jnp.concatenate([x[..., :-rotary_dim], turned], axis=-1)

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.weights import mapped
+from jaxinfer.model_loader.deepseek_v4_weights import load_deepseek_v4
 from jaxinfer.model_loader.hybrid_weights import load_hybrid_layers
 from jaxinfer.model_loader.quantized_checkpoint import read_linear
 from jaxinfer.models.families import family_for_architecture
@@ -122,6 +123,10 @@ def params_from_reader(
     assembled the same way (jaxinfer.model_loader.quantized_checkpoint).
     """
     cfg = config
+    if cfg.compressed is not None:  # DeepSeek-V4's own names and tree
+        if skip or kv_replicas != 1:
+            raise ValueError("DeepSeek-V4 loads from safetensors only, its one K=V head whole")
+        return load_deepseek_v4(reader, cfg, dtype)
     E, I, V, D = cfg.hidden_size, cfg.dense_intermediate_size, cfg.vocab_size, cfg.head_dim  # noqa: E741
     K = cfg.num_key_value_heads // kv_replicas  # the checkpoint's
     q, kv = cfg.q_size, K * D

@@ -50,8 +50,8 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: LlamaConfig, params: dict):
         self.config = config
         for name, value in params.items():
-            if name == "layers":
-                self.layers = _Params(value)
+            if isinstance(value, dict):  # the layers (DeepSeek-V4's hc_head)
+                setattr(self, name, _Params(value))
             elif name in ("rope_cache", "rope_cache_local"):
                 # Static (not a Param): rebuilt from the config, never loaded.
                 setattr(self, name, nnx.Variable(value))  # f32[max_positions, 2, D / 2]
@@ -325,6 +325,8 @@ def build_llama(
         values = with_q4_blocks(values, int4_blocks)
     axes = weight_axes(values)
     values, axes = to_layout(values, weight_layout), to_layout(axes, weight_layout)
+    if config.compressed is not None:  # (DeepSeek-V4 turns its RoPE from the positions)
+        return _split(config, values, axes, partitioner, model_class)
     values["rope_cache"] = cos_sin_cache(
         config.max_position_embeddings, config.rotary_dim, config.rope_theta, config.rope_scaling
     )
@@ -334,6 +336,10 @@ def build_llama(
             config.max_position_embeddings, config.head_dim, config.rope_local_theta, None
         )
         axes["rope_cache_local"] = PARAM_AXES["rope_cache"]
+    return _split(config, values, axes, partitioner, model_class)
+
+
+def _split(config, values, axes, partitioner, model_class) -> tuple[nnx.GraphDef, nnx.State]:
     if partitioner is None:
         placed = jax.tree.map(jnp.asarray, values)
     else:

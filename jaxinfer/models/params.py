@@ -65,7 +65,41 @@ PARAM_AXES = {
             "q_norm": ("layers", None),
             "k_norm": ("layers", None),
         },
+        # DeepSeek-V4's (jaxinfer.model_loader.deepseek_v4_weights), whole on every device
+        # (tensor parallelism is refused for it yet)
+        **{name: ("layers", None) for name in ("q_a_norm", "kv_norm", "sinks")},
+        **{name: ("layers", None, None) for name in ("q_a_proj", "q_b_proj", "kv_proj")},
+        "o_a_proj": ("layers", None, None, None),
+        "o_b_proj": ("layers", None, "embed"),
+        **{
+            hc: {"fn": ("layers", None, None), "base": ("layers", None), "scale": ("layers", None)}
+            for hc in ("attn_hc", "ffn_hc")
+        },
+        "hash": {"tid2eid": ("layers", "vocab", None)},
+        "hca": {
+            **{name: ("layers", "embed", None) for name in ("kv_proj", "gate_proj")},
+            "position_bias": ("layers", None, None),
+            "kv_norm": ("layers", None),
+        },
+        "csa": {
+            **{
+                name: ("layers", "embed", None)
+                for name in (
+                    "kv_proj",
+                    "gate_proj",
+                    "index_kv_proj",
+                    "index_gate_proj",
+                    "index_weights_proj",
+                )
+            },
+            **{
+                name: ("layers", None, None)
+                for name in ("position_bias", "index_position_bias", "index_q_b_proj")
+            },
+            **{name: ("layers", None) for name in ("kv_norm", "index_kv_norm")},
+        },
     },
+    "hc_head": {"fn": (None, None), "base": (None,), "scale": (None,)},
 }
 
 

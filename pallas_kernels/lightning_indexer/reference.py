@@ -32,7 +32,7 @@ def indexer_topk(
     ratio: int,  # tokens per entry
     topk: int,
     scale: float,  # Di ** -0.5
-) -> jax.Array:  # i32[T, k]: entry indices, best first; -1 past the visible ones
+) -> jax.Array:  # i32[T, min(k, E)]: entry indices, best first; -1 past the visible ones
     num_tokens = q.shape[0]
     request = token_request_index(query_start_loc, num_tokens)
     request = jnp.minimum(request, block_table.shape[0] - 1)  # (padding tokens: any row)
@@ -42,5 +42,5 @@ def indexer_topk(
     scores = jnp.einsum("the,th->te", scores, weights)  # [T, E]
     visible = jnp.arange(per_token.shape[1]) < ((positions + 1) // ratio)[:, None]
     scores = jnp.where(visible, scores, -jnp.inf)
-    best, picks = jax.lax.top_k(scores, topk)
+    best, picks = jax.lax.top_k(scores, min(topk, scores.shape[1]))  # (no more than the store)
     return jnp.where(best > -jnp.inf, picks, -1).astype(jnp.int32)

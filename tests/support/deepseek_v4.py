@@ -53,14 +53,28 @@ def rope(x: np.ndarray, positions: np.ndarray, config, rope_dim: int) -> np.ndar
     return np.concatenate([x[..., :-rope_dim], rotated.reshape(*x.shape[:-1], rope_dim)], -1)
 
 
-def hf_config():
+# Every layer kind twice, hash-routed MoE in the first two (a whole model's tests).
+LAYER_TYPES = (
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "sliding_attention",
+)
+
+
+def hf_config(layer_types: tuple[str, ...] | None = None, **overrides):
+    """The tiny config; with `layer_types`, that many layers of those kinds."""
     import transformers
 
-    return transformers.DeepseekV4Config(
+    layers = {} if layer_types is None else {"layer_types": list(layer_types)}
+    fields = dict(
         vocab_size=64,
         hidden_size=HIDDEN,
         moe_intermediate_size=16,
-        num_hidden_layers=2,
+        num_hidden_layers=2 if layer_types is None else len(layer_types),
+        **layers,
         num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=DIM,
@@ -76,3 +90,32 @@ def hf_config():
         index_topk=4,
         sliding_window=8,
     )
+    return transformers.DeepseekV4Config(**{**fields, **overrides})
+
+
+def random_model(layer_types: tuple[str, ...] = LAYER_TYPES, seed: int = 0, **overrides):
+    """A tiny DeepseekV4ForCausalLM with every weight drawn at a scale that makes each part
+    count (HF's init zeroes the sinks, biases and position biases), the hash-routed layers'
+    token -> experts tables random (distinct experts per token). 16 indexer heads: with few,
+    a query's score of an entry is often exactly 0 (every head's ReLU cut), and torch.topk
+    breaks such ties otherwise than jax.lax.top_k (the lower index)."""
+    import torch
+    import transformers
+
+    config = hf_config(layer_types, **{"index_n_heads": 16, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    experts, k = config.n_routed_experts, config.num_experts_per_tok
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(experts, generator=generator)[:k] for _ in tensor]
+                tensor.copy_(torch.stack(rows))
+            elif "norm" in name or name.endswith("scale"):
+                tensor.copy_(1 + 0.2 * torch.randn(tensor.shape, generator=generator))
+            else:
+                tensor.copy_(0.3 * torch.randn(tensor.shape, generator=generator))
+    return model

@@ -1,13 +1,15 @@
 """The KV-cache manager's other kinds of entry: a hybrid model's recurrent-state slot per
 request, held with the request's blocks and freed with them, and its states checkpointed at
-block boundaries for prefix hits; usage and capacity reported beside the blocks'; and the
-layer groups' cache specs the manager is built from."""
+block boundaries for prefix hits; DeepSeek-V4's compressed entries in pools of their own;
+usage and capacity reported beside the blocks'; and the layer groups' cache specs the manager
+is built from."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax.numpy as jnp
+import pytest
 
 from jaxinfer.arch_config import (
     FULL_ATTENTION,
@@ -15,7 +17,13 @@ from jaxinfer.arch_config import (
     HybridLayers,
     LinearAttentionShape,
 )
-from jaxinfer.config.cache_specs import AttentionSpec, StateSpec, layer_specs, released_window
+from jaxinfer.config.cache_specs import (
+    AttentionSpec,
+    CompressedSpec,
+    StateSpec,
+    layer_specs,
+    released_window,
+)
 from jaxinfer.engine.scheduling.kv_cache_manager import KVCacheManager
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.models.shapes import shape
@@ -194,3 +202,78 @@ def test_each_layer_group_declares_its_cache_spec():
     conv, delta = (2 * 2 * 8 + 4 * 8) * 3 * 4, 4 * 8 * 8 * 4  # [C, K - 1], f32[Hv, Dk, Dv]
     assert specs == (StateSpec((0, 2), 2 * (conv + delta)), AttentionSpec((1, 3)))
     assert released_window(specs) is None
+
+
+# DeepSeek-V4's groups: a sliding window of 8 positions over every layer, CSA entries (one
+# per 4 tokens) and HCA entries (one per 16), the compressors' states
+COMPRESSED = (
+    AttentionSpec((0, 1, 2), 8, shared_kv=True),
+    CompressedSpec((1,), "csa", 4, 100),
+    CompressedSpec((2,), "hca", 16, 100),
+    StateSpec((1, 2), 1000),
+)
+
+
+def test_compressed_entries_grow_with_the_context_from_their_own_pools():
+    kv = KVCacheManager(
+        4, 17, False, COMPRESSED, state_slots=2, entry_blocks=(("csa", 4), ("hca", 2))
+    )
+    assert kv.capacity() == {
+        "kv_blocks": 16, "recurrent_states": 2, "csa_entry_blocks": 3, "hca_entry_blocks": 1,
+    }  # fmt: skip
+    first = _request("a", list(range(3, 40)))  # 37 tokens
+    assert kv.allocate_blocks(first, 15)  # 15 tokens: 3 CSA entries, no HCA entry yet
+    assert first.entry_block_ids == {"csa": [1], "hca": []}
+    first.num_computed_tokens = 15
+    assert kv.allocate_blocks(first, 17)  # 32 tokens: 8 CSA entries (2 blocks), 2 HCA
+    assert [len(b) for b in first.entry_block_ids.values()] == [2, 1]
+    first.num_computed_tokens = 32
+    # the window's blocks behind position 32 - 8 + 1 went back (null in their place)
+    assert kv.allocate_blocks(first, 1) and first.block_ids[:6] == [0] * 6
+    second = _request("b", list(range(3, 40)))
+    # HCA's one usable block is held: refused, and nothing taken from any pool
+    free = [kv.pool.num_free_blocks, *(p.num_free_blocks for p in kv.entry_pools.values())]
+    assert not kv.allocate_blocks(second, 20)
+    assert second.block_ids == [] and second.entry_block_ids == {}
+    assert free == [kv.pool.num_free_blocks, *(p.num_free_blocks for p in kv.entry_pools.values())]
+    kv.free(first)  # finished, aborted or preempted: every pool gets its blocks back
+    assert first.entry_block_ids == {} and kv.usage() == {
+        "kv_blocks": 0.0, "recurrent_states": 0.0, "csa_entry_blocks": 0.0,
+        "hca_entry_blocks": 0.0,
+    }  # fmt: skip
+    assert kv.allocate_blocks(second, 20)
+
+
+def test_compressed_entries_refuse_prefix_caching_and_need_their_pools():
+    with pytest.raises(ValueError, match="prefix caching is not supported"):
+        KVCacheManager(4, 9, True, COMPRESSED, 2, entry_blocks=(("csa", 4), ("hca", 2)))
+    with pytest.raises(ValueError, match="one pool each"):
+        KVCacheManager(4, 9, False, COMPRESSED, 2, entry_blocks=(("csa", 4),))
+
+
+def test_compressed_pools_split_the_budget_for_the_same_context_in_every_kind():
+    from jaxinfer.config.compressed import size_pools
+    from jaxinfer.config.options import EngineOptions
+    from jaxinfer.models.families.hf_config import config_from_dict
+    from tests.support.deepseek_v4 import LAYER_TYPES, hf_config
+
+    cfg = hf_config(LAYER_TYPES).to_dict() | {"architectures": ["DeepseekV4ForCausalLM"]}
+    arch = config_from_dict(cfg)
+    specs = layer_specs(arch, jnp.float32)
+    options = EngineOptions(
+        kv_cache_memory_gb=0.01, block_size=8, max_num_seqs=4, max_num_batched_tokens=32
+    )
+    pools = size_pools(arch, specs, options, int(0.01 * (1 << 30)), jnp.float32)
+    # the window: 4 requests' windows (8 positions: 1 block, + 2) and a step's 32 tokens
+    assert pools.num_blocks == 4 * 3 + 4 + 2
+    blocks = dict(pools.entry_blocks)
+    # the same tokens of context in each kind (blocks of 8 entries of 4 or 8 tokens each)
+    assert abs((blocks["csa"] - 1) * 8 * 4 - (blocks["hca"] - 1) * 8 * 8) <= 8 * 8
+    window = pools.num_blocks * 6 * 8 * 16 * 4  # layers, positions, head dim, float32
+    entries = (blocks["csa"] * 2 * (16 + 8) + blocks["hca"] * 2 * 16) * 8 * 4
+    assert 0.98 * (1 << 30) * 0.01 < window + entries <= 1.001 * (1 << 30) * 0.01
+    with_blocks = size_pools(
+        arch, specs, dataclasses.replace(options, num_kv_blocks=11), 0, jnp.float32
+    )  # num_kv_blocks: the window's, and every kind sized for the 80 tokens they hold
+    assert with_blocks.num_blocks == 11
+    assert dict(with_blocks.entry_blocks) == {"csa": 80 // 32 + 1 + 1, "hca": 80 // 64 + 1 + 1}

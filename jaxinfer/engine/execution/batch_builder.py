@@ -27,14 +27,25 @@ from jaxinfer.engine.execution.step import (
 )
 from jaxinfer.engine.sampling.constraints import bitmask_width
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK
+from jaxinfer.layers.compressed_cache import entry_columns
 from jaxinfer.sampling_params import MAX_LOGPROBS
+
+
+def _num_blocks(item: ScheduledRequest) -> int:
+    """The blocks of a request's block-table row (KV, and compressed entries')."""
+    return len(item.block_ids) + sum(len(blocks) for blocks in item.entry_block_ids)
 
 
 class BatchBuilder:
     def __init__(self, config: EngineConfig):
         self.block_size = config.cache.block_size
-        self.max_blocks = config.max_blocks_per_request
+        self.max_blocks = config.block_table_width
         self.max_model_len = config.model.max_model_len
+        arch = config.model.arch
+        # DeepSeek-V4's: where each compressed store's entry blocks start in a row
+        self.entry_starts = () if arch.compressed is None else tuple(
+            start for _, start, _ in entry_columns(arch, self.block_size, self.max_model_len)
+        )  # fmt: skip
         self.vocab_size = config.model.arch.vocab_size
         self.scheduler_config = config.scheduler
         # The token buckets steps may take: all of them, or (EngineOptions.warmup
@@ -153,7 +164,7 @@ class BatchBuilder:
             else:
                 block_array = np.asarray(blocks, np.int32)
                 inputs.slot_mapping[start:end] = block_array[positions // bs] * bs + positions % bs
-            if self.rows.synced_blocks(item.request_id) != len(blocks):
+            if self.rows.synced_blocks(item.request_id) != _num_blocks(item):
                 changed_blocks.append((row, item))
             if item.row_init is not None:
                 fresh.append((row, item))
@@ -244,7 +255,9 @@ class BatchBuilder:
         for index, (row, item) in enumerate(changed):
             rows[index] = row
             values[index, : len(item.block_ids)] = item.block_ids
-            self.rows.set_synced_blocks(item.request_id, len(item.block_ids))
+            for start, entry_blocks in zip(self.entry_starts, item.entry_block_ids, strict=True):
+                values[index, start : start + len(entry_blocks)] = entry_blocks
+            self.rows.set_synced_blocks(item.request_id, _num_blocks(item))
         return RowValues(rows, values)
 
     def _penalty_rows(self, fresh: list[tuple[int, ScheduledRequest]]) -> PenaltyRows | None:

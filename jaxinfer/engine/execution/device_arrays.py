@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.layers import lora
+from jaxinfer.layers import compressed_cache, lora
 from jaxinfer.layers.kv_cache import CacheConstants, KVCache
 from jaxinfer.layers.state_cache import CONV_AXES, DELTA_AXES, HybridCache, state_shapes
 from jaxinfer.parallel.sharding import Partitioner
@@ -19,12 +19,22 @@ def allocate_kv_cache(
     config: EngineConfig,
     partitioner: Partitioner,
     constants: CacheConstants = CacheConstants(),  # noqa: B008 (frozen)
-) -> KVCache | HybridCache:
+) -> KVCache | HybridCache | compressed_cache.CompressedCache:
     """The empty cache in config.cache.kv_format: values [L, 2, NB, BS, K, D] and the
     format's scales (jaxinfer.layers.kv_cache); a hybrid model's for its attention layers,
     with its linear layers' state slots beside it, one per request row and per prefix
-    checkpoint (after the rows')."""
+    checkpoint (after the rows'); DeepSeek-V4's (jaxinfer.layers.compressed_cache)."""
     arch, cache = config.model.arch, config.cache
+    if arch.compressed is not None:  # DeepSeek-V4's (one device: tensor parallelism refused)
+        return compressed_cache.allocate(
+            arch,
+            cache.num_blocks,
+            cache.block_size,
+            dict(cache.entry_blocks),
+            config.scheduler.max_num_seqs + 1,
+            config.model.max_model_len,
+            config.model.dtype,
+        )
     shape = (
         arch.num_kv_layers,
         2,

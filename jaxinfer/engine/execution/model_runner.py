@@ -215,8 +215,8 @@ class ModelRunner:
         num_rows = config.scheduler.max_num_seqs + 1
         vocab = arch.vocab_size
         self.block_table = part.full(
-            (num_rows, config.max_blocks_per_request), NULL_BLOCK, jnp.int32
-        )  # [S, MB]
+            (num_rows, config.block_table_width), NULL_BLOCK, jnp.int32
+        )  # [S, MB] (DeepSeek-V4: and its entry blocks' columns)
         self.last_tokens = part.zeros((num_rows,), jnp.int32)  # [S]
         self.sampler_state = SamplerState(
             output_counts=part.zeros((num_rows, vocab), jnp.int32),

@@ -71,6 +71,9 @@ class ScheduledRequest:
     # slot its states start from (a prefix hit) and the slot they are kept in after the step.
     state_restore: int = -1
     state_save: int = -1
+    # DeepSeek-V4's compressed entries' blocks after this step's allocation, by store in
+    # the order of the block-table row's columns (jaxinfer.layers.compressed_cache)
+    entry_block_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_sample_rows(self) -> int:

@@ -15,8 +15,9 @@ groups K/V in the shared blocks; a hybrid model's linear-attention layers, per r
 request, a recurrent-state slot (the short convolution's and the delta rule's states)
 instead: the manager holds one for each request it gives blocks to, up to `state_slots`, and
 frees it with them (the device slot is the request's row, jaxinfer.layers.state_cache). With prefix caching, their
-states at block boundaries are kept too, for prefix hits (state_checkpoints). Usage is reported
-per kind.
+states at block boundaries are kept too, for prefix hits (state_checkpoints). DeepSeek-V4's
+compressed kinds keep one entry per `ratio` tokens in blocks from a pool of their own, given
+with the request's KV blocks (all or none) and freed with them. Usage is reported per kind.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import hashlib
 import numpy as np
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.config.cache_specs import AttentionSpec, CacheSpec, StateSpec, released_window
+from jaxinfer.config.cache_specs import (
+    AttentionSpec,
+    CacheSpec,
+    StateSpec,
+    compressed_specs_of,
+    released_window,
+)
 from jaxinfer.engine.scheduling.block_pool import NULL_BLOCK, BlockPool
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.engine.scheduling.state_checkpoints import StateCheckpoints
@@ -59,12 +66,14 @@ class KVCacheManager:
         specs: tuple[CacheSpec, ...] = (AttentionSpec(()),),
         state_slots: int = 0,
         state_checkpoints: int = 0,
+        entry_blocks: tuple[tuple[str, int], ...] = (),
     ):
         """specs: what each group of the model's layers keeps per request
         (jaxinfer.config.cache_specs). The attention groups share the block pool: blocks
         behind a sliding window that every group has go back to it. A recurrent-state group
         holds one of `state_slots` per running request, and checkpoints of it at block
-        boundaries in `state_checkpoints` more (with prefix caching)."""
+        boundaries in `state_checkpoints` more (with prefix caching). A compressed group's
+        entries come from a pool of its own (`entry_blocks`: blocks per store)."""
         if any(isinstance(s, StateSpec) for s in specs) != bool(state_slots):
             raise ValueError("state_slots go with a recurrent-state layer group, and only then")
         self.specs = specs
@@ -77,6 +86,13 @@ class KVCacheManager:
             self.checkpoints = StateCheckpoints(state_checkpoints)
             self.pool.on_evict = self.checkpoints.drop
         self.enable_prefix_caching = enable_prefix_caching
+        sizes = dict(entry_blocks)
+        self.compressed = compressed_specs_of(specs)
+        if {s.key for s in self.compressed} != set(sizes):
+            raise ValueError("entry_blocks go with the compressed layer groups, one pool each")
+        if self.compressed and enable_prefix_caching:
+            raise ValueError("prefix caching is not supported with compressed entries")
+        self.entry_pools = {s.key: BlockPool(sizes[s.key]) for s in self.compressed}
         self.sliding_window = released_window(specs)  # (None: blocks held to the end)
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
@@ -94,6 +110,7 @@ class KVCacheManager:
             cache.layer_specs,
             state_slots=config.scheduler.max_num_seqs if has_states else 0,
             state_checkpoints=cache.state_checkpoints,
+            entry_blocks=cache.entry_blocks,
         )
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -213,6 +230,13 @@ class KVCacheManager:
         unheld_hits = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
         if max(missing, 0) > self.pool.num_free_blocks - unheld_hits:
             return False
+        entries_missing = {
+            s.key: self.blocks_for((total + num_new_tokens) // s.ratio)
+            - len(request.entry_block_ids.get(s.key, ()))
+            for s in self.compressed
+        }
+        if any(n > self.entry_pools[k].num_free_blocks for k, n in entries_missing.items()):
+            return False
         if self.state_slots and request.request_id not in self._state_holders:
             if len(self._state_holders) >= self.state_slots:
                 return False
@@ -227,6 +251,10 @@ class KVCacheManager:
             request.num_computed_tokens = total
         if missing > 0:
             request.block_ids.extend(self.pool.allocate(missing))
+        for key, n in entries_missing.items():
+            blocks = request.entry_block_ids.setdefault(key, [])
+            if n > 0:
+                blocks.extend(self.entry_pools[key].allocate(n))
         return True
 
     def free_outside_window(self, request: Request) -> int:
@@ -275,6 +303,8 @@ class KVCacheManager:
             usage["recurrent_states"] = len(self._state_holders) / self.state_slots
         if self.checkpoints is not None:
             usage["state_checkpoints"] = self.checkpoints.usage
+        for key, pool in self.entry_pools.items():
+            usage[f"{key}_entry_blocks"] = pool.usage
         return usage
 
     def capacity(self) -> dict[str, int]:
@@ -284,6 +314,8 @@ class KVCacheManager:
             capacity["recurrent_states"] = self.state_slots
         if self.checkpoints is not None:
             capacity["state_checkpoints"] = self.checkpoints.num_slots
+        for key, pool in self.entry_pools.items():
+            capacity[f"{key}_entry_blocks"] = pool.num_blocks - 1
         return capacity
 
     def holds_state(self, request: Request) -> bool:
@@ -303,4 +335,7 @@ class KVCacheManager:
             self.checkpoints.forget_producer(request.request_id)
         self.pool.free([b for b in request.block_ids[::-1] if b != NULL_BLOCK])
         request.block_ids = []
+        for key, blocks in request.entry_block_ids.items():
+            self.entry_pools[key].free(blocks[::-1])
+        request.entry_block_ids = {}
         request.num_cached_blocks = 0

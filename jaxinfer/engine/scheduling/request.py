@@ -61,6 +61,8 @@ class Request:
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
+    # DeepSeek-V4's compressed entries' blocks, by store ("csa", "hca"), in entry order
+    entry_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of full blocks
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache

@@ -252,6 +252,7 @@ class Scheduler:
             num_new_tokens=num_new,
             token_ids=tuple(request.all_token_ids[first : first + num_new - num_drafts]) + drafts,
             block_ids=tuple(request.block_ids),
+            entry_block_ids=tuple(tuple(b) for b in request.entry_block_ids.values()),
             samples=samples,
             output_position=output_position,
             epoch=request.epoch,

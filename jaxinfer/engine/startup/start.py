@@ -11,6 +11,7 @@ from pathlib import Path
 
 from jaxinfer.arch_config import LINEAR_ATTENTION
 from jaxinfer.config import EngineConfig, EngineOptions
+from jaxinfer.config.cache_specs import describe_spec
 from jaxinfer.config.configure import configure
 from jaxinfer.engine.execution.batch_builder import BatchBuilder
 from jaxinfer.engine.execution.model_runner import ModelRunner
@@ -148,6 +149,7 @@ def start_model(
 def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> dict:
     """What the engine runs: the model, its sizes, and every option as resolved (with why,
     where "auto" chose)."""
+    arch = config.model.arch
     return {
         "model": str(config.model.path),
         "max_model_len": config.model.max_model_len,
@@ -159,7 +161,8 @@ def describe(config: EngineConfig, gguf_weights, draft: DraftModel | None) -> di
         "kv_cache_capacity_tokens": config.cache.capacity_tokens(),
         "kv_cache_layers": config.model.arch.num_kv_layers,
         "cache_groups": [
-            {"kind": spec.kind, "layers": list(spec.layers)} for spec in config.cache.layer_specs
+            describe_spec(spec, arch, config.cache.kv_format, dict(config.cache.entry_blocks))
+            for spec in config.cache.layer_specs
         ],
         "recurrent_states": _states(config),
         "tensor_parallel_size": config.parallel.tensor_parallel_size,

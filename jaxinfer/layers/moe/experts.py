@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.invariant import tree_sum
-from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense_ffn, unstacked
+from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense_ffn, swiglu, unstacked
 from jaxinfer.layers.moe.routing import route
 from jaxinfer.layers.weights import Dense, Int4, Int8, dense
 from jaxinfer.parallel.sharding import Partitioner
@@ -85,10 +85,11 @@ def routed_experts(
     down,  # [X, I, E] or [X, E, I]
     kernels,
     partitioner: Partitioner | None = None,
+    limit: float | None = None,  # the gate's and up's clamp (MoeConfig.swiglu_limit)
 ) -> jax.Array:  # [T, E]
     num_experts = _num_experts(gate_up)
     if partitioner is None or partitioner.size == 1:
-        return _experts(x, weights, experts, gate_up, down, kernels, 0, num_experts, None)
+        return _experts(x, weights, experts, gate_up, down, kernels, 0, num_experts, None, limit)
     layout = kernels.weight_layout
     gate_up_spec = _spec(partitioner, gate_up, "experts_gate_up", layout)
     down_spec = _spec(partitioner, down, "experts_down", layout)
@@ -100,7 +101,7 @@ def routed_experts(
 
     def run(x, weights, experts, gate_up, down):
         first = jax.lax.axis_index(axis) * local if by_expert else 0
-        return _experts(x, weights, experts, gate_up, down, kernels, first, local, reduce)
+        return _experts(x, weights, experts, gate_up, down, kernels, first, local, reduce, limit)
 
     replicated = PartitionSpec()
     return jax.shard_map(
@@ -112,7 +113,7 @@ def routed_experts(
     )(x, weights, experts, gate_up, down)
 
 
-def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_axis):
+def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_axis, limit):
     """The rows routed to experts [first, first + count) (the local ones), combined per token
     and, with `reduce_axis`, summed over the devices."""
     tokens, k = experts.shape
@@ -130,7 +131,7 @@ def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_a
     row_experts = jnp.clip(flat[rows] - first, 0, count - 1)  # [M], sorted
     # sorted row r holds token rows[r] // k, and its output goes back to row rows[r]
     h = grouped_project(x, gate_up, group_sizes, row_experts, kernels, x_rows=rows // k)
-    act = jax.nn.silu(h[:, 0]) * h[:, 1]  # [M, I], sorted
+    act = swiglu(h[:, 0], h[:, 1], limit)  # [M, I], sorted
     ys = grouped_project(act, down, group_sizes, row_experts, kernels, y_rows=rows)  # [M, E]
     # Rows of other devices' experts are zero. Each token's k outputs, in routing order:
     ys = ys.reshape(tokens, k, -1)  # [T, k, E]

@@ -5,6 +5,7 @@ Face architecture (config.json's `architectures`) or its GGUF architecture
 from __future__ import annotations
 
 from jaxinfer.models.families import (
+    deepseek_v4,
     gemma3,
     llama,
     mistral,
@@ -21,7 +22,18 @@ from jaxinfer.models.families.family import GGUFMetadata, ModelFamily
 FAMILIES: tuple[ModelFamily, ...] = (
     tuple(
         module.FAMILY
-        for module in (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, olmoe, gemma3)
+        for module in (
+            llama,
+            mistral,
+            qwen2,
+            qwen3,
+            qwen2_moe,
+            qwen3_moe,
+            mixtral,
+            olmoe,
+            gemma3,
+            deepseek_v4,
+        )
     )
     + qwen3_5.FAMILIES
 )

@@ -31,10 +31,12 @@ def config_from_dict(cfg: dict[str, Any], source: str = "config.json") -> LlamaC
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
     arch = archs[0]
     family = family_for_architecture(arch, source)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in cfg:
             raise ValueError(f"{source}: missing required field {key!r}")
     fields = family.config_fields(cfg, source)
+    if "intermediate_size" not in cfg and "intermediate_size" not in fields:
+        raise ValueError(f"{source}: missing required field 'intermediate_size'")
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     eos = cfg.get("eos_token_id")
@@ -43,7 +45,7 @@ def config_from_dict(cfg: dict[str, Any], source: str = "config.json") -> LlamaC
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
+        intermediate_size=cfg.get("intermediate_size", 0),
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=num_heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,

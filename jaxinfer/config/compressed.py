@@ -1,0 +1,103 @@
+"""What a DeepSeek-V4 model (compressed attention; jaxinfer.models.deepseek_v4) runs with,
+settled for jaxinfer.config.resolve and sized for jaxinfer.config.engine_config.
+
+Its compressed layers keep entries pooled from whole windows and, per request, the open
+window's tokens (the compressor's state), so a cached prefix would need both at its end:
+prefix caching is off for it, with that reason, rather than ever giving a wrong answer. Its
+layers take their weights as the checkpoint lays them out ("in_out"), float.
+
+The cache: the sliding window's pool holds what the running requests' windows need (their
+blocks behind the window go back to it); each compressed kind's pool (one entry per `ratio`
+tokens) gets the rest of the budget, split so that every kind holds the same number of
+tokens of context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jaxinfer.arch_config import LlamaConfig
+from jaxinfer.config.cache_specs import CacheSpec, compressed_specs_of
+from jaxinfer.config.options import EngineOptions
+
+PREFIX_CACHING_OFF = (
+    "DeepSeek-V4's compressed layers would need their entries and their compressors' open "
+    "windows at the prefix's end, which are not checkpointed yet"
+)
+
+
+def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
+    """A ValueError naming the first option a DeepSeek-V4 model cannot run with."""
+    if arch.compressed is None:
+        return
+    refused = {
+        "speculative_method": options.speculative_method != "none",
+        "enable_lora": options.enable_lora,
+        "kv_cache_dtype": options.kv_cache_dtype != "auto",
+        "layer_execution": options.layer_execution == "per_layer",
+        "load_format": options.load_format == "dummy",
+        "quantization": options.quantization is not None,
+        "tensor_parallel_size": options.tensor_parallel_size != 1,
+        "batch_invariant": options.batch_invariant,
+        "weight_layout": options.weight_layout not in ("auto", "in_out"),
+        "matmul_impl": options.matmul_impl not in ("auto", "xla"),
+    }
+    for name, is_set in refused.items():
+        if is_set:
+            raise ValueError(
+                f"{name} {getattr(options, name)!r} is not supported on DeepSeek-V4 "
+                f"({arch.architecture}, compressed attention) yet"
+            )
+
+
+def prefix_caching(options: EngineOptions, arch: LlamaConfig, reasons: dict[str, str]) -> bool:
+    if arch.compressed is not None:
+        if options.enable_prefix_caching:
+            reasons["prefix_caching"] = PREFIX_CACHING_OFF
+        return False
+    return options.enable_prefix_caching
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedPools:
+    num_blocks: int  # the window's, the null block included
+    entry_blocks: tuple[tuple[str, int], ...]  # (key, blocks), each with its null block 0
+
+
+def size_pools(
+    arch: LlamaConfig,
+    specs: tuple[CacheSpec, ...],
+    options: EngineOptions,
+    budget: int,  # bytes for the pools
+    dtype,
+) -> CompressedPools:
+    """The window's blocks: every running request's window and a full step's tokens, or
+    options.num_kv_blocks; each compressed kind's: the rest of the budget, the same tokens of
+    context for each kind (with num_kv_blocks: as many tokens as those blocks hold)."""
+    block = options.block_size
+    window_bytes = arch.num_hidden_layers * block * arch.head_dim * jnp.dtype(dtype).itemsize
+    compressed = compressed_specs_of(specs)
+    if options.num_kv_blocks:
+        num_blocks = options.num_kv_blocks
+        tokens = (num_blocks - 1) * block
+    else:
+        per_request = -(-arch.sliding_window // block) + 2
+        num_blocks = options.max_num_seqs * per_request + options.max_num_batched_tokens // block
+        num_blocks += 2  # (the null block, and one for a step's last partial block)
+        rest = budget - num_blocks * window_bytes
+        per_token = sum(s.bytes_per_entry / s.ratio for s in compressed)
+        if rest <= 0 or (
+            compressed and rest / per_token < block * max(s.ratio for s in compressed)
+        ):
+            raise ValueError(
+                f"kv_cache_memory_gb {options.kv_cache_memory_gb} does not hold the sliding "
+                f"windows of {options.max_num_seqs} requests ({num_blocks * window_bytes} "
+                "bytes) and compressed entries beside them; raise it or lower max_num_seqs"
+            )
+        tokens = int(rest / per_token) if compressed else 0
+    entry_blocks = tuple(
+        (s.key, -(-tokens // (s.ratio * block)) + 1) for s in compressed
+    )  # fmt: skip
+    return CompressedPools(num_blocks, entry_blocks)

@@ -1,0 +1,143 @@
+"""DeepSeek-V4's cache (jaxinfer.models.deepseek_v4), one pytree threaded through the step
+(donated, updated in place):
+
+- `window`: every layer's shared K=V entry of each position, paged like K/V (the batch's
+  block_tables and slot_mapping); a query reads only the last sliding_window positions, so
+  blocks behind the window can be released.
+- `entries`: the compressed entries of each compressed layer kind ("csa", "hca") and the
+  Lightning Indexer's keys ("index", CSA's layers), each a paged store of entries with the
+  kind's own block table (entry e of a request lives in block table[e // B], offset e % B).
+  CSA's indexer keys share CSA's table. The kinds' tables are columns of the batch's block
+  tables after the window's (`entry_columns`), so they travel as block-table rows do.
+- `states`: each compressed layer's compressor state (the open window's tokens, CSA's last
+  closed window's Ca series; pallas_kernels.compressor.reference.CompressorState), in state
+  slots by request row (batch.state_rows), as a hybrid's recurrent state is.
+
+L: layers, NB / BS: window blocks and positions per block, Lc / Lh: CSA / HCA layers,
+NBk / B: a store's blocks and entries per block, D: head dim, Di: the indexer's, S: slots,
+m: the kind's ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.arch_config import (
+    COMPRESSED_SPARSE_ATTENTION,
+    HEAVILY_COMPRESSED_ATTENTION,
+    LlamaConfig,
+)
+from pallas_kernels.compressor.reference import CompressorState
+
+# the stores' and states' names, by layer kind
+KIND_KEYS = {COMPRESSED_SPARSE_ATTENTION: "csa", HEAVILY_COMPRESSED_ATTENTION: "hca"}
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["window", "entries", "states"],
+    meta_fields=["entry_columns"],
+)
+@dataclasses.dataclass(frozen=True)
+class CompressedCache:
+    window: jax.Array  # [L, NB, BS, D]
+    entries: dict  # "csa" / "hca": [Lk, NBk, B, D]; "index": [Lc, NBc, B, Di]
+    states: dict  # "csa" / "hca" / "index": CompressorState, stacked [Lk, S, ...]
+    # (key, first column, end column): each kind's table in the block tables' columns
+    entry_columns: tuple[tuple[str, int, int], ...]
+
+    def entry_table(self, block_tables: jax.Array, key: str) -> jax.Array:  # i32[R, MBk]
+        _, start, end = next(c for c in self.entry_columns if c[0] == key)
+        return block_tables[:, start:end]
+
+
+def entry_columns(
+    config: LlamaConfig, block_size: int, max_model_len: int
+) -> tuple[tuple[str, int, int], ...]:
+    """Where each compressed kind's block table sits in a block-table row: after the
+    window's blocks (one per block_size positions), its blocks of block_size entries."""
+    v4 = config.compressed
+    start = -(-max_model_len // block_size)
+    columns = []
+    for kind, key in KIND_KEYS.items():
+        if v4.count(kind):
+            width = -(-(max_model_len // v4.ratio(kind)) // block_size)
+            columns.append((key, start, start + width))
+            start += width
+    return tuple(columns)
+
+
+def allocate(
+    config: LlamaConfig,
+    num_blocks: int,
+    block_size: int,
+    entry_blocks: dict[str, int],  # "csa" / "hca": blocks of that store
+    num_slots: int,
+    max_model_len: int,
+    dtype=jnp.float32,
+) -> CompressedCache:
+    """A zeroed cache: `entry_blocks[key]` blocks of `block_size` entries per compressed
+    store, `num_slots` compressor states per compressed layer."""
+    v4, d = config.compressed, config.head_dim
+    window = jnp.zeros((config.num_hidden_layers, num_blocks, block_size, d), dtype)
+    entries, states = {}, {}
+    for kind, key in KIND_KEYS.items():
+        layers = v4.count(kind)
+        if not layers:
+            continue
+        ratio, series = v4.ratio(kind), 2 if key == "csa" else 1
+        entries[key] = jnp.zeros((layers, entry_blocks[key], block_size, d), dtype)
+        states[key] = _state(layers, num_slots, ratio, d, series)
+        if key == "csa":
+            di = v4.index_head_dim
+            entries["index"] = jnp.zeros((layers, entry_blocks[key], block_size, di), dtype)
+            states["index"] = _state(layers, num_slots, ratio, di, series)
+    return CompressedCache(
+        window, entries, states, entry_columns(config, block_size, max_model_len)
+    )
+
+
+def compressor_bytes_per_slot(config: LlamaConfig) -> int:
+    """Bytes one request's compressor states take over all compressed layers (float32)."""
+    cache = jax.eval_shape(lambda: allocate(config, 1, 1, {"csa": 1, "hca": 1}, 1, 1))
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache.states))
+
+
+def _state(layers: int, slots: int, ratio: int, dim: int, series: int) -> CompressorState:
+    """Float32 throughout (the pooling's softmax runs in float32, as HF's does)."""
+    buffer = (layers, slots, ratio, series * dim)
+    previous = (layers, slots, ratio if series == 2 else 0, dim)
+    return CompressorState(
+        *(jnp.zeros(s, jnp.float32) for s in (buffer, buffer, previous, previous))
+    )
+
+
+def layer_state(state: CompressorState, index: int) -> CompressorState:
+    return CompressorState(*(a[index] for a in state))
+
+
+def with_layer_state(state: CompressorState, index: int, new: CompressorState) -> CompressorState:
+    return CompressorState(*(a.at[index].set(b) for a, b in zip(state, new, strict=True)))
+
+
+def write_entries(
+    store: jax.Array,  # [NBk, B, Dk], one layer's
+    entries: jax.Array,  # [T, Dk], the entry each token closes
+    closes: jax.Array,  # bool[T]
+    table: jax.Array,  # i32[R, MBk], the kind's block tables
+    request: jax.Array,  # i32[T], each token's request row
+    positions: jax.Array,  # i32[T]
+    ratio: int,
+) -> jax.Array:
+    """The entries of the windows this step closes, each at its place in its request's
+    store (the others dropped)."""
+    blocks, size = store.shape[0], store.shape[1]
+    index = (positions + 1) // ratio - 1  # [T], the entry a closing token completes
+    block = table[request, jnp.clip(index, 0) // size]
+    slot = jnp.where(closes, block * size + jnp.clip(index, 0) % size, blocks * size)
+    flat = store.reshape(blocks * size, -1).at[slot].set(entries.astype(store.dtype), mode="drop")
+    return flat.reshape(store.shape)

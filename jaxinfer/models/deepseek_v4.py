@@ -1,0 +1,218 @@
+"""DeepSeek-V4's decoder (DeepseekV4ForCausalLM) over a flattened ragged batch and its cache
+(jaxinfer.layers.compressed_cache.CompressedCache).
+
+Each layer: the residual stream as hc_mult streams, collapsed before each block and expanded
+after it (jaxinfer.layers.hyper_connections); attention with one shared K=V head over the
+last sliding_window positions and, in a compressed layer, its compressed entries (all closed
+ones: HCA; the Lightning Indexer's top-k: CSA), a sink logit per head; a MoE FFN. Queries go
+through a low-rank path (q_a_proj, a norm, q_b_proj, an unweighted norm per head); the
+output is turned back by the RoPE at the query's position (K=V carries RoPE into the output)
+and projected per head group to a low rank, then mixed (o_a_proj, o_b_proj). RoPE turns each
+head's trailing rotary_dim dims in interleaved pairs, with rope_theta in sliding layers and
+compress_rope_theta in compressed ones (their entries too, at their window's first position).
+
+The layers run as a Python loop (their kinds follow no period), so compile time grows with
+depth. Parameters: jaxinfer.model_loader.deepseek_v4_weights.
+
+T: tokens, E: hidden size, N: streams, H: heads, D: head dim, Rq: q rank, G: output groups,
+Ro: their rank, Hi / Di: indexer heads and dim, k: experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.arch_config import (
+    HASH_MOE,
+    SLIDING_ATTENTION,
+    LlamaConfig,
+)
+from jaxinfer.layers.compressed_cache import (
+    KIND_KEYS,
+    CompressedCache,
+    layer_state,
+    with_layer_state,
+    write_entries,
+)
+from jaxinfer.layers.hyper_connections import (
+    HeadWeights,
+    MixWeights,
+    collapse_head,
+    expand,
+    mix_weights,
+    unweighted_rms_norm,
+)
+from jaxinfer.layers.invariant import rms_norm
+from jaxinfer.layers.kernel_registry import ModelKernels
+from jaxinfer.layers.linear import swiglu
+from jaxinfer.layers.moe.experts import routed_experts
+from jaxinfer.layers.moe.routing import route
+from jaxinfer.layers.rotary import apply_interleaved_rotary
+from jaxinfer.layers.weights import Dense, is_weight
+from jaxinfer.models.inputs import BatchInputs
+from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.parallel.sharding import Partitioner
+from pallas_kernels.compressed_attention.reference import compressed_attention
+from pallas_kernels.compressor.reference import CompressorBatch, compress
+from pallas_kernels.lightning_indexer.reference import indexer_topk
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
+
+
+class DeepseekV4ForCausalLM(LlamaForCausalLM):
+    """The Llama model's parameters and LM head; its own layers and cache."""
+
+    def _layers(self, cache, batch, kernels, partitioner, collect: bool, lora=None):
+        if lora is not None:
+            raise ValueError("LoRA adapters are not supported on DeepSeek-V4")
+        params = nnx.to_pure_dict(nnx.state(self))
+        return deepseek_v4_layers(self.config, params, cache, batch, kernels, partitioner, collect)
+
+
+def _array(w) -> jax.Array:
+    return w.w if isinstance(w, Dense) else w
+
+
+def _take(tree, index: int):
+    return jax.tree.map(lambda a: _array(a)[index], tree, is_leaf=is_weight)
+
+
+def deepseek_v4_layers(
+    config: LlamaConfig,
+    params: dict,
+    cache: CompressedCache,
+    batch: BatchInputs,
+    kernels: ModelKernels,
+    partitioner: Partitioner | None,
+    collect: bool,
+) -> tuple[CompressedCache, jax.Array, jax.Array | None]:  # (cache, hidden [T, E], [L, T, E])
+    """Every layer: (the cache, the streams collapsed after the last layer, and with
+    `collect` the streams after each layer collapsed by the final head)."""
+    v4, moe = config.compressed, config.moe
+    layers = params["layers"]
+    embed = params["embed"]
+    tokens = batch.token_ids
+    hidden = embed.rows(tokens, jnp.float32) if is_weight(embed) else embed[tokens]
+    streams = jnp.broadcast_to(hidden[:, None], (hidden.shape[0], v4.hc_mult, hidden.shape[1]))
+    head = HeadWeights(**params["hc_head"])
+    eps, norm_eps = v4.hc_eps, config.rms_norm_eps
+    collected = []
+    for layer, kind in enumerate(v4.layer_types):
+        p = _take({k: v for k, v in layers.items() if k not in ("csa", "hca", "hash")}, layer)
+        post, comb, x = mix_weights(
+            streams, MixWeights(**p["attn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
+            eps=eps, norm_eps=norm_eps,
+        )  # fmt: skip
+        x = rms_norm(x, p["input_norm"], norm_eps)
+        out, cache = attention(config, p, layers, x, cache, layer, kind, batch)
+        streams = expand(post, comb, out, streams)
+        post, comb, x = mix_weights(
+            streams, MixWeights(**p["ffn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
+            eps=eps, norm_eps=norm_eps,
+        )  # fmt: skip
+        x = rms_norm(x, p["post_attention_norm"], norm_eps)
+        hashed = None
+        if v4.mlp_layer_types[layer] == HASH_MOE:
+            table = layers["hash"]["tid2eid"][v4.mlp_layer_types[:layer].count(HASH_MOE)]
+            hashed = table[tokens]  # [T, k]
+        weights, experts = route(x @ p["router"], moe.router, p["router_bias"], hashed)
+        y = routed_experts(
+            x, weights, experts, Dense(p["experts_gate_up"], -3), Dense(p["experts_down"], -2),
+            kernels, partitioner, limit=moe.swiglu_limit,
+        )  # fmt: skip
+        h = jnp.einsum("te,eci->tci", x, p["gate_up_proj"])  # the shared expert
+        y = y + swiglu(h[:, 0], h[:, 1], moe.swiglu_limit) @ p["down_proj"]
+        streams = expand(post, comb, y, streams)
+        if collect:
+            collected.append(collapse_head(streams, head, eps=eps, norm_eps=norm_eps))
+    hidden = collapse_head(streams, head, eps=eps, norm_eps=norm_eps)
+    return cache, hidden, jnp.stack(collected) if collect else None
+
+
+def attention(
+    config: LlamaConfig,
+    p: dict,  # the layer's shared parameters
+    layers: dict,  # every layer's (the compressed kinds' stacks)
+    x: jax.Array,  # f32[T, E], normed
+    cache: CompressedCache,
+    layer: int,
+    kind: str,
+    batch: BatchInputs,
+) -> tuple[jax.Array, CompressedCache]:  # ([T, E], cache)
+    v4 = config.compressed
+    tokens, heads, dim, rotary = (
+        x.shape[0],
+        config.num_attention_heads,
+        config.head_dim,
+        v4.rotary_dim,
+    )
+    positions = batch.positions
+    theta = config.rope_theta if kind == SLIDING_ATTENTION else v4.compress_rope_theta
+
+    def rope(a, at=positions, inverse=False):
+        return apply_interleaved_rotary(a, at, theta, rotary, inverse=inverse)
+
+    q_residual = rms_norm(x @ p["q_a_proj"], p["q_a_norm"], config.rms_norm_eps)  # [T, Rq]
+    q = (q_residual @ p["q_b_proj"]).reshape(tokens, heads, dim)
+    q = rope(unweighted_rms_norm(q, config.rms_norm_eps))
+    kv = rope(rms_norm(x @ p["kv_proj"], p["kv_norm"], config.rms_norm_eps))  # [T, D]
+    window = cache.window
+    flat = window[layer].reshape(-1, dim).at[batch.slot_mapping].set(kv.astype(window.dtype))
+    window = window.at[layer].set(flat.reshape(window.shape[1:]))
+    entries, states = dict(cache.entries), dict(cache.states)
+    store = table = picks = None
+    ratio = 1
+    if kind != SLIDING_ATTENTION:
+        key = KIND_KEYS[kind]
+        ratio = v4.ratio(kind)
+        index = v4.index(layer)
+        c = _take(layers[key], index)
+        table = cache.entry_table(batch.block_tables, key)
+        request = jnp.minimum(
+            token_request_index(batch.query_start_loc, tokens), table.shape[0] - 1
+        )
+        step = CompressorBatch(batch.query_start_loc, positions, batch.state_rows, batch.num_seqs)
+
+        def pooled(prefix, store_key, state_key):
+            """The step's closed windows pooled, normed, RoPE'd and written to the store."""
+            new, closes, state = compress(
+                x @ c[prefix + "kv_proj"], x @ c[prefix + "gate_proj"],
+                c[prefix + "position_bias"], layer_state(states[state_key], index), step,
+                overlap=key == "csa",
+            )  # fmt: skip
+            states[state_key] = with_layer_state(states[state_key], index, state)
+            new = rms_norm(new, c[prefix + "kv_norm"], config.rms_norm_eps)
+            new = rope(new, at=((positions + 1) // ratio - 1) * ratio)  # the window's start
+            entries[store_key] = (
+                entries[store_key]
+                .at[index]
+                .set(
+                    write_entries(
+                        entries[store_key][index], new, closes, table, request, positions, ratio
+                    )
+                )
+            )
+            return entries[store_key][index]
+
+        store = pooled("", key, key)
+        if key == "csa":
+            keys = pooled("index_", "index", "index")
+            iq = (q_residual @ c["index_q_b_proj"]).reshape(tokens, v4.index_heads, -1)
+            scores = (x @ c["index_weights_proj"]) * v4.index_heads**-0.5  # [T, Hi]
+            picks = indexer_topk(
+                rope(iq), scores, keys, table, batch.query_start_loc, positions,
+                ratio=ratio, topk=v4.index_topk, scale=v4.index_head_dim**-0.5,
+            )  # fmt: skip
+    attn = compressed_attention(
+        q, window[layer], batch.block_tables, store, table, picks, p["sinks"],
+        batch.query_start_loc, positions,
+        window=config.sliding_window, ratio=ratio, scale=dim**-0.5,
+    )  # fmt: skip
+    attn = rope(attn, inverse=True)  # [T, H, D]
+    grouped = attn.reshape(tokens, v4.o_groups, -1)
+    low = jnp.einsum("tgi,gio->tgo", grouped, p["o_a_proj"]).reshape(tokens, -1)
+    out = low @ p["o_b_proj"]
+    return out, dataclasses.replace(cache, window=window, entries=entries, states=states)

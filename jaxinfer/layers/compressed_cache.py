@@ -125,7 +125,8 @@ def with_layer_state(state: CompressorState, index: int, new: CompressorState) -
 
 
 def write_entries(
-    store: jax.Array,  # [NBk, B, Dk], one layer's
+    store: jax.Array,  # [Lk, NBk, B, Dk], the kind's stores
+    layer: int,  # the layer's index among the kind's
     entries: jax.Array,  # [T, Dk], the entry each token closes
     closes: jax.Array,  # bool[T]
     table: jax.Array,  # i32[R, MBk], the kind's block tables
@@ -134,10 +135,18 @@ def write_entries(
     ratio: int,
 ) -> jax.Array:
     """The entries of the windows this step closes, each at its place in its request's
-    store (the others dropped)."""
-    blocks, size = store.shape[0], store.shape[1]
-    index = (positions + 1) // ratio - 1  # [T], the entry a closing token completes
-    block = table[request, jnp.clip(index, 0) // size]
-    slot = jnp.where(closes, block * size + jnp.clip(index, 0) % size, blocks * size)
-    flat = store.reshape(blocks * size, -1).at[slot].set(entries.astype(store.dtype), mode="drop")
-    return flat.reshape(store.shape)
+    store (the others dropped): one scatter into the stores, in place."""
+    blocks, size = store.shape[1], store.shape[2]
+    index = jnp.clip((positions + 1) // ratio - 1, 0)  # [T], the entry a closing token ends
+    block = jnp.where(closes, table[request, index // size], blocks)  # (out of range: dropped)
+    return store.at[layer, block, index % size].set(entries.astype(store.dtype), mode="drop")
+
+
+def write_window(
+    window: jax.Array,  # [L, NB, BS, D]
+    layer: int,
+    kv: jax.Array,  # [T, D], each token's K=V entry
+    slot_mapping: jax.Array,  # i32[T], block * BS + offset
+) -> jax.Array:
+    size = window.shape[2]
+    return window.at[layer, slot_mapping // size, slot_mapping % size].set(kv.astype(window.dtype))

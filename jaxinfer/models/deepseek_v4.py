@@ -37,6 +37,7 @@ from jaxinfer.layers.compressed_cache import (
     layer_state,
     with_layer_state,
     write_entries,
+    write_window,
 )
 from jaxinfer.layers.hyper_connections import (
     HeadWeights,
@@ -159,9 +160,7 @@ def attention(
     q = (q_residual @ p["q_b_proj"]).reshape(tokens, heads, dim)
     q = rope(unweighted_rms_norm(q, config.rms_norm_eps))
     kv = rope(rms_norm(x @ p["kv_proj"], p["kv_norm"], config.rms_norm_eps))  # [T, D]
-    window = cache.window
-    flat = window[layer].reshape(-1, dim).at[batch.slot_mapping].set(kv.astype(window.dtype))
-    window = window.at[layer].set(flat.reshape(window.shape[1:]))
+    window = write_window(cache.window, layer, kv, batch.slot_mapping)
     entries, states = dict(cache.entries), dict(cache.states)
     store = table = picks = None
     ratio = 1
@@ -186,14 +185,8 @@ def attention(
             states[state_key] = with_layer_state(states[state_key], index, state)
             new = rms_norm(new, c[prefix + "kv_norm"], config.rms_norm_eps)
             new = rope(new, at=((positions + 1) // ratio - 1) * ratio)  # the window's start
-            entries[store_key] = (
-                entries[store_key]
-                .at[index]
-                .set(
-                    write_entries(
-                        entries[store_key][index], new, closes, table, request, positions, ratio
-                    )
-                )
+            entries[store_key] = write_entries(
+                entries[store_key], index, new, closes, table, request, positions, ratio
             )
             return entries[store_key][index]
 

@@ -38,18 +38,23 @@ def compressed_attention(
     block_size = kv.shape[1]
     request = token_request_index(query_start_loc, num_tokens)
     request = jnp.minimum(request, block_table.shape[0] - 1)  # (padding tokens: any row)
+    window = min(window, block_table.shape[1] * block_size)  # (no more than a request holds)
     near = positions[:, None] - jnp.arange(window)  # [T, W], the window's positions
     blocks = block_table[request[:, None], jnp.clip(near, 0) // block_size]
     keys = kv[blocks, jnp.clip(near, 0) % block_size]  # [T, W, D]
     visible = near >= 0
     if entries is not None:
         table = entry_table[request]  # [T, MBc]
-        far = entries[table].reshape(num_tokens, -1, entries.shape[-1])  # [T, E, D]
-        indices = jnp.arange(far.shape[1])
-        closed = indices < ((positions + 1) // ratio)[:, None]  # [T, E]
-        if picks is not None:
-            chosen = (indices[None, :, None] == picks[:, None, :]).any(-1)  # [T, E]
-            closed &= chosen
+        closed_count = ((positions + 1) // ratio)[:, None]  # [T, 1], entries closed
+        if picks is None:  # every entry of the request
+            far = entries[table].reshape(num_tokens, -1, entries.shape[-1])  # [T, E, D]
+            closed = jnp.arange(far.shape[1]) < closed_count  # [T, E]
+        else:  # the picked entries only
+            per_block = entries.shape[1]
+            index = jnp.maximum(picks, 0)  # [T, k]
+            blocks = jnp.take_along_axis(table, index // per_block, axis=1)
+            far = entries[blocks, index % per_block]  # [T, k, D]
+            closed = (picks >= 0) & (picks < closed_count)
         keys = jnp.concatenate([keys, far], axis=1)
         visible = jnp.concatenate([visible, closed], axis=1)
     logits = jnp.einsum("thd,tsd->ths", q, keys) * scale

@@ -76,13 +76,18 @@ class CheckpointQuantization:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling (`rope_scaling.rope_type == "llama3"`) or linear scaling."""
+    """Llama 3 style frequency scaling (`rope_scaling.rope_type == "llama3"`), linear scaling,
+    or YaRN (interpolated frequencies blended into extrapolated ones between beta_slow and
+    beta_fast rotations; cos and sin times attention_factor)."""
 
-    rope_type: str  # "llama3" or "linear"
+    rope_type: str  # "llama3", "linear" or "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # (yarn)
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
 
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -173,6 +178,7 @@ class CompressedLayers:
     hc_mult: int  # residual streams
     hc_sinkhorn_iters: int
     hc_eps: float
+    compress_rope_scaling: RopeScaling | None = None  # the compressed layers' (YaRN)
 
     def __post_init__(self):
         kinds = (SLIDING_ATTENTION, *COMPRESSED_KINDS)

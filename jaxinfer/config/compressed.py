@@ -1,6 +1,10 @@
 """What a DeepSeek-V4 model (compressed attention; jaxinfer.models.deepseek_v4) runs with,
 settled for jaxinfer.config.resolve and sized for jaxinfer.config.engine_config.
 
+Under tensor parallelism its MoE experts are split (by expert with expert_parallel, else
+within each), as are the shared expert's columns and the vocabulary; its attention, with its
+one K=V head, its compressors and its indexer, runs whole on every device.
+
 Its compressed layers keep entries pooled from whole windows and, per request, the open
 window's tokens (the compressor's state), so a cached prefix would need both at its end:
 prefix caching is off for it, with that reason, rather than ever giving a wrong answer. Its
@@ -39,7 +43,6 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
         "layer_execution": options.layer_execution == "per_layer",
         "load_format": options.load_format == "dummy",
         "quantization": options.quantization is not None,
-        "tensor_parallel_size": options.tensor_parallel_size != 1,
         "batch_invariant": options.batch_invariant,
         "weight_layout": options.weight_layout not in ("auto", "in_out"),
         "matmul_impl": options.matmul_impl not in ("auto", "xla"),

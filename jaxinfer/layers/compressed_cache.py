@@ -79,23 +79,24 @@ def allocate(
     num_slots: int,
     max_model_len: int,
     dtype=jnp.float32,
+    zeros=jnp.zeros,  # (shape, dtype) -> array: where the arrays are made (a mesh's)
 ) -> CompressedCache:
     """A zeroed cache: `entry_blocks[key]` blocks of `block_size` entries per compressed
     store, `num_slots` compressor states per compressed layer."""
     v4, d = config.compressed, config.head_dim
-    window = jnp.zeros((config.num_hidden_layers, num_blocks, block_size, d), dtype)
+    window = zeros((config.num_hidden_layers, num_blocks, block_size, d), dtype)
     entries, states = {}, {}
     for kind, key in KIND_KEYS.items():
         layers = v4.count(kind)
         if not layers:
             continue
         ratio, series = v4.ratio(kind), 2 if key == "csa" else 1
-        entries[key] = jnp.zeros((layers, entry_blocks[key], block_size, d), dtype)
-        states[key] = _state(layers, num_slots, ratio, d, series)
+        entries[key] = zeros((layers, entry_blocks[key], block_size, d), dtype)
+        states[key] = _state(layers, num_slots, ratio, d, series, zeros)
         if key == "csa":
             di = v4.index_head_dim
-            entries["index"] = jnp.zeros((layers, entry_blocks[key], block_size, di), dtype)
-            states["index"] = _state(layers, num_slots, ratio, di, series)
+            entries["index"] = zeros((layers, entry_blocks[key], block_size, di), dtype)
+            states["index"] = _state(layers, num_slots, ratio, di, series, zeros)
     return CompressedCache(
         window, entries, states, entry_columns(config, block_size, max_model_len)
     )
@@ -107,13 +108,11 @@ def compressor_bytes_per_slot(config: LlamaConfig) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache.states))
 
 
-def _state(layers: int, slots: int, ratio: int, dim: int, series: int) -> CompressorState:
+def _state(layers: int, slots: int, ratio: int, dim: int, series: int, zeros) -> CompressorState:
     """Float32 throughout (the pooling's softmax runs in float32, as HF's does)."""
     buffer = (layers, slots, ratio, series * dim)
     previous = (layers, slots, ratio if series == 2 else 0, dim)
-    return CompressorState(
-        *(jnp.zeros(s, jnp.float32) for s in (buffer, buffer, previous, previous))
-    )
+    return CompressorState(*(zeros(s, jnp.float32) for s in (buffer, buffer, previous, previous)))
 
 
 def layer_state(state: CompressorState, index: int) -> CompressorState:

@@ -18,6 +18,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         return inv_freq
     if scaling.rope_type == "linear":
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     # Llama 3: long wavelengths are slowed by `factor`, short ones kept, the middle band blended.
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
@@ -32,13 +34,38 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn(inv_freq: np.ndarray, dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, truncated correction
+    range): extrapolated below beta_fast rotations over the original context, interpolated
+    (divided by factor) above beta_slow, blended linearly between."""
+
+    def correction_dim(rotations: float) -> float:
+        length = scaling.original_max_position_embeddings
+        return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolated = (1 - ramp).astype(np.float32)
+    interpolated = inv_freq / np.float32(scaling.factor)
+    return (interpolated * (1 - extrapolated) + inv_freq * extrapolated).astype(np.float32)
+
+
+def attention_factor(scaling: RopeScaling | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+    return scaling.attention_factor if scaling is not None and scaling.rope_type == "yarn" else 1.0
+
+
 def cos_sin_cache(
     max_positions: int, head_dim: int, theta: float, scaling: RopeScaling | None
 ) -> np.ndarray:
     """f32[max_positions, 2, D / 2]: cos and sin of every position's angles."""
     inv_freq = inverse_frequencies(head_dim, theta, scaling)
     angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
-    return np.stack([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    scale = np.float32(attention_factor(scaling))
+    return (np.stack([np.cos(angles), np.sin(angles)], axis=1) * scale).astype(np.float32)
 
 
 def apply_rotary(x: jnp.ndarray, cos_sin: jnp.ndarray) -> jnp.ndarray:
@@ -57,16 +84,18 @@ def apply_interleaved_rotary(
     positions: jnp.ndarray,  # i32[T]
     theta: float,
     rotary_dim: int,
+    scaling: RopeScaling | None = None,
     *,
     inverse: bool = False,
 ) -> jnp.ndarray:
     """DeepSeek-V4's RoPE: the trailing `rotary_dim` dims of each vector turned in pairs of
-    neighbours (2i, 2i + 1) by position * theta^(-2i / rotary_dim); `inverse` turns them
-    back (the angle negated)."""
-    inv_freq = jnp.asarray(inverse_frequencies(rotary_dim, theta, None))
+    neighbours (2i, 2i + 1) by position * theta^(-2i / rotary_dim) (as `scaling` adjusts it);
+    `inverse` turns them back (the angle negated)."""
+    inv_freq = jnp.asarray(inverse_frequencies(rotary_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, R / 2]
     angles = angles.reshape(angles.shape[0], *([1] * (x.ndim - 2)), -1)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    scale = attention_factor(scaling)
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
     if inverse:
         sin = -sin
     pairs = x[..., -rotary_dim:].astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)

@@ -151,10 +151,12 @@ def attention(
         v4.rotary_dim,
     )
     positions = batch.positions
-    theta = config.rope_theta if kind == SLIDING_ATTENTION else v4.compress_rope_theta
+    sliding = kind == SLIDING_ATTENTION
+    theta = config.rope_theta if sliding else v4.compress_rope_theta
+    scaling = None if sliding else v4.compress_rope_scaling
 
     def rope(a, at=positions, inverse=False):
-        return apply_interleaved_rotary(a, at, theta, rotary, inverse=inverse)
+        return apply_interleaved_rotary(a, at, theta, rotary, scaling, inverse=inverse)
 
     q_residual = rms_norm(x @ p["q_a_proj"], p["q_a_norm"], config.rms_norm_eps)  # [T, Rq]
     q = (q_residual @ p["q_b_proj"]).reshape(tokens, heads, dim)

@@ -65,8 +65,8 @@ PARAM_AXES = {
             "q_norm": ("layers", None),
             "k_norm": ("layers", None),
         },
-        # DeepSeek-V4's (jaxinfer.model_loader.deepseek_v4_weights), whole on every device
-        # (tensor parallelism is refused for it yet)
+        # DeepSeek-V4's (jaxinfer.model_loader.deepseek_v4_weights): its attention whole on
+        # every device (its experts, shared expert and vocabulary split as the others')
         **{name: ("layers", None) for name in ("q_a_norm", "kv_norm", "sinks")},
         **{name: ("layers", None, None) for name in ("q_a_proj", "q_b_proj", "kv_proj")},
         "o_a_proj": ("layers", None, None, None),
@@ -75,7 +75,7 @@ PARAM_AXES = {
             hc: {"fn": ("layers", None, None), "base": ("layers", None), "scale": ("layers", None)}
             for hc in ("attn_hc", "ffn_hc")
         },
-        "hash": {"tid2eid": ("layers", "vocab", None)},
+        "hash": {"tid2eid": ("layers", None, None)},
         "hca": {
             **{name: ("layers", "embed", None) for name in ("kv_proj", "gate_proj")},
             "position_bias": ("layers", None, None),

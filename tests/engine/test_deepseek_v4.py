@@ -94,10 +94,19 @@ class Harness:
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.fixture(scope="module")
-def harness_parts(tmp_path_factory):
+# YaRN on the compressed layers' RoPE (as V4's checkpoints have it): factor 4 over an original
+# 16 positions, the attention factor HF derives (0.1 ln 4 + 1) on cos and sin
+YARN = {
+    "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    "compress": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                 "rope_theta": 160000.0, "partial_rotary_factor": 0.5},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["default", "yarn"])
+def harness_parts(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek_v4")
-    hf = random_model()
+    hf = random_model(**({"rope_parameters": YARN} if request.param == "yarn" else {}))
     hf.save_pretrained(folder)
     return folder, hf
 
@@ -127,9 +136,9 @@ def test_config_refusals():
     config_from_dict(base)
     with pytest.raises(ValueError, match="one shared K=V head"):
         config_from_dict(base | {"num_key_value_heads": 2})
-    yarn = {"compress": {**base["rope_parameters"]["compress"], "rope_type": "yarn"}}
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        config_from_dict(base | {"rope_parameters": base["rope_parameters"] | yarn})
+    linear = {"main": {**base["rope_parameters"]["main"], "rope_type": "linear"}}
+    with pytest.raises(ValueError, match="main RoPE of type 'linear' is not supported"):
+        config_from_dict(base | {"rope_parameters": base["rope_parameters"] | linear})
     with pytest.raises(ValueError, match="n_shared_experts 2 is not supported"):
         config_from_dict(base | {"n_shared_experts": 2})
 
@@ -195,9 +204,23 @@ def test_n_samples_each_keep_their_own_compressor_state_and_describe(served):
         {"quantization": "int8"},
         {"batch_invariant": True},
         {"layer_execution": "per_layer"},
+        {"weight_layout": "out_in"},
     ],
     ids=lambda option: next(iter(option)),
 )
 def test_options_deepseek_v4_cannot_run_with_are_refused(served, option):
     with pytest.raises(ValueError, match="is not supported on DeepSeek-V4"):
         build_llm(served[0], "tiny", **option)
+
+
+@pytest.mark.parametrize("tp,expert_parallel", [(2, False), (4, True)], ids=["tp2", "ep4"])
+def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_parallel):
+    """The experts split within each (tp) or whole per device (ep), the shared expert's
+    columns and the vocabulary split; attention whole on every device."""
+    folder, expected = served
+    llm = build_llm(folder, "tiny", tensor_parallel_size=tp, expert_parallel=expert_parallel)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    gate_up = llm.engine.runner.state["layers"]["experts_gate_up"].get_value().w
+    axis = 1 if expert_parallel else 4  # [L, X, E, 2, I] ("in_out")
+    assert gate_up.addressable_shards[0].data.shape[axis] * tp == gate_up.shape[axis]

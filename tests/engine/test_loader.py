@@ -99,7 +99,8 @@ def test_missing_tensor_and_missing_files(single_file, tmp_path):
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel.*not supported"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"num_key_value_heads": 3}, "multiple of"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "original_max_position"),
         ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "Qwen's sliding"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "different attention types"),
         (

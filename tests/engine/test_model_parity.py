@@ -33,6 +33,16 @@ VARIANTS = {
         "rope_theta": 500000.0,
     },
     "qwen2_qkv_bias": {"architecture": "qwen2", "num_key_value_heads": 1},
+    # YaRN: frequencies blended between interpolated and extrapolated, cos and sin times the
+    # attention factor HF derives (0.1 ln 4 + 1)
+    "qwen2_yarn_rope_scaling": {
+        "architecture": "qwen2",
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
     "mha_head_dim_32": {"num_attention_heads": 2, "num_key_value_heads": 2},
 }
 

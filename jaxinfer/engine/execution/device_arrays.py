@@ -25,7 +25,7 @@ def allocate_kv_cache(
     with its linear layers' state slots beside it, one per request row and per prefix
     checkpoint (after the rows'); DeepSeek-V4's (jaxinfer.layers.compressed_cache)."""
     arch, cache = config.model.arch, config.cache
-    if arch.compressed is not None:  # DeepSeek-V4's (one device: tensor parallelism refused)
+    if arch.compressed is not None:  # DeepSeek-V4's
         return compressed_cache.allocate(
             arch,
             cache.num_blocks,
@@ -34,6 +34,7 @@ def allocate_kv_cache(
             config.scheduler.max_num_seqs + 1,
             config.model.max_model_len,
             config.model.dtype,
+            zeros=partitioner.zeros,  # whole on every device
         )
     shape = (
         arch.num_kv_layers,

@@ -18,7 +18,7 @@ from jaxinfer.arch_config import (
     MoeConfig,
     RouterConfig,
 )
-from jaxinfer.models.families.family import ModelFamily, refuse_activation
+from jaxinfer.models.families.family import ModelFamily, refuse_activation, rope_scaling
 
 
 class DeepseekV4(ModelFamily):
@@ -32,20 +32,18 @@ class DeepseekV4(ModelFamily):
         for flag in ("attention_bias", "mlp_bias"):
             if cfg.get(flag):
                 raise ValueError(f"{source}: {flag} is not supported on {self.name}")
-        rope = cfg.get("rope_parameters") or {}
-        for label in ("main", "compress"):
-            kind = (rope.get(label) or {}).get("rope_type", "default")
-            if kind != "default":
-                raise ValueError(
-                    f"{source}: {self.name}'s {label} RoPE of type {kind!r} is not supported "
-                    "(default only)"
-                )
+        main = (cfg.get("rope_parameters") or {}).get("main") or {}
+        if main.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"{source}: {self.name}'s main RoPE of type {main['rope_type']!r} is not "
+                "supported (default only; the compressed layers' may be YaRN)"
+            )
         try:
             return {
                 "intermediate_size": cfg["moe_intermediate_size"],  # the shared expert's
                 "sliding_window": int(cfg["sliding_window"]),
                 "moe": self.moe(cfg),
-                "compressed": self.layers(cfg),
+                "compressed": self.layers(cfg, source),
             }
         except KeyError as missing:
             raise ValueError(f"{source}: {self.name} needs {missing}") from None
@@ -72,7 +70,7 @@ class DeepseekV4(ModelFamily):
             swiglu_limit=None if limit is None else float(limit),
         )
 
-    def layers(self, cfg: dict[str, Any]) -> CompressedLayers:
+    def layers(self, cfg: dict[str, Any], source: str) -> CompressedLayers:
         layers = cfg["num_hidden_layers"]
         types = tuple(cfg["layer_types"])
         mlp_types = tuple(cfg.get("mlp_layer_types") or ["moe"] * layers)
@@ -97,6 +95,9 @@ class DeepseekV4(ModelFamily):
             hc_mult=cfg["hc_mult"],
             hc_sinkhorn_iters=cfg["hc_sinkhorn_iters"],
             hc_eps=float(cfg["hc_eps"]),
+            compress_rope_scaling=rope_scaling(
+                (cfg.get("rope_parameters") or {}).get("compress"), source
+            ),
         )
 
 

@@ -10,6 +10,7 @@ decoder's config (jaxinfer.arch_config.LlamaConfig: biases, q/k norms, windows, 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -163,6 +164,34 @@ def refuse_layer_types(cfg: dict[str, Any], source: str) -> None:
         )
 
 
+def _yarn(scaling: dict[str, Any], source: str) -> RopeScaling:
+    """YaRN as transformers reads it (its attention factor: given, from mscale and
+    mscale_all_dim, or 0.1 ln(factor) + 1)."""
+    if scaling.get("truncate") is False:
+        raise ValueError(f"{source}: YaRN without truncate is not supported")
+    if not scaling.get("original_max_position_embeddings") or not scaling.get("factor"):
+        raise ValueError(f"{source}: YaRN needs factor and original_max_position_embeddings")
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = (
+            mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale(1.0)
+        )
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        attention_factor=float(attention),
+    )
+
+
 def _rope_scaling_from_gguf(meta: GGUFMetadata) -> dict[str, Any]:
     kind = meta.arch("rope.scaling.type", "none")
     if kind == "none":
@@ -191,4 +220,6 @@ def rope_scaling(scaling: dict[str, Any] | None, source: str) -> RopeScaling | N
         )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(scaling["factor"]))
+    if rope_type == "yarn":
+        return _yarn(scaling, source)
     raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported")

@@ -19,6 +19,7 @@ tokens of context.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -53,6 +54,29 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
                 f"{name} {getattr(options, name)!r} is not supported on DeepSeek-V4 "
                 f"({arch.architecture}, compressed attention) yet"
             )
+
+
+def compressed_attention_kernel(
+    options: EngineOptions, platform, arch: LlamaConfig, registry, reasons: dict[str, str]
+) -> tuple[str | None, Callable | None]:
+    """(the attention kernel's name, the callable), or (None, None) for another model: the
+    Pallas kernel on a GPU, the reference on CPU (no C++ kernel of it yet)."""
+    name = options.compressed_attention_impl
+    if arch.compressed is None:
+        if name != "auto":
+            raise ValueError("compressed_attention_impl applies to DeepSeek-V4 models")
+        return None, None
+    cpu = platform.backend == "cpu"
+    if name == "auto":
+        name = "reference" if cpu else "pallas"
+        reasons["compressed_attention"] = (
+            "the reference on CPU (no C++ kernel of it yet)" if cpu else "the Pallas kernel"
+        )
+    if name == "pallas" and cpu:
+        raise ValueError(
+            "compressed_attention_impl 'pallas' runs on a GPU (pallas_interpret on CPU)"
+        )
+    return name, registry.get("compressed_attention", name)
 
 
 def prefix_caching(options: EngineOptions, arch: LlamaConfig, reasons: dict[str, str]) -> bool:

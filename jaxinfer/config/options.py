@@ -283,6 +283,11 @@ class EngineOptions:
         "A hybrid model's delta-rule kernel (reference, cpu, pallas, ...) or auto; other "
         "models: auto only.",
     )
+    compressed_attention_impl: str = option(
+        "auto",
+        "DeepSeek-V4's attention kernel over its window and compressed entries (reference, "
+        "pallas, pallas_interpret) or auto; other models: auto only.",
+    )
     reasoning_parser: str | None = option(
         None,
         "The model's <think> blocks: qwen3 (where the output or the prompt opens one) or "

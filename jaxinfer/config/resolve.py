@@ -34,9 +34,9 @@ from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config import speculative
 from jaxinfer.config.compressed import check_compressed
 from jaxinfer.config.compressed import prefix_caching as compressed_prefix_caching
-from jaxinfer.config.gated_delta import gated_delta_kernel
 from jaxinfer.config.hybrid import check_hybrid, prefix_caching
 from jaxinfer.config.invariant import check_invariant_request
+from jaxinfer.config.layer_kernels import layer_kernels
 from jaxinfer.config.lora import lora_kernel
 from jaxinfer.config.native import native_kernel, native_reasons
 from jaxinfer.config.options import EngineOptions, quantization_of
@@ -97,7 +97,7 @@ def resolve(
         raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
     layer_execution = r.layer_execution(matmul_fn)
     lora, lora_fn = lora_kernel(options, platform, arch, r.dtype, registry, r.reasons)
-    delta, delta_fn = gated_delta_kernel(options, platform, arch, r.dtype, registry, r.reasons)
+    own, own_fns = layer_kernels(options, platform, arch, r.dtype, registry, r.reasons)
     resolved = ResolvedOptions(
         dtype=r.dtype,
         attention=attention,
@@ -118,7 +118,7 @@ def resolve(
         warmup=warmup(options, platform, layer_execution, r.reasons),
         compilation_cache_dir=r.compilation_cache_dir(),
         lora=lora,
-        gated_delta=delta,
+        **own,
         prefix_caching=prefix_caching(options, arch, r.reasons)
         and compressed_prefix_caching(options, arch, r.reasons),
         reasons=tuple(sorted(r.reasons.items())),
@@ -126,8 +126,7 @@ def resolve(
     kernels = r.kernels(resolved, attention_fn, matmul_fn, gguf_fn, pallas_matmul)
     if lora_fn is not None:
         kernels = replace(kernels, lora=lora_fn)
-    if delta_fn is not None:
-        kernels = replace(kernels, gated_delta=delta_fn)
+    kernels = replace(kernels, **own_fns)
     return Resolution(resolved, kernels)
 
 

@@ -37,6 +37,7 @@ class ResolvedOptions:
     compilation_cache_dir: str | None  # None: no persistent compilation cache
     lora: str | None = None  # LoRA's kernel ("cpu": C++, or a registry name); None: off
     gated_delta: str | None = None  # a hybrid model's delta-rule kernel; None: no such layers
+    compressed_attention: str | None = None  # DeepSeek-V4's attention kernel; None: another
     prefix_caching: bool = True  # off where asked, or where the model cannot (a hybrid's)
     reasons: tuple[tuple[str, str], ...] = ()  # (choice, why), for choices made from "auto"
 

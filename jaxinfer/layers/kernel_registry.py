@@ -16,6 +16,10 @@ The kinds, each with the signature of its pure-JAX reference:
 - "gated_delta": gated_delta_reference(q, k, v, g, beta, states, StateBatch) -> (o, states)
   (a hybrid model's delta rule over a mixed batch, each request's state in its slot,
   pallas_kernels.gated_delta; the C++ kernel is loaded by the engine, cpu_kernels.gated_delta)
+- "compressed_attention": compressed_attention(q, kv, block_table, entries, entry_table,
+  picks, sinks, query_start_loc, positions, *, window, ratio, scale) -> [T, H, D]
+  (DeepSeek-V4's attention over its window and compressed entries,
+  pallas_kernels.compressed_attention)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -40,6 +44,10 @@ from jaxinfer.layers import invariant
 from jaxinfer.layers.linear import IN_OUT
 from pallas_kernels.add_rms_norm.kernel import add_rms_norm
 from pallas_kernels.add_rms_norm.reference import add_rms_norm_reference, rms_norm
+from pallas_kernels.compressed_attention.kernel import compressed_attention
+from pallas_kernels.compressed_attention.reference import (
+    compressed_attention as compressed_attention_reference,
+)
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.gated_delta.kernel import gated_delta
@@ -53,7 +61,10 @@ from pallas_kernels.lora.reference import lora_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-KINDS = ("attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora", "gated_delta")
+KINDS = (
+    "attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora", "gated_delta",
+    "compressed_attention",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +94,9 @@ class ModelKernels:
     # A hybrid model's delta rule (jaxinfer.layers.gated_deltanet), one call over a mixed
     # batch: gated_delta_reference(q, k, v, g, beta, states, StateBatch) -> (o, states).
     gated_delta: Callable = gated_delta_reference
+    # DeepSeek-V4's attention (jaxinfer.models.deepseek_v4) over the sliding window and the
+    # compressed entries: compressed_attention_reference(q, kv, block_table, ...) -> [T, H, D].
+    compressed_attention: Callable = compressed_attention_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
@@ -133,6 +147,7 @@ def default_registry() -> KernelRegistry:
         "int4_matmul": (int4_matmul_reference, int4_matmul),
         "lora": (lora_reference, lora),
         "gated_delta": (gated_delta_reference, gated_delta),
+        "compressed_attention": (compressed_attention_reference, compressed_attention),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

@@ -57,7 +57,6 @@ from jaxinfer.layers.weights import Dense, is_weight
 from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.parallel.sharding import Partitioner
-from pallas_kernels.compressed_attention.reference import compressed_attention
 from pallas_kernels.compressor.reference import CompressorBatch, compress
 from pallas_kernels.lightning_indexer.reference import indexer_topk
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
@@ -108,7 +107,7 @@ def deepseek_v4_layers(
             eps=eps, norm_eps=norm_eps,
         )  # fmt: skip
         x = rms_norm(x, p["input_norm"], norm_eps)
-        out, cache = attention(config, p, layers, x, cache, layer, kind, batch)
+        out, cache = attention(config, p, layers, x, cache, layer, kind, batch, kernels)
         streams = expand(post, comb, out, streams)
         post, comb, x = mix_weights(
             streams, MixWeights(**p["ffn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
@@ -142,6 +141,7 @@ def attention(
     layer: int,
     kind: str,
     batch: BatchInputs,
+    kernels: ModelKernels,
 ) -> tuple[jax.Array, CompressedCache]:  # ([T, E], cache)
     v4 = config.compressed
     tokens, heads, dim, rotary = (
@@ -201,7 +201,7 @@ def attention(
                 rope(iq), scores, keys, table, batch.query_start_loc, positions,
                 ratio=ratio, topk=v4.index_topk, scale=v4.index_head_dim**-0.5,
             )  # fmt: skip
-    attn = compressed_attention(
+    attn = kernels.compressed_attention(
         q, window[layer], batch.block_tables, store, table, picks, p["sinks"],
         batch.query_start_loc, positions,
         window=config.sliding_window, ratio=ratio, scale=dim**-0.5,

@@ -224,3 +224,20 @@ def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_pa
     gate_up = llm.engine.runner.state["layers"]["experts_gate_up"].get_value().w
     axis = 1 if expert_parallel else 4  # [L, X, E, 2, I] ("in_out")
     assert gate_up.addressable_shards[0].data.shape[axis] * tp == gate_up.shape[axis]
+
+
+def test_the_pallas_attention_kernel_swaps_in_under_jit(served):
+    """The Pallas kernel (interpreted on CPU) in place of the reference, in the engine's step,
+    gives HF's tokens; another model refuses the option."""
+    folder, expected = served
+    llm = build_llm(folder, "tiny", compressed_attention_impl="pallas_interpret")
+    assert llm.engine.describe()["resolved"]["compressed_attention"]["value"] == "pallas_interpret"
+    outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:2]
+
+
+def test_compressed_attention_impl_is_refused_for_other_models(tmp_path):
+    from tests.support.models import make_tiny_model
+
+    with pytest.raises(ValueError, match="compressed_attention_impl applies to DeepSeek-V4"):
+        build_llm(make_tiny_model(tmp_path), "tiny", compressed_attention_impl="reference")

@@ -2,14 +2,24 @@
 one softmax with each head's sink over the sliding window's K=V entries and the compressed
 entries, all closed ones (HCA) or the indexer's picks (CSA), none for a sliding-only layer;
 two requests in one flattened batch (a prefill chunk and a decode), their positions and
-entries in shuffled blocks."""
+entries in shuffled blocks. The Pallas kernel the same way (interpreted), and lowered for
+CUDA."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 
+from pallas_kernels import gpu_lowering
+from pallas_kernels.compressed_attention import kernel
 from pallas_kernels.compressed_attention.reference import compressed_attention
+
+IMPLEMENTATIONS = {
+    "reference": compressed_attention,
+    "pallas": functools.partial(kernel.compressed_attention, interpret=True),
+}
 
 HEADS, DIM, WINDOW, RATIO, BLOCK = 4, 16, 8, 4, 4
 
@@ -28,8 +38,9 @@ def expected_attention(q, kv, entries, picks, sinks, position, scale):
     return probs[:, :-1] @ keys
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_attention_over_the_window_and_the_compressed_entries(kind):
+def test_attention_over_the_window_and_the_compressed_entries(kind, implementation):
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
@@ -60,7 +71,7 @@ def test_attention_over_the_window_and_the_compressed_entries(kind):
         picks = np.stack([rng.permutation(8)[:3] for _ in positions]).astype(np.int32)
         picks[0, 1] = -1  # (a query that found fewer to pick)
     scale = DIM**-0.5
-    got = compressed_attention(
+    got = IMPLEMENTATIONS[implementation](
         jnp.asarray(q, jnp.float32),
         jnp.asarray(kv_store, jnp.float32),
         jnp.asarray(np.stack(tables), jnp.int32),
@@ -80,3 +91,27 @@ def test_attention_over_the_window_and_the_compressed_entries(kind):
         chosen = None if picks is None else set(picks[t].tolist())
         want = expected_attention(q[t], kvs[r], entries, chosen, sinks, position, scale)
         np.testing.assert_allclose(np.asarray(got[t]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+def test_pallas_kernel_lowers_for_cuda(kind):
+    import jax.numpy as jnp
+
+    tokens, requests = 5, 2
+    args = [
+        jnp.zeros((tokens, HEADS, DIM)),
+        jnp.zeros((24, BLOCK, DIM)),
+        jnp.zeros((requests, 8), jnp.int32),
+        None if kind == "sliding" else jnp.zeros((24, BLOCK, DIM)),
+        None if kind == "sliding" else jnp.zeros((requests, 3), jnp.int32),
+        jnp.zeros((tokens, 3), jnp.int32) if kind == "csa" else None,
+        jnp.zeros(HEADS),
+        jnp.asarray([0, 4, 5], jnp.int32),
+        jnp.zeros(tokens, jnp.int32),
+    ]
+
+    def attention(*arrays):
+        return kernel.compressed_attention(*arrays, window=WINDOW, ratio=RATIO, scale=0.25)
+
+    text = gpu_lowering.lower_for_gpu(attention, *args)
+    assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1

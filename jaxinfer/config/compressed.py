@@ -58,14 +58,15 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
 
 def compressed_attention_kernel(
     options: EngineOptions, platform, arch: LlamaConfig, registry, reasons: dict[str, str]
-) -> tuple[str | None, Callable | None]:
-    """(the attention kernel's name, the callable), or (None, None) for another model: the
-    Pallas kernel on a GPU, the reference on CPU (no C++ kernel of it yet)."""
+) -> tuple[str | None, dict[str, Callable]]:
+    """(the kernels' name, the callables by kind: its attention and its Lightning Indexer),
+    or (None, {}) for another model: the Pallas kernels on a GPU, the references on CPU (no
+    C++ kernels of them yet)."""
     name = options.compressed_attention_impl
     if arch.compressed is None:
         if name != "auto":
             raise ValueError("compressed_attention_impl applies to DeepSeek-V4 models")
-        return None, None
+        return None, {}
     cpu = platform.backend == "cpu"
     if name == "auto":
         name = "reference" if cpu else "pallas"
@@ -76,7 +77,8 @@ def compressed_attention_kernel(
         raise ValueError(
             "compressed_attention_impl 'pallas' runs on a GPU (pallas_interpret on CPU)"
         )
-    return name, registry.get("compressed_attention", name)
+    kinds = ("compressed_attention", "lightning_indexer")
+    return name, {kind: registry.get(kind, name) for kind in kinds}
 
 
 def prefix_caching(options: EngineOptions, arch: LlamaConfig, reasons: dict[str, str]) -> bool:

@@ -25,9 +25,9 @@ def layer_kernels(
     """(each kind's kernel name, None where the model has no such layers: ResolvedOptions'
     fields; the callables the model takes: ModelKernels' fields)."""
     delta, delta_fn = gated_delta_kernel(options, platform, arch, dtype, registry, reasons)
-    compressed, compressed_fn = compressed_attention_kernel(
+    compressed, compressed_fns = compressed_attention_kernel(
         options, platform, arch, registry, reasons
     )
     names = {"gated_delta": delta, "compressed_attention": compressed}
-    fns = {"gated_delta": delta_fn, "compressed_attention": compressed_fn}
-    return names, {kind: fn for kind, fn in fns.items() if fn is not None}
+    fns = {} if delta_fn is None else {"gated_delta": delta_fn}
+    return names, {**fns, **compressed_fns}

@@ -20,6 +20,9 @@ The kinds, each with the signature of its pure-JAX reference:
   picks, sinks, query_start_loc, positions, *, window, ratio, scale) -> [T, H, D]
   (DeepSeek-V4's attention over its window and compressed entries,
   pallas_kernels.compressed_attention)
+- "lightning_indexer": indexer_topk(q, weights, keys, block_table, query_start_loc,
+  positions, *, ratio, topk, scale) -> i32[T, k] (DeepSeek-V4's picks of compressed entries,
+  pallas_kernels.lightning_indexer)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -56,6 +59,8 @@ from pallas_kernels.grouped_matmul.kernel import grouped_matmul
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.int4_matmul.kernel import int4_matmul
 from pallas_kernels.int4_matmul.reference import int4_matmul_reference
+from pallas_kernels.lightning_indexer.kernel import indexer_topk
+from pallas_kernels.lightning_indexer.reference import indexer_topk as indexer_topk_reference
 from pallas_kernels.lora.kernel import lora
 from pallas_kernels.lora.reference import lora_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
@@ -63,7 +68,7 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 
 KINDS = (
     "attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora", "gated_delta",
-    "compressed_attention",
+    "compressed_attention", "lightning_indexer",
 )  # fmt: skip
 
 
@@ -97,6 +102,8 @@ class ModelKernels:
     # DeepSeek-V4's attention (jaxinfer.models.deepseek_v4) over the sliding window and the
     # compressed entries: compressed_attention_reference(q, kv, block_table, ...) -> [T, H, D].
     compressed_attention: Callable = compressed_attention_reference
+    # Its Lightning Indexer's picks: indexer_topk_reference(q, weights, keys, ...) -> i32[T, k].
+    lightning_indexer: Callable = indexer_topk_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
@@ -148,6 +155,7 @@ def default_registry() -> KernelRegistry:
         "lora": (lora_reference, lora),
         "gated_delta": (gated_delta_reference, gated_delta),
         "compressed_attention": (compressed_attention_reference, compressed_attention),
+        "lightning_indexer": (indexer_topk_reference, indexer_topk),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

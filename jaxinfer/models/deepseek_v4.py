@@ -58,7 +58,6 @@ from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.compressor.reference import CompressorBatch, compress
-from pallas_kernels.lightning_indexer.reference import indexer_topk
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
 
 
@@ -197,7 +196,7 @@ def attention(
             keys = pooled("index_", "index", "index")
             iq = (q_residual @ c["index_q_b_proj"]).reshape(tokens, v4.index_heads, -1)
             scores = (x @ c["index_weights_proj"]) * v4.index_heads**-0.5  # [T, Hi]
-            picks = indexer_topk(
+            picks = kernels.lightning_indexer(
                 rope(iq), scores, keys, table, batch.query_start_loc, positions,
                 ratio=ratio, topk=v4.index_topk, scale=v4.index_head_dim**-0.5,
             )  # fmt: skip

@@ -226,9 +226,9 @@ def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_pa
     assert gate_up.addressable_shards[0].data.shape[axis] * tp == gate_up.shape[axis]
 
 
-def test_the_pallas_attention_kernel_swaps_in_under_jit(served):
-    """The Pallas kernel (interpreted on CPU) in place of the reference, in the engine's step,
-    gives HF's tokens; another model refuses the option."""
+def test_the_pallas_kernels_swap_in_under_jit(served):
+    """The Pallas attention and indexer kernels (interpreted on CPU) in place of the
+    references, in the engine's step, give HF's tokens."""
     folder, expected = served
     llm = build_llm(folder, "tiny", compressed_attention_impl="pallas_interpret")
     assert llm.engine.describe()["resolved"]["compressed_attention"]["value"] == "pallas_interpret"

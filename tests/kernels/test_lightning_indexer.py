@@ -1,17 +1,29 @@
 """DeepSeek-V4's Lightning Indexer (pallas_kernels/lightning_indexer/reference.py): each query
 token's top-k compressed entries of its own request, read from a paged store, are the ones
 HF transformers' DeepseekV4Indexer picks (its compressed keys pooled by numpy,
-tests/kernels/test_compressor), for two requests side by side in one flattened batch."""
+tests/kernels/test_compressor), for two requests side by side in one flattened batch; the
+Pallas kernel's too (interpreted), and it lowers for CUDA."""
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
+import numpy as np
+import pytest
+
+from pallas_kernels import gpu_lowering
+from pallas_kernels.lightning_indexer import kernel
 from pallas_kernels.lightning_indexer.reference import indexer_topk
 from tests.support.deepseek_v4 import hf_config, norm_and_rope, pool_sequence, rope
 
+IMPLEMENTATIONS = {
+    "reference": indexer_topk,
+    "pallas": functools.partial(kernel.indexer_topk, interpret=True),
+}
 
-def test_picks_are_hugging_faces_indexers():
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_picks_are_hugging_faces_indexers(implementation):
     import jax.numpy as jnp
     import torch
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
@@ -49,7 +61,7 @@ def test_picks_are_hugging_faces_indexers():
         weights_all.append(weights)
         positions_all.append(np.arange(length))
         expected += [{int(e) for e in row if e >= 0} for row in picks]
-    got = indexer_topk(
+    got = IMPLEMENTATIONS[implementation](
         jnp.asarray(np.concatenate(q_all), jnp.float32),
         jnp.asarray(np.concatenate(weights_all), jnp.float32),
         jnp.asarray(store, jnp.float32),
@@ -65,3 +77,22 @@ def test_picks_are_hugging_faces_indexers():
     # Queries before the first window closes pick nothing; later ones as many as they see.
     assert got[0] == set() and len(got[lengths[0] - 1]) == min(topk, lengths[0] // ratio)
     assert blocks_per_request * block >= max(lengths) // ratio
+
+
+def test_pallas_kernel_lowers_for_cuda():
+    import jax.numpy as jnp
+
+    args = [
+        jnp.zeros((5, 3, 16)),
+        jnp.zeros((5, 3)),
+        jnp.zeros((12, 4, 16)),
+        jnp.zeros((2, 4), jnp.int32),
+        jnp.asarray([0, 4, 5], jnp.int32),
+        jnp.zeros(5, jnp.int32),
+    ]
+
+    def indexer(*arrays):
+        return kernel.indexer_topk(*arrays, ratio=4, topk=4, scale=0.25)
+
+    text = gpu_lowering.lower_for_gpu(indexer, *args)
+    assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1

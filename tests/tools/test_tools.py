@@ -115,6 +115,28 @@ def test_hybrid_bench_times_each_model_at_each_context(tmp_path):
     assert len(report["hybrid_over_attention"]) == 2
 
 
+def test_bench_compressed_reports_steps_and_kv_bytes_beside_dense(tmp_path):
+    output = tmp_path / "compressed.json"
+    run(
+        "-m",
+        "tools.bench_compressed",
+        "--contexts=256,512",
+        "--layers=4",
+        "--hidden_size=64",
+        "--steps=1",
+        f"--output_json={output}",
+    )
+    report = json.loads(output.read_text())
+    assert report["contexts"] == [256, 512]
+    for name in ("compressed", "dense"):
+        assert min(report[name]["step_seconds"]) > 0
+    compressed, dense = report["compressed"]["kv_bytes"], report["dense"]["kv_bytes"]
+    # the dense model's bytes about double with the context; the compressed one's grow by
+    # its entries alone (its window's blocks and compressor states stay)
+    assert dense[1] > 1.9 * dense[0]
+    assert compressed[1] / dense[1] < compressed[0] / dense[0]
+
+
 def test_prefix_caching_bench_runs_on_a_written_hybrid_model(tmp_path):
     """bench_hybrid --write_model, then bench_throughput's prefix-caching comparison on it
     (the hybrid's states restored from checkpoints)."""

@@ -11,8 +11,10 @@ and projected per head group to a low rank, then mixed (o_a_proj, o_b_proj). RoP
 head's trailing rotary_dim dims in interleaved pairs, with rope_theta in sliding layers and
 compress_rope_theta in compressed ones (their entries too, at their window's first position).
 
-The layers run as a Python loop (their kinds follow no period), so compile time grows with
-depth. Parameters: jaxinfer.model_loader.deepseek_v4_weights.
+The layers after the first few (the hash-routed ones and what precedes the pattern) repeat a
+period of kinds (V4's: CSA then HCA): they run as a scan over the periods, each kind's
+parameters indexed by the layer's place among its kind's, so compile time grows with the
+prefix and the period, not the depth. A layout that never repeats runs layer by layer. Parameters: jaxinfer.model_loader.deepseek_v4_weights.
 
 T: tokens, E: hidden size, N: streams, H: heads, D: head dim, Rq: q rank, G: output groups,
 Ro: their rank, Hi / Di: indexer heads and dim, k: experts per token.
@@ -98,26 +100,34 @@ def deepseek_v4_layers(
     streams = jnp.broadcast_to(hidden[:, None], (hidden.shape[0], v4.hc_mult, hidden.shape[1]))
     head = HeadWeights(**params["hc_head"])
     eps, norm_eps = v4.hc_eps, config.rms_norm_eps
-    collected = []
-    for layer, kind in enumerate(v4.layer_types):
-        p = _take({k: v for k, v in layers.items() if k not in ("csa", "hca", "hash")}, layer)
+    hashed_layers = [i for i, t in enumerate(v4.mlp_layer_types) if t == HASH_MOE]
+    shared = {k: v for k, v in layers.items() if k not in ("csa", "hca", "hash")}
+    kind_of = v4.layer_types
+
+    def layer_step(streams, cache, layer, kind, index, hashed_index):
+        """One layer: `layer`, `index` (among its kind's) and `hashed_index` (among the
+        hash-routed layers, -1: none) static or traced; `kind` static."""
+        p = _take(shared, layer)
         post, comb, x = mix_weights(
             streams, MixWeights(**p["attn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
             eps=eps, norm_eps=norm_eps,
         )  # fmt: skip
         x = rms_norm(x, p["input_norm"], norm_eps)
-        out, cache = attention(config, p, layers, x, cache, layer, kind, batch, kernels)
+        out, cache = attention(
+            config, p, layers, x, cache, layer, index, kind=kind, batch=batch, kernels=kernels
+        )
         streams = expand(post, comb, out, streams)
         post, comb, x = mix_weights(
             streams, MixWeights(**p["ffn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
             eps=eps, norm_eps=norm_eps,
         )  # fmt: skip
         x = rms_norm(x, p["post_attention_norm"], norm_eps)
-        hashed = None
-        if v4.mlp_layer_types[layer] == HASH_MOE:
-            table = layers["hash"]["tid2eid"][v4.mlp_layer_types[:layer].count(HASH_MOE)]
-            hashed = table[tokens]  # [T, k]
-        weights, experts = route(x @ p["router"], moe.router, p["router_bias"], hashed)
+        logits = x @ p["router"]
+        if isinstance(hashed_index, int) and hashed_index >= 0:  # experts by token id
+            table = layers["hash"]["tid2eid"][hashed_index]
+            weights, experts = route(logits, moe.router, None, table[tokens])
+        else:
+            weights, experts = route(logits, moe.router, p["router_bias"])
         y = routed_experts(
             x, weights, experts, Dense(p["experts_gate_up"], -3), Dense(p["experts_down"], -2),
             kernels, partitioner, limit=moe.swiglu_limit,
@@ -125,10 +135,60 @@ def deepseek_v4_layers(
         h = jnp.einsum("te,eci->tci", x, p["gate_up_proj"])  # the shared expert
         y = y + swiglu(h[:, 0], h[:, 1], moe.swiglu_limit) @ p["down_proj"]
         streams = expand(post, comb, y, streams)
+        return streams, cache
+
+    def head_of(streams):
+        return collapse_head(streams, head, eps=eps, norm_eps=norm_eps)
+
+    prefix, period = layer_periods(v4)
+    collected = []
+    for layer in range(prefix):  # the layers before the period, one by one
+        hashed_index = hashed_layers.index(layer) if layer in hashed_layers else -1
+        streams, cache = layer_step(
+            streams, cache, layer, kind_of[layer], v4.index(layer), hashed_index
+        )
         if collect:
-            collected.append(collapse_head(streams, head, eps=eps, norm_eps=norm_eps))
-    hidden = collapse_head(streams, head, eps=eps, norm_eps=norm_eps)
-    return cache, hidden, jnp.stack(collected) if collect else None
+            collected.append(head_of(streams))
+
+    def one_period(carry, start):  # `start`: the period's first layer
+        streams, cache = carry
+        outs = []
+        for offset in range(period):
+            kind = kind_of[prefix + offset]
+            # its place among its kind's: those before the periods, then per period
+            before = kind_of[:prefix].count(kind) + kind_of[prefix : prefix + offset].count(kind)
+            per_period = kind_of[prefix : prefix + period].count(kind)
+            index = before + (start - prefix) // period * per_period
+            streams, cache = layer_step(streams, cache, start + offset, kind, index, -1)
+            outs.append(head_of(streams) if collect else None)
+        return (streams, cache), jnp.stack(outs) if collect else None
+
+    if period:
+        repeats = (len(kind_of) - prefix) // period
+        starts = prefix + period * jnp.arange(repeats, dtype=jnp.int32)
+        (streams, cache), per_period = jax.lax.scan(one_period, (streams, cache), starts)
+        if collect:  # [repeats, period, T, E] -> one per layer
+            collected += list(per_period.reshape(-1, *per_period.shape[2:]))
+    return cache, head_of(streams), jnp.stack(collected) if collect else None
+
+
+def layer_periods(v4) -> tuple[int, int]:
+    """(prefix, period): the layers after the first `prefix` (hash-routed ones among them)
+    repeat a period of `period` kinds; the shortest prefix + period (all layers one by one
+    when nothing repeats)."""
+    keys = [(kind, mlp) for kind, mlp in zip(v4.layer_types, v4.mlp_layer_types, strict=True)]
+    count = len(keys)
+    best = (count, 0)
+    for prefix in range(count):
+        if HASH_MOE in v4.mlp_layer_types[prefix:]:
+            continue
+        rest = keys[prefix:]
+        for size in range(1, len(rest) + 1):
+            if len(rest) % size == 0 and rest == rest[:size] * (len(rest) // size):
+                if prefix + size < sum(best):
+                    best = (prefix, size)
+                break
+    return best
 
 
 def attention(
@@ -137,7 +197,9 @@ def attention(
     layers: dict,  # every layer's (the compressed kinds' stacks)
     x: jax.Array,  # f32[T, E], normed
     cache: CompressedCache,
-    layer: int,
+    layer: jax.Array,  # i32[], the layer's index
+    index: jax.Array,  # i32[], its index among its kind's layers
+    *,
     kind: str,
     batch: BatchInputs,
     kernels: ModelKernels,
@@ -168,7 +230,6 @@ def attention(
     if kind != SLIDING_ATTENTION:
         key = KIND_KEYS[kind]
         ratio = v4.ratio(kind)
-        index = v4.index(layer)
         c = _take(layers[key], index)
         table = cache.entry_table(batch.block_tables, key)
         request = jnp.minimum(

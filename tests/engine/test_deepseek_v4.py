@@ -25,7 +25,7 @@ from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import lm_head
 from jaxinfer.models.params import as_weights
 from tests.engine.test_model_families import hf_greedy
-from tests.support.deepseek_v4 import hf_config, random_model
+from tests.support.deepseek_v4 import LAYER_TYPES, hf_config, random_model
 from tests.support.engines import build_llm
 from tools.tiny_tokenizer import write_tiny_tokenizer
 
@@ -103,10 +103,22 @@ YARN = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["default", "yarn"])
+# V4's own layout: two HCA layers (hash-routed), then CSA and HCA repeating (a scan over the
+# periods; the other layouts run layer by layer)
+PERIODIC = {
+    "layer_types": ["heavily_compressed_attention"] * 2
+    + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3,
+    "mlp_layer_types": ["hash_moe"] * 2 + ["moe"] * 6,
+}
+VARIANTS = {"default": {}, "yarn": {"rope_parameters": YARN}, "periodic": PERIODIC}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def harness_parts(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("deepseek_v4")
-    hf = random_model(**({"rope_parameters": YARN} if request.param == "yarn" else {}))
+    overrides = dict(VARIANTS[request.param])
+    layer_types = tuple(overrides.pop("layer_types", LAYER_TYPES))
+    hf = random_model(layer_types, **overrides)
     hf.save_pretrained(folder)
     return folder, hf
 

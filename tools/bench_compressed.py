@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -37,7 +36,7 @@ from jaxinfer.layers.compressed_cache import entry_columns
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
-from tools.decode import decode_batch
+from tools.decode import decode_batch, seconds_per_forward
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["1024", "8192", "65536"], "Tokens of context per request.")
@@ -134,14 +133,7 @@ def measure(folder: Path, context: int) -> tuple[float, int]:
         row[:, start:end] = 1 + np.arange(end - start)
     batch = dataclasses.replace(batch, block_tables=row, state_rows=np.zeros(1, np.int32))
     batch = jax.device_put(batch)
-    for _ in range(2):
-        logits = runner.forward(batch)
-    logits.block_until_ready()
-    begin = time.perf_counter()
-    for _ in range(FLAGS.steps):
-        logits = runner.forward(batch)
-    logits.block_until_ready()
-    seconds = (time.perf_counter() - begin) / FLAGS.steps
+    seconds = seconds_per_forward(runner, batch, FLAGS.steps)
     groups = [
         describe_spec(spec, arch, config.cache.kv_format, dict(config.cache.entry_blocks))
         for spec in config.cache.layer_specs

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -40,7 +39,7 @@ from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
-from tools.decode import decode_batch
+from tools.decode import decode_batch, seconds_per_forward
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["1024", "8192", "32768"], "Tokens of context per request.")
@@ -105,14 +104,7 @@ def step_times(folder: Path, contexts: list[int], batch_size: int) -> tuple[list
     for context in contexts:
         batch = decode_batch(batch_size, context, BLOCK_SIZE, vocab, blocks // batch_size)
         batch = jax.device_put(_with_rows(batch, batch_size))
-        for _ in range(2):
-            logits = runner.forward(batch)
-        logits.block_until_ready()
-        begin = time.perf_counter()
-        for _ in range(FLAGS.steps):
-            logits = runner.forward(batch)
-        logits.block_until_ready()
-        times.append((time.perf_counter() - begin) / FLAGS.steps)
+        times.append(seconds_per_forward(runner, batch, FLAGS.steps))
     resolved = config.resolved
     return times, {"attention": resolved.attention, "gated_delta": resolved.gated_delta}
 

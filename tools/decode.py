@@ -3,6 +3,8 @@ step reads of the weights."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
@@ -29,6 +31,18 @@ def decode_batch(
         logits_indices=np.arange(batch, dtype=np.int32),
         num_seqs=np.array([batch], np.int32),
     )
+
+
+def seconds_per_forward(runner, batch: BatchInputs, steps: int) -> float:
+    """Seconds one `runner.forward(batch)` takes, over `steps` calls after two warm-up ones."""
+    for _ in range(2):
+        logits = runner.forward(batch)
+    logits.block_until_ready()
+    begin = time.perf_counter()
+    for _ in range(steps):
+        logits = runner.forward(batch)
+    logits.block_until_ready()
+    return (time.perf_counter() - begin) / steps
 
 
 def _nbytes(a) -> int:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.cache_specs import CacheSpec, compressed_specs_of
-from jaxinfer.config.options import EngineOptions
+from jaxinfer.config.options import EngineOptions, refuse_options
 
 PREFIX_CACHING_OFF = (
     "DeepSeek-V4's compressed layers would need their entries and their compressors' open "
@@ -48,12 +48,7 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
         "weight_layout": options.weight_layout not in ("auto", "in_out"),
         "matmul_impl": options.matmul_impl not in ("auto", "xla"),
     }
-    for name, is_set in refused.items():
-        if is_set:
-            raise ValueError(
-                f"{name} {getattr(options, name)!r} is not supported on DeepSeek-V4 "
-                f"({arch.architecture}, compressed attention) yet"
-            )
+    refuse_options(options, refused, f"DeepSeek-V4 ({arch.architecture}, compressed attention)")
 
 
 def compressed_attention_kernel(

@@ -15,7 +15,7 @@ and of the linear layers' key-head groups (no copies of KV heads).
 from __future__ import annotations
 
 from jaxinfer.arch_config import LlamaConfig
-from jaxinfer.config.options import EngineOptions
+from jaxinfer.config.options import EngineOptions, refuse_options
 
 PREFIX_CACHING_CHECKPOINTS = (
     "the linear-attention layers' states are checkpointed where prompt steps end at block "
@@ -35,12 +35,9 @@ def check_hybrid(options: EngineOptions, arch: LlamaConfig) -> None:
         "layer_execution": options.layer_execution == "per_layer",
         "load_format": options.load_format == "dummy",
     }
-    for name, is_set in refused.items():
-        if is_set:
-            raise ValueError(
-                f"{name} {getattr(options, name)!r} is not supported on a hybrid model "
-                f"({arch.architecture}, linear-attention layers) yet"
-            )
+    refuse_options(
+        options, refused, f"a hybrid model ({arch.architecture}, linear-attention layers)"
+    )
     tp, linear = options.tensor_parallel_size, arch.hybrid.linear
     if arch.num_key_value_heads % tp or linear.num_k_heads % tp:
         raise ValueError(

@@ -311,6 +311,14 @@ class EngineOptions:
         check_options(self)
 
 
+def refuse_options(options: EngineOptions, refused: dict[str, bool], model: str) -> None:
+    """A ValueError naming the first option set in `refused` (name -> whether it is set) that
+    `model` (its kind, in words) cannot run with yet."""
+    for name, is_set in refused.items():
+        if is_set:
+            raise ValueError(f"{name} {getattr(options, name)!r} is not supported on {model} yet")
+
+
 def quantization_of(options: EngineOptions) -> Quantization | None:
     """The quantization at load the options ask for (None: weights as the checkpoint has them)."""
     if options.quantization is None:

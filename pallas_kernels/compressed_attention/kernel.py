@@ -25,12 +25,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
+from pallas_kernels.tiles import check_powers_of_two, next_power_of_two
 
 MASK_VALUE = -1e30
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(
@@ -127,10 +124,8 @@ def compressed_attention(
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> jax.Array:  # f32[T, H, D]
     num_tokens, heads, dim = q.shape
-    for name, size in (("head dim", dim), ("block size", kv.shape[1])):
-        if size != _power_of_two(size):
-            raise ValueError(f"the compressed-attention kernel needs a power-of-two {name}: {size}")
-    padded = _power_of_two(heads)
+    check_powers_of_two("compressed-attention", head_dim=dim, block_size=kv.shape[1])
+    padded = next_power_of_two(heads)
     request = jnp.minimum(
         token_request_index(query_start_loc, num_tokens), block_table.shape[0] - 1
     )

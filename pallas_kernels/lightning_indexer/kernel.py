@@ -22,12 +22,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
+from pallas_kernels.tiles import check_powers_of_two, next_power_of_two
 
 MASK_VALUE = -1e30
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(
@@ -82,10 +79,8 @@ def indexer_topk(
 ) -> jax.Array:  # i32[T, min(k, E)]: entry indices, best first; -1 past the visible ones
     num_tokens, heads, dim = q.shape
     per_block = keys.shape[1]
-    for name, size in (("head dim", dim), ("block size", per_block)):
-        if size != _power_of_two(size):
-            raise ValueError(f"the indexer kernel needs a power-of-two {name}: {size}")
-    padded = _power_of_two(heads)
+    check_powers_of_two("indexer", head_dim=dim, block_size=per_block)
+    padded = next_power_of_two(heads)
     request = jnp.minimum(
         token_request_index(query_start_loc, num_tokens), block_table.shape[0] - 1
     )

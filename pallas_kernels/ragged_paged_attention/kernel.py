@@ -46,19 +46,16 @@ from jax.experimental import pallas as pl
 from pallas_kernels import gpu_lowering
 from pallas_kernels.ragged_paged_attention.kv_quant import check_scale_layout
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, token_request_index
+from pallas_kernels.tiles import next_power_of_two
 
 LOG2E = math.log2(math.e)
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def default_block_q(num_tokens: int, group: int) -> int:
     """Query tokens per program: 16 rows (Triton's smallest dot) for decode-sized batches, 64
     rows for large ones, which are mostly prefill."""
     rows = 64 if num_tokens >= 512 else 16
-    return max(1, rows // _next_power_of_two(group))
+    return max(1, rows // next_power_of_two(group))
 
 
 def default_num_kv_splits(num_tokens: int, num_kv_heads: int, max_blocks: int) -> int:
@@ -232,7 +229,7 @@ def ragged_paged_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not split over {num_kv_heads} kv heads")
     group = num_heads // num_kv_heads
-    group_p = _next_power_of_two(group)
+    group_p = next_power_of_two(group)
     if batch_invariant:
         if num_kv_splits not in (None, 1):
             raise ValueError("batch_invariant attention takes no kv splits (they split by count)")

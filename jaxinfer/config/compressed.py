@@ -63,6 +63,7 @@ def compressed_attention_kernel(
             raise ValueError("compressed_attention_impl applies to DeepSeek-V4 models")
         return None, {}
     cpu = platform.backend == "cpu"
+    reasons["attention"] = "not used: DeepSeek-V4's layers attend through compressed_attention"
     if name == "auto":
         name = "reference" if cpu else "pallas"
         reasons["compressed_attention"] = (

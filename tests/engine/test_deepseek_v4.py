@@ -204,8 +204,9 @@ def test_n_samples_each_keep_their_own_compressor_state_and_describe(served):
     assert csa["bytes_per_token"] == 2 * (16 + 8) * 4 / 4 and csa["layers"] == [1, 3]
     assert hca["bytes_per_token"] == 2 * 16 * 4 / 8 and hca["layers"] == [0, 4]
     assert groups["recurrent_state"]["layers"] == [0, 1, 3, 4]
-    resolved = described["resolved"]["prefix_caching"]
-    assert resolved == {"value": False, "reason": PREFIX_CACHING_OFF}
+    resolved = described["resolved"]
+    assert resolved["prefix_caching"] == {"value": False, "reason": PREFIX_CACHING_OFF}
+    assert resolved["attention"]["reason"].startswith("not used")
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ compress_rope_theta in compressed ones (their entries too, at their window's fir
 The layers after the first few (the hash-routed ones and what precedes the pattern) repeat a
 period of kinds (V4's: CSA then HCA): they run as a scan over the periods, each kind's
 parameters indexed by the layer's place among its kind's, so compile time grows with the
-prefix and the period, not the depth. A layout that never repeats runs layer by layer. Parameters: jaxinfer.model_loader.deepseek_v4_weights.
+prefix and the period, not the depth. A layout that never repeats runs layer by layer.
+Parameters: jaxinfer.model_loader.deepseek_v4_weights.
 
 T: tokens, E: hidden size, N: streams, H: heads, D: head dim, Rq: q rank, G: output groups,
 Ro: their rank, Hi / Di: indexer heads and dim, k: experts per token.

@@ -254,3 +254,17 @@ def test_compressed_attention_impl_is_refused_for_other_models(tmp_path):
 
     with pytest.raises(ValueError, match="compressed_attention_impl applies to DeepSeek-V4"):
         build_llm(make_tiny_model(tmp_path), "tiny", compressed_attention_impl="reference")
+
+
+def test_a_budget_sized_cache_serves_contexts_past_the_windows_pool(served):
+    """Sized by kv_cache_memory_gb, the window's pool holds the running requests' windows
+    (16 blocks of 8 here) and the entries' pools the context: a 150-token prompt, which no
+    window pool of that size could hold whole, gives HF's tokens."""
+    folder, _ = served
+    prompt = list(np.random.default_rng(9).integers(3, 320, size=150))
+    llm = build_llm(
+        folder, "tiny", num_kv_blocks=None, kv_cache_memory_gb=0.0005, max_model_len=192
+    )
+    assert llm.engine.kv_cache_manager.pool.num_blocks * 8 < 150
+    outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert [list(outputs[0].outputs[0].token_ids)] == hf_greedy(folder, [prompt], 12)

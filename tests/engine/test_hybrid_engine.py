@@ -93,10 +93,13 @@ def test_describe_reports_states_and_how_prefix_caching_works(hybrid):
     llm = build_llm(folder, "tiny")
     description = llm.engine.describe()
     assert description["kv_cache_layers"] == 2  # of 4 layers, 2 are attention layers
-    assert description["cache_groups"] == [
-        {"kind": "recurrent_state", "layers": [0, 2]},
-        {"kind": "full_attention", "layers": [1, 3]},
+    groups = description["cache_groups"]
+    assert [(g["kind"], g["layers"]) for g in groups] == [
+        ("recurrent_state", [0, 2]),
+        ("full_attention", [1, 3]),
     ]
+    assert groups[0]["bytes_per_request"] > 0 and groups[1]["sliding_window"] is None
+    assert groups[1]["bytes_per_token"] > 0
     states = description["recurrent_states"]
     assert states["slots"] == 4 and states["layers"] == 2 and states["prefix_checkpoints"] == 4
     # conv [C, K - 1] in float32 and delta f32[Hv, Dk, Dv], per layer

@@ -35,8 +35,16 @@ def check_admissible(
     longest = config.max_model_len if max_tokens is None else prompt_len + max_tokens
     longest = min(longest, config.max_model_len)
     capacity = kv.pool.num_blocks - 1
-    if kv.blocks_for(longest) > capacity:
+    if kv.blocks_held(longest, config.max_num_batched_tokens) > capacity:
         raise ValueError(
             f"the request needs up to {longest} tokens of KV cache, more than the whole pool "
             f"({capacity} blocks of {kv.block_size})"
         )
+    for key, pool in kv.entry_pools.items():
+        ratio = next(s.ratio for s in kv.compressed if s.key == key)
+        if kv.blocks_for(longest // ratio) > pool.num_blocks - 1:
+            raise ValueError(
+                f"the request needs up to {longest} tokens of context, more than the {key} "
+                f"entries' pool holds ({pool.num_blocks - 1} blocks of {kv.block_size} entries, "
+                f"one per {ratio} tokens)"
+            )

@@ -116,6 +116,15 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most KV blocks a request of `num_tokens` holds at once: all of them, or with
+        compressed entries (whose window's blocks go back as it slides; no prefix caching)
+        its window's and a step's."""
+        blocks = self.blocks_for(num_tokens)
+        if not self.compressed or self.sliding_window is None:
+            return blocks
+        return min(blocks, self.blocks_for(self.sliding_window + step_tokens) + 1)
+
     def block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the request's full blocks, extended incrementally as tokens arrive."""
         hashes = request.block_hashes

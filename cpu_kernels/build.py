@@ -87,7 +87,8 @@ def build(source: Path, build_dir: Path) -> Path:
     command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HEADERS}"]
     digest = hashlib.sha256(" ".join(command).encode() + jaxlib.__version__.encode())
     digest.update(compiler_version(cxx).encode())
-    for path in [source, *sorted(HEADERS.glob("*.h"))]:
+    # The source, the shared headers and its own (a kernel's parts included beside it).
+    for path in [source, *sorted(HEADERS.glob("*.h")), *sorted(source.parent.glob("*.h"))]:
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:16]
     target = Path(build_dir) / f"{source.parent.name}-{key}.so"

@@ -7,7 +7,8 @@ For each weight (the 1.5B's gate_up and qkv in Q4_K, down in Q6_K as Q4_K_M keep
 layers' down; the 0.5B's gate_up in Q5_0 and its LM head in Q8_0) and each row count: the
 median time per call and the weights' bytes read per second, beside the machine's measured
 memory read bandwidth (tools.device_rates) for the one-row steps, which read each weight once
-and are bound by it.
+and are bound by it. The Q4_K weights also as the loader interleaves them for the int8 mode on
+AVX-512 VNNI (last column; ratio: the file's layout's time over the interleaved one's).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from cpu_kernels.gguf_matmul.kernel import has_avx512_vnni, load_gguf_matmul
-from cpu_kernels.gguf_matmul.reference import pack_layers, random_rows
+from cpu_kernels.gguf_matmul.reference import interleave_q4_k, pack_layers, random_rows
 from jaxinfer.config import EngineOptions
 from tools.device_rates import memory_bandwidth, timed
 
@@ -55,10 +56,17 @@ def main(argv):
     bandwidth = memory_bandwidth()
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     names = list(modes())
-    print("| weight | rows | " + " | ".join(f"{m}: ms (GB/s)" for m in names) + " |")
-    print("| --- | --- |" + " --- |" * len(names))
+    vnni = has_avx512_vnni()
+    extra = ["int8 VNNI interleaved: ms (GB/s), ratio"] if vnni else []
+    print("| weight | rows | " + " | ".join([f"{m}: ms (GB/s)" for m in names] + extra) + " |")
+    print("| --- | --- |" + " --- |" * (len(names) + len(extra)))
     for name, (fmt, n, k) in WEIGHTS.items():
-        data, table = (jnp.asarray(a) for a in pack_layers([[(fmt, random_rows(fmt, n, k, rng))]]))
+        raw = random_rows(fmt, n, k, rng)
+        data, table = (jnp.asarray(a) for a in pack_layers([[(fmt, raw)]]))
+        tiled = None
+        if vnni and fmt == "Q4_K":
+            packed = pack_layers([[("Q4_K_X16", interleave_q4_k(raw))]])
+            tiled = tuple(jnp.asarray(a) for a in packed)
         for rows in map(int, FLAGS.rows):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
             cells = []
@@ -66,6 +74,18 @@ def main(argv):
                 run = jax.jit(lambda x, d, t, o=options, n=n: kernel(x, d, t, 0, n=n, **o))
                 seconds = timed(run, x, data, table, repeats=FLAGS.repeats)
                 cells.append(f"{seconds * 1e3:.3f} ({data.nbytes / seconds / 1e9:.1f})")
+            if tiled is not None:
+                run = jax.jit(
+                    lambda x, d, t, n=n: kernel(x, d, t, 0, n=n, **modes()["int8 AVX-512 VNNI"])
+                )
+                seconds = timed(run, x, *tiled, repeats=FLAGS.repeats)
+                file_layout = float(cells[-1].split()[0]) / 1e3
+                cells.append(
+                    f"{seconds * 1e3:.3f} ({tiled[0].nbytes / seconds / 1e9:.1f}), "
+                    f"{file_layout / seconds:.2f}x"
+                )
+            elif vnni:
+                cells.append("")
             print(f"| {name} | {rows} | " + " | ".join(cells) + " |")
 
 

@@ -52,6 +52,9 @@ enum Format : int32_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
+  // Not GGML types: Q4_K and Q6_K rows interleaved 16 at a time by the loader (interleaved.h).
+  kQ4_KX16 = 112,
+  kQ6_KX16 = 114,
 };
 
 template <int F>
@@ -68,7 +71,9 @@ constexpr int64_t kBytes = F == kQ4_0   ? 18
                            : F == kQ5_K ? 176
                                         : 210;
 
-int64_t BlockValues(int32_t f) { return f == kQ4_K || f == kQ5_K || f == kQ6_K ? 256 : 32; }
+int64_t BlockValues(int32_t f) {
+  return f == kQ4_K || f == kQ5_K || f == kQ6_K || f == kQ4_KX16 || f == kQ6_KX16 ? 256 : 32;
+}
 int64_t BlockBytes(int32_t f) {
   switch (f) {
     case kQ4_0: return kBytes<kQ4_0>;
@@ -79,6 +84,8 @@ int64_t BlockBytes(int32_t f) {
     case kQ4_K: return kBytes<kQ4_K>;
     case kQ5_K: return kBytes<kQ5_K>;
     case kQ6_K: return kBytes<kQ6_K>;
+    case kQ4_KX16: return 148;  // a row's share of an interleaved superblock (interleaved.h)
+    case kQ6_KX16: return 210;
     default: return 0;
   }
 }
@@ -244,6 +251,8 @@ struct QuantizedX {
   // more, read against an odd last block's zero values): d32t[b][row], s32t[b][row].
   int64_t m_pad32 = 0;
   std::vector<float> d32t, s32t;
+  // Interleaved Q4_K (interleaved.h): x's sums per 32 values as int16 pairs, [row][b][4].
+  std::vector<int32_t> pairs32;
 };
 
 // Rounds n values (a multiple of 32) to int8 with one scale: q = round(x / d), d = max|x| / 127.
@@ -1184,6 +1193,8 @@ void SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t 
   }
 }
 
+#include "interleaved.h"
+
 void RunSegment(int32_t f, const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
                 int64_t stop, int64_t out_first, bool integer, bool vnni512) {
   switch (f) {
@@ -1195,6 +1206,8 @@ void RunSegment(int32_t f, const Rows& r, const uint8_t* data, int64_t row_bytes
     case kQ4_K: return SegmentRows<kQ4_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ5_K: return SegmentRows<kQ5_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ6_K: return SegmentRows<kQ6_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ4_KX16: return X16SegmentRows<kQ4_KX16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ6_KX16: return X16SegmentRows<kQ6_KX16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
   }
 }
 
@@ -1224,10 +1237,11 @@ ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32
     const int32_t f = t[3 * s], count = t[3 * s + 1], offset = t[3 * s + 2];
     if (count == 0) continue;
     const int64_t bytes = BlockBytes(f);
-    if (bytes == 0 || count < 0 || k % BlockValues(f) != 0) {
+    if (bytes == 0 || count < 0 || k % BlockValues(f) != 0 ||
+        ((f == kQ4_KX16 || f == kQ6_KX16) && count % kX16Rows != 0)) {
       return ffi::Error::InvalidArgument(
           "gguf_matmul: a segment's format is not a supported block format, or K is not a "
-          "multiple of its block");
+          "multiple of its block (or an interleaved segment's rows not a multiple of 16)");
     }
     const int64_t row_bytes = k / BlockValues(f) * bytes;
     if (offset < 0 || offset + count * row_bytes > layer_bytes) {
@@ -1249,7 +1263,8 @@ constexpr int64_t kMinClaim = 8, kMaxClaim = 64;
 
 ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> y, bool int8_activations, bool avx512_vnni) {
+                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
+                      bool int8_activations, bool avx512_vnni) {
   if (avx512_vnni && !Vnni512Supported()) {
     return ffi::Error::InvalidArgument(
         "gguf_matmul: avx512_vnni asked for on a CPU without AVX-512 (F, BW, VL, DQ) and VNNI");
@@ -1259,12 +1274,15 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (x_dims.size() != 2 || y_dims.size() != 2 || y_dims[0] != x_dims[0]) {
     return ffi::Error::InvalidArgument("gguf_matmul: x [M, K] and y [M, N]");
   }
-  const int64_t m = x_dims[0], k = x_dims[1], n = y_dims[1];
+  const int64_t k = x_dims[1], n = y_dims[1];
   std::vector<Segment> segments;
   if (ffi::Error error = Segments(data, table, layer.typed_data()[0], k, n, segments);
       error.failure()) {
     return error;
   }
+  // Rows of x past `valid` are a step's padding: their outputs are zeros, not computed.
+  const int64_t m = std::clamp<int64_t>(valid.typed_data()[0], 0, x_dims[0]);
+  std::fill(y->typed_data() + m * n, y->typed_data() + x_dims[0] * n, 0.0f);
   if (m == 0 || n == 0) return ffi::Error::Success();
   QuantizedX qx;
   if (int8_activations) {
@@ -1277,6 +1295,8 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       qx.d32.resize(m * k / 32);
       qx.s32.resize(m * k / 32);
     }
+    bool interleaved = false;
+    for (const Segment& s : segments) interleaved |= s.format == kQ4_KX16;  // Q6_K's: no pairs
     const bool many512 = blocks256 && avx512_vnni && m > 8;
     if (blocks256) {
       qx.m_pad = many512 ? (m + 7) / 8 * 8 : m;
@@ -1299,6 +1319,7 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         }
       }
     }
+    if (interleaved && avx512_vnni) GroupSumPairs(m, k, qx);
     if (many512) {
       const int64_t blocks = k / 256, mp = qx.m_pad;
       qx.d256t.assign(blocks * mp, 0.0f);
@@ -1323,7 +1344,10 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   };
   std::vector<Claim> claims;
   for (const Segment& s : segments) {
-    const int64_t size = std::clamp<int64_t>((s.rows + 3) / 4, kMinClaim, kMaxClaim);
+    int64_t size = std::clamp<int64_t>((s.rows + 3) / 4, kMinClaim, kMaxClaim);
+    if (s.format == kQ4_KX16 || s.format == kQ6_KX16) {
+      size = (size + kX16Rows - 1) / kX16Rows * kX16Rows;  // whole tiles
+    }
     for (int64_t first = 0; first < s.rows; first += size) {
       claims.push_back({&s, first, std::min(s.rows, first + size)});
     }
@@ -1393,6 +1417,14 @@ ffi::Error GGUFRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids, ffi::Buffer
     for (int64_t i = 8 * c; i < std::min(t, 8 * c + 8); ++i) {
       const int64_t row = std::clamp<int64_t>(id[i], 0, n - 1);
       for (const Segment& s : segments) {
+        if (row < s.out_first + s.rows && s.format == kQ4_KX16) {
+          X16DequantizeRow<kQ4_KX16>(s.data, s.row_bytes, row - s.out_first, k, o + i * k);
+          break;
+        }
+        if (row < s.out_first + s.rows && s.format == kQ6_KX16) {
+          X16DequantizeRow<kQ6_KX16>(s.data, s.row_bytes, row - s.out_first, k, o + i * k);
+          break;
+        }
         if (row < s.out_first + s.rows) {
           DequantizeRowOf(s.format, s.data + (row - s.out_first) * s.row_bytes, k, o + i * k);
           break;
@@ -1412,6 +1444,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFMatmul, GGUFMatmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // data [L, B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // table [L, S, 3]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // valid [] (rows of x)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("int8_activations")
                                   .Attr<bool>("avx512_vnni"));

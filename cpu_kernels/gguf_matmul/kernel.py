@@ -56,11 +56,14 @@ def gguf_matmul(
     n: int,  # output rows (the layer's segments' rows summed)
     int8_activations: bool = False,
     avx512_vnni: bool | None = None,
+    valid: jax.Array | int | None = None,  # i32[]: rows of x that are not padding
 ) -> jax.Array:  # f32[M, N]
     """x @ W^T for layer `layer` of a block weight (see load_gguf_matmul): exact, or with x
     rounded to int8 per block and integer dot products (llama.cpp's). `avx512_vnni`: whether
     the kernel takes its AVX-512 paths (integer products through VNNI, the exact mode's wider
-    tiles; default: where the CPU has them; the kernel refuses them on a CPU without)."""
+    tiles; default: where the CPU has them; the kernel refuses them on a CPU without).
+    `valid`: the first rows of x that are real (a step's tokens before its padding), the
+    others' outputs zeros and not computed; default all."""
     _check(data, table, "gguf_matmul")
     if x.dtype != jnp.float32 or x.ndim != 2 or x.shape[1] % 32:
         raise ValueError(
@@ -69,8 +72,9 @@ def gguf_matmul(
     result = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     index = jnp.asarray(layer, jnp.int32)
     vnni = has_avx512_vnni() if avx512_vnni is None else avx512_vnni
+    rows = jnp.asarray(x.shape[0] if valid is None else valid, jnp.int32)
     return jax.ffi.ffi_call(MATMUL_TARGET, result)(
-        x, data, table, index, int8_activations=int8_activations, avx512_vnni=vnni
+        x, data, table, index, rows, int8_activations=int8_activations, avx512_vnni=vnni
     )
 
 

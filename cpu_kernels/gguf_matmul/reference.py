@@ -30,8 +30,14 @@ FORMATS = {
     )
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 }
-_BY_NUMBER = {number: name for name, (number, _, _) in FORMATS.items()}
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# Layouts the loader makes of the file's blocks (not GGML types; numbered past them): Q4_K and
+# Q6_K rows interleaved 16 at a time (INTERLEAVE), bytes per row's share of a superblock.
+INTERLEAVED = {"Q4_K_X16": (112, 256, 148), "Q6_K_X16": (114, 256, 210)}
+LAYOUTS = {**FORMATS, **INTERLEAVED}
+_BY_NUMBER = {number: name for name, (number, _, _) in LAYOUTS.items()}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q4_K_X16", "Q6_K_X16")
+X16 = 16  # rows of an interleaved tile
+_X16_SUPER = 2368  # bytes of an interleaved tile's superblock (16 rows)
 
 
 def format_name(number: int) -> str:
@@ -39,16 +45,80 @@ def format_name(number: int) -> str:
 
 
 def row_bytes(fmt: str, k: int) -> int:
-    """Bytes of one row of K values in `fmt` (K a multiple of its block)."""
-    _, values, size = FORMATS[fmt]
+    """Bytes of one row of K values in `fmt` (K a multiple of its block); an interleaved
+    format's rows are stored 16 at a time, a row its share."""
+    _, values, size = LAYOUTS[fmt]
     if k % values:
         raise ValueError(f"{fmt} rows hold multiples of {values} values, not {k}")
     return k // values * size
 
 
 def dequantize(fmt: str, raw: np.ndarray) -> np.ndarray:
-    """u8[N, row bytes] -> f32[N, K], by gguf's own dequantizer."""
+    """u8[N, row bytes] -> f32[N, K], by gguf's own dequantizer (an interleaved layout's rows
+    taken back to the file's blocks first)."""
+    if fmt in INTERLEAVED:
+        fmt, raw = fmt[:4], DEINTERLEAVE[fmt](raw)
     return np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]), np.float32)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and minimums (u8[..., 12]) -> sc, m u8[..., 8]
+    (llama.cpp's get_scale_min_k4)."""
+    q = packed.astype(np.uint8)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return sc, m
+
+
+def interleave_q4_k(raw: np.ndarray) -> np.ndarray:
+    """Q4_K rows u8[N, K / 256 * 144] (N a multiple of 16) -> the kernel's interleaved layout
+    u8[N, K / 256 * 148] (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16 rows and
+    superblock, d[16] and dmin[16] (float16), sc[8][16], m[4][16][2] (groups 2p, 2p + 1), and
+    qs[8][4][16][4] (group, quarter t, row, byte b: value 8 t + b in the low nibble, 8 t + 4 + b
+    in the high). The same values, scales unpacked from 6 bits to bytes."""
+    n, width = raw.shape
+    if n % X16 or width % 144:
+        raise ValueError(f"interleave_q4_k: Q4_K rows in 16s, got {raw.shape}")
+    t, s = n // X16, width // 144
+    b = raw.reshape(t, X16, s, 144).transpose(0, 2, 1, 3)  # [T, S, 16, 144]
+    sc, m = _k_scales(b[..., 4:16])  # [T, S, 16, 8]
+    q = b[..., 16:].reshape(t, s, X16, 4, 32)
+    values = np.stack([q & 0xF, q >> 4], axis=4).reshape(t, s, X16, 8, 4, 2, 4)
+    packed = values[..., 0, :] | (values[..., 1, :] << 4)  # [T, S, row, g, t, b]
+    parts = [
+        b[..., 0:2],  # d per row
+        b[..., 2:4],  # dmin per row
+        sc.transpose(0, 1, 3, 2),  # [T, S, g, row]
+        m.reshape(t, s, X16, 4, 2).transpose(0, 1, 3, 2, 4),  # [T, S, p, row, 2]
+        packed.transpose(0, 1, 3, 4, 2, 5),  # [T, S, g, t, row, b]
+    ]
+    tiles = np.concatenate([p.reshape(t, s, -1) for p in parts], axis=-1)  # [T, S, 2368]
+    return np.ascontiguousarray(tiles).reshape(n, s * 148)
+
+
+def deinterleave_q4_k(raw: np.ndarray) -> np.ndarray:
+    """interleave_q4_k's inverse: u8[N, K / 256 * 148] -> Q4_K rows u8[N, K / 256 * 144]."""
+    n, width = raw.shape
+    t, s = n // X16, width // 148
+    tiles = raw.reshape(t, s, _X16_SUPER)
+    d = tiles[..., 0:32].reshape(t, s, X16, 2)
+    dmin = tiles[..., 32:64].reshape(t, s, X16, 2)
+    sc = tiles[..., 64:192].reshape(t, s, 8, X16).transpose(0, 1, 3, 2)  # [T, S, row, g]
+    m = tiles[..., 192:320].reshape(t, s, 4, X16, 2).transpose(0, 1, 3, 2, 4).reshape(t, s, X16, 8)
+    packed = tiles[..., 320:].reshape(t, s, 8, 4, X16, 4).transpose(0, 1, 4, 2, 3, 5)
+    values = np.stack([packed & 0xF, packed >> 4], axis=-2)  # [T, S, row, g, t, 2, b]
+    values = values.reshape(t, s, X16, 4, 2, 32)  # [.., j, group 2j + h, i]
+    qs = values[..., 0, :] | (values[..., 1, :] << 4)  # [T, S, row, 4, 32]
+    scales = np.concatenate(
+        [
+            sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6),
+            m[..., 0:4] | ((m[..., 4:8] >> 4) << 6),
+            (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4),
+        ],
+        axis=-1,
+    )
+    blocks = np.concatenate([d, dmin, scales, qs.reshape(t, s, X16, 128)], axis=-1)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 144).astype(np.uint8)
 
 
 def segments(table: np.ndarray) -> list[tuple[str, int, int]]:
@@ -125,7 +195,7 @@ def pack_layers(layers: list[list[tuple[str, np.ndarray]]]) -> tuple[np.ndarray,
         offset = 0
         for s, (fmt, raw) in enumerate(parts):
             data[i, offset : offset + raw.nbytes] = np.ascontiguousarray(raw).reshape(-1)
-            table[i, s] = (FORMATS[fmt][0], raw.shape[0], offset)
+            table[i, s] = (LAYOUTS[fmt][0], raw.shape[0], offset)
             offset += raw.nbytes
     return data, table
 
@@ -151,3 +221,75 @@ def random_rows(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarra
     else:  # Q6_K: d last
         raw[..., 208:210] = halves(1, False)
     return raw.reshape(n, -1)
+
+
+def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K superblocks u8[..., 210] -> their 256 unsigned 6-bit values u8[..., 256] (q + 32),
+    in order (llama.cpp's dequantize_row_q6_K)."""
+    ql = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 64)
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 32)
+    low = np.concatenate(
+        [ql[..., 0:32] & 0xF, ql[..., 32:64] & 0xF, ql[..., 0:32] >> 4, ql[..., 32:64] >> 4], -1
+    )
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], -1)
+    return (low | (high << 4)).reshape(*blocks.shape[:-1], 256)
+
+
+def interleave_q6_k(raw: np.ndarray) -> np.ndarray:
+    """Q6_K rows u8[N, K / 256 * 210] (N a multiple of 16) -> the kernel's interleaved layout,
+    the same size (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16 rows and superblock,
+    d[16] (float16), sc[8][16][2] (int8 scales of the 16-value groups 2p, 2p + 1), then per
+    group j of 16 values three vectors of [16 rows][4 bytes]: A (low nibble: the low 4 bits of
+    value 16 j + b; high nibble: of 16 j + 4 + b), B (the same for 16 j + 8 + b and
+    16 j + 12 + b), H (bits 2 s, 2 s + 1 of byte b: the top 2 bits of value 16 j + 4 s + b)."""
+    n, width = raw.shape
+    if n % X16 or width % 210:
+        raise ValueError(f"interleave_q6_k: Q6_K rows in 16s, got {raw.shape}")
+    t, s = n // X16, width // 210
+    b = raw.reshape(t, X16, s, 210).transpose(0, 2, 1, 3)  # [T, S, 16, 210]
+    v = _q6_k_values(b).reshape(t, s, X16, 16, 4, 4)  # [T, S, row, j, quarter, b]
+    low, high = v & 0xF, v >> 4
+    a = low[..., 0, :] | (low[..., 1, :] << 4)  # [T, S, row, j, b]
+    bb = low[..., 2, :] | (low[..., 3, :] << 4)
+    h = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    groups = np.stack([a, bb, h], axis=-2)  # [T, S, row, j, 3, b]
+    parts = [
+        b[..., 208:210],  # d per row
+        b[..., 192:208].reshape(t, s, X16, 8, 2).transpose(0, 1, 3, 2, 4),  # [T, S, p, row, 2]
+        groups.transpose(0, 1, 3, 4, 2, 5),  # [T, S, j, vector, row, b]
+    ]
+    tiles = np.concatenate([p.reshape(t, s, -1) for p in parts], axis=-1)  # [T, S, 3360]
+    return np.ascontiguousarray(tiles).reshape(n, s * 210)
+
+
+def deinterleave_q6_k(raw: np.ndarray) -> np.ndarray:
+    """interleave_q6_k's inverse: the file's Q6_K rows back."""
+    n, width = raw.shape
+    t, s = n // X16, width // 210
+    tiles = raw.reshape(t, s, 3360)
+    d = tiles[..., 0:32].reshape(t, s, X16, 2)
+    sc = tiles[..., 32:288].reshape(t, s, 8, X16, 2).transpose(0, 1, 3, 2, 4).reshape(t, s, X16, 16)
+    groups = tiles[..., 288:].reshape(t, s, 16, 3, X16, 4).transpose(0, 1, 4, 2, 3, 5)
+    a, bb, h = groups[..., 0, :], groups[..., 1, :], groups[..., 2, :]  # [T, S, row, j, b]
+    low = np.stack([a & 0xF, a >> 4, bb & 0xF, bb >> 4], axis=-2)  # [.., j, quarter, b]
+    high = np.stack([(h >> (2 * q)) & 3 for q in range(4)], axis=-2)
+    v = (low | (high << 4)).reshape(t, s, X16, 2, 4, 32)  # [.., n, quarter (32 values), l]
+    ql = np.concatenate(
+        [
+            (v[..., 0, :] & 0xF) | ((v[..., 2, :] & 0xF) << 4),
+            (v[..., 1, :] & 0xF) | ((v[..., 3, :] & 0xF) << 4),
+        ],
+        axis=-1,
+    )  # [.., n, 64]
+    qh = (
+        (v[..., 0, :] >> 4)
+        | ((v[..., 1, :] >> 4) << 2)
+        | ((v[..., 2, :] >> 4) << 4)
+        | ((v[..., 3, :] >> 4) << 6)
+    )
+    blocks = np.concatenate([ql.reshape(t, s, X16, 128), qh.reshape(t, s, X16, 64), sc, d], axis=-1)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 210).astype(np.uint8)
+
+
+INTERLEAVE = {"Q4_K_X16": interleave_q4_k, "Q6_K_X16": interleave_q6_k}
+DEINTERLEAVE = {"Q4_K_X16": deinterleave_q4_k, "Q6_K_X16": deinterleave_q6_k}

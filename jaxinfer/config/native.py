@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from cpu_kernels.build import KernelBuildError
+from cpu_kernels.gguf_matmul.kernel import has_avx512_vnni
 from jaxinfer.config.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -41,3 +42,17 @@ def native_kernel(platform: Platform, name: str, option: str, value: str, reason
             raise
         logger.warning("C++ kernel for %s unavailable (%s); going without it", option, error)
         return None, f"its build failed ({error})"
+
+
+def check_int8_activations(options, matmul_fn, gguf_fn, int4: bool) -> None:
+    """int8_activations needs the C++ kernel and weights it applies to (int4 or GGUF blocks)."""
+    if options.int8_activations and (matmul_fn is None or (not int4 and gguf_fn is None)):
+        why = "the kernel is not in use" if matmul_fn is None else "the model has neither"
+        raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
+
+
+def gguf_interleaved(options, gguf_fn) -> bool:
+    """Whether the GGUF file's Q4_K and Q6_K weights are laid out interleaved at load (16 rows
+    at a time, cpu_kernels/gguf_matmul/interleaved.h): where the block kernel takes int8
+    activations on AVX-512 VNNI, the one path that reads that layout at full speed."""
+    return gguf_fn is not None and options.int8_activations and has_avx512_vnni()

@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from jaxinfer.arch_config import LlamaConfig
-from jaxinfer.config import speculative
+from jaxinfer.config import native, speculative
 from jaxinfer.config.compressed import check_compressed
 from jaxinfer.config.compressed import prefix_caching as compressed_prefix_caching
 from jaxinfer.config.hybrid import check_hybrid, prefix_caching
@@ -92,9 +92,7 @@ def resolve(
         grouped = "reference"
     attention, attention_fn = r.attention()
     gguf_fn = r.gguf_kernel(matmul_fn)
-    if options.int8_activations and (matmul_fn is None or (not int4 and gguf_fn is None)):
-        why = "the kernel is not in use" if matmul_fn is None else "the model has neither"
-        raise ValueError(f"int8_activations applies to int4 and GGUF block weights: {why}")
+    native.check_int8_activations(options, matmul_fn, gguf_fn, int4)
     layer_execution = r.layer_execution(matmul_fn)
     lora, lora_fn = lora_kernel(options, platform, arch, r.dtype, registry, r.reasons)
     own, own_fns = layer_kernels(options, platform, arch, r.dtype, registry, r.reasons)
@@ -109,6 +107,7 @@ def resolve(
         int4_matmul=int4_kernel,
         matmul="cpu" if matmul_fn is not None else getattr(pallas_matmul, "name", "xla"),
         gguf_blocks=gguf_fn is not None,
+        gguf_interleaved=native.gguf_interleaved(options, gguf_fn),
         gguf_blocks_required=options.gguf_weights == "on",
         layer_execution=layer_execution,
         async_scheduling=r.async_scheduling(),

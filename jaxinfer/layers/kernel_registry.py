@@ -108,6 +108,14 @@ class ModelKernels:
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
 
+    def for_tokens(self, count) -> ModelKernels:
+        """These kernels for a step whose first `count` tokens (i32[], traced) are real, the
+        rest padding: the C++ block kernel skips the padding rows (KernelMatmul.for_tokens);
+        every other kernel computes them as before."""
+        if not hasattr(self.matmul, "for_tokens"):
+            return self
+        return dataclasses.replace(self, matmul=self.matmul.for_tokens(count))
+
     def rms_norm(self, x, weight, eps: float):  # [N, E], the final norm
         """RMSNorm alone: the reference's, or under batch_invariant through the selected norm
         kernel (adding zeros is exact)."""

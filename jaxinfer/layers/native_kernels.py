@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 from cpu_kernels.matmul.kernel import grouped_int4_matmul, grouped_matmul, int4_matmul
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, unstacked, xla_dense
@@ -44,6 +45,12 @@ class KernelMatmul:
     # int4 weights (steps of up to 4 rows) and GGUF block weights (every step): activations
     # rounded to int8 per block, integer dot products (EngineOptions.int8_activations).
     int8_activations: bool = False
+    # i32[] under jit: the step's real tokens, the rows of x before its padding, which the
+    # block kernel alone computes (for_tokens); None: every row.
+    tokens: Any = None
+
+    def for_tokens(self, count) -> KernelMatmul:
+        return dataclasses.replace(self, tokens=count)
 
     def float32(self, x, w):  # x [T, in], w [*out, in] -> [T, *out]
         if x.shape[0] > self.max_float_rows and not self.fixed_order:
@@ -97,4 +104,6 @@ class KernelMatmul:
         """x [T, in] times a GGUFWeight (jaxinfer.layers.weights) -> [T, N]."""
         data, table, layer = weight.stacked()
         n = math.prod(weight.out)
-        return self.gguf_kernel(x, data, table, layer, n=n, int8_activations=self.int8_activations)
+        return self.gguf_kernel(
+            x, data, table, layer, n=n, int8_activations=self.int8_activations, valid=self.tokens
+        )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cpu_kernels.gguf_matmul.reference import FORMATS, row_bytes
+from cpu_kernels.gguf_matmul.reference import FORMATS, INTERLEAVE, LAYOUTS, X16, row_bytes
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.weights import GGUFWeight
 from jaxinfer.model_loader.gguf_convert import GGUFTensorReader, unpermute_qk
@@ -30,6 +30,7 @@ from jaxinfer.model_loader.safetensors_loader import params_from_reader
 from jaxinfer.models.families import family_for_architecture
 
 ALIGNMENT = 64
+_INTERLEAVE_ROWS = 1024  # rows interleaved at once (a multiple of the tiles' 16)
 
 
 def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
@@ -86,44 +87,77 @@ class _File:
         _read(self.fd, t, raw)
         return t.type_name, raw if part.rows is None else raw[part.rows]
 
-    def weight(self, layers: list[list[_Part]], out: tuple[int, ...], k: int) -> GGUFWeight:
-        """The GGUFWeight [L, ...] whose layer i is the rows of layers[i]'s parts, in order."""
-        sizes = []
-        for parts in layers:
-            sizes.append(
-                sum(
-                    row_bytes(p.tensor.type_name, k)
-                    * (p.tensor.data.shape[0] if p.rows is None else len(p.rows))
-                    for p in parts
-                )
-            )
+    def weight(
+        self, layers: list[list[_Part]], out: tuple[int, ...], k: int, interleave: bool = False
+    ) -> GGUFWeight:
+        """The GGUFWeight [L, ...] whose layer i is the rows of layers[i]'s parts, in order.
+        interleave: Q4_K and Q6_K runs of whole tiles of 16 rows are laid out interleaved
+        (reference.INTERLEAVE) for the kernel's integer path on AVX-512 VNNI."""
+        runs = [_runs(parts, k, interleave) for parts in layers]
+        sizes = [sum(run.nbytes for run in layer) for layer in runs]
         data = aligned_empty((len(layers), max(sizes)))
         for i, size in enumerate(sizes):
             data[i, size:] = 0  # the padding of a shorter layer
-        tables = []
-        for i, parts in enumerate(layers):
-            table, offset = [], 0
-            for part in parts:
-                fmt = part.tensor.type_name
-                if part.rows is None:  # straight into place
-                    count = part.tensor.data.shape[0]
-                    size = count * row_bytes(fmt, k)
-                    _read(self.fd, part.tensor, data[i, offset : offset + size])
-                else:
-                    _, raw = self.rows(part)
-                    count, size = raw.shape[0], raw.nbytes
-                    data[i, offset : offset + size] = raw.reshape(-1)
-                if table and table[-1][0] == FORMATS[fmt][0]:
-                    table[-1][1] += count
-                else:
-                    table.append([FORMATS[fmt][0], count, offset])
-                offset += size
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        table = np.zeros((len(layers), width, 3), np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+        table = np.zeros((len(layers), max(len(r) for r in runs), 3), np.int32)
+        for i, layer in enumerate(runs):
+            offset = 0
+            for s, run in enumerate(layer):
+                self._fill(run, data[i, offset : offset + run.nbytes])
+                table[i, s] = (LAYOUTS[run.layout][0], run.count, offset)
+                offset += run.nbytes
         return GGUFWeight(data, table, np.arange(len(layers), dtype=np.int32), out, k)
+
+    def _fill(self, run: _Run, out: np.ndarray) -> None:
+        """A run's bytes into `out`: a whole tensor straight into place, rows picked from a
+        tensor through a copy, an interleaved run through its file layout."""
+        if run.layout != run.fmt:  # interleaved a chunk of tiles at a time: little scratch
+            raw = np.concatenate([self.rows(part)[1] for part in run.parts])
+            size = row_bytes(run.layout, run.k)
+            for start in range(0, run.count, _INTERLEAVE_ROWS):
+                tiles = INTERLEAVE[run.layout](raw[start : start + _INTERLEAVE_ROWS])
+                out[start * size : start * size + tiles.nbytes] = tiles.reshape(-1)
+            return
+        offset = 0
+        for part in run.parts:
+            if part.rows is None:
+                size = part.tensor.data.shape[0] * row_bytes(run.fmt, run.k)
+                _read(self.fd, part.tensor, out[offset : offset + size])
+            else:
+                raw = self.rows(part)[1]
+                size = raw.nbytes
+                out[offset : offset + size] = raw.reshape(-1)
+            offset += size
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Consecutive parts of one format: one segment of the weight's table."""
+
+    fmt: str  # the file's format
+    layout: str  # how the kernel reads it: fmt, or an interleaved layout of it
+    parts: tuple[_Part, ...]
+    count: int  # rows
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * row_bytes(self.layout, self.k)
+
+
+def _runs(parts: list[_Part], k: int, interleave: bool) -> list[_Run]:
+    grouped: list[list[_Part]] = []
+    for part in parts:
+        if grouped and grouped[-1][0].tensor.type_name == part.tensor.type_name:
+            grouped[-1].append(part)
+        else:
+            grouped.append([part])
+    runs = []
+    for group in grouped:
+        fmt = group[0].tensor.type_name
+        count = sum(p.tensor.data.shape[0] if p.rows is None else len(p.rows) for p in group)
+        tiled = interleave and f"{fmt}_X16" in INTERLEAVE and count % X16 == 0
+        runs.append(_Run(fmt, f"{fmt}_X16" if tiled else fmt, tuple(group), count, k))
+    return runs
 
 
 def _qkv_parts(file: _File, config: LlamaConfig, layer: int, permuted: bool) -> list[_Part]:
@@ -150,11 +184,14 @@ def _qkv_parts(file: _File, config: LlamaConfig, layer: int, permuted: bool) -> 
     return parts
 
 
-def load_gguf_params(path: Path, config: LlamaConfig, dtype) -> tuple[dict, list[str]]:
+def load_gguf_params(
+    path: Path, config: LlamaConfig, dtype, interleave: bool = False
+) -> tuple[dict, list[str]]:
     """(the parameter tree of a dense model from its GGUF file, the names of the weights kept
     in blocks): the projections, the embedding and the LM head as GGUFWeights where every
     layer's tensors are in formats the block kernel reads, the rest as the float arrays of
-    jaxinfer.model_loader.safetensors_loader.params_from_reader."""
+    jaxinfer.model_loader.safetensors_loader.params_from_reader. interleave: Q4_K and Q6_K
+    laid out 16 rows at a time (ResolvedOptions.gguf_interleaved)."""
     if config.moe is not None:
         raise ValueError("GGUF block weights are read in place for dense models only")
     family = family_for_architecture(config.architecture)
@@ -182,14 +219,14 @@ def load_gguf_params(path: Path, config: LlamaConfig, dtype) -> tuple[dict, list
                 layers = [_qkv_parts(file, config, i, family.gguf_qk_permuted) for i in range(L)]
             else:
                 layers = [[_Part(file.tensors[p.format(i)]) for p in patterns] for i in range(L)]
-            blocks["layers"][name] = file.weight(layers, out, k)
+            blocks["layers"][name] = file.weight(layers, out, k, interleave)
         V = config.vocab_size
         heads = {"embed": "token_embd.weight"}
         if not config.tie_word_embeddings:
             heads["lm_head"] = "output.weight"
         for name, tensor in heads.items():
             if file.supported([tensor]):
-                blocks[name] = file.weight([[_Part(file.tensors[tensor])]], (V,), E)
+                blocks[name] = file.weight([[_Part(file.tensors[tensor])]], (V,), E, interleave)
     finally:
         file.close()
     kept = [*blocks["layers"], *(n for n in blocks if n != "layers")]

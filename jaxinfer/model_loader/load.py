@@ -46,7 +46,9 @@ def load_model(
         )
         return graphdef, state, []
     if gguf_file is not None and config.resolved.gguf_blocks:
-        params, kept = load_gguf_params(gguf_file, arch, np.dtype(dtype))
+        params, kept = load_gguf_params(
+            gguf_file, arch, np.dtype(dtype), config.resolved.gguf_interleaved
+        )
         if not kept and config.resolved.gguf_blocks_required:
             raise ValueError(
                 f"gguf_weights 'on': no weight of {gguf_file.name} is in a block format the "

@@ -104,6 +104,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def _layers(self, kv_cache, batch, kernels, partitioner, collect: bool, lora=None):
         params = nnx.to_pure_dict(nnx.state(self))
+        kernels = kernels.for_tokens(batch.query_start_loc[-1])  # the padding: after the last
         hidden, residual, cos_sin = embed_tokens(self.config, params, batch)
         layers = params["layers"]
         # A matmul kernel reads each layer's projections out of the stacked [L, ...] weights

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from cpu_kernels.build import can_build
-from cpu_kernels.gguf_matmul.reference import dequantize_layer
+from cpu_kernels.gguf_matmul.kernel import has_avx512_vnni
+from cpu_kernels.gguf_matmul.reference import LAYOUTS, dequantize_layer
 from jaxinfer import SamplingParams
 from jaxinfer.layers.linear import OUT_IN
 from jaxinfer.layers.weights import GGUFWeight, Int4
+from jaxinfer.model_loader import gguf_weights
 from jaxinfer.model_loader.gguf_blocks import load_gguf_blocks, verified_blocks
 from jaxinfer.model_loader.gguf_tensors import read_tensors
 from jaxinfer.model_loader.gguf_weights import load_gguf_params
@@ -98,16 +100,26 @@ def test_tensor_table_matches_the_gguf_reader(q4_gguf):
         assert np.array_equal(np.asarray(tensor.data).ravel(), t.data.view(np.uint8).ravel())
 
 
+@pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("fixture", ["q4_gguf", "k_gguf"])
-def test_weights_read_in_place_are_the_converted_weights_in_engine_order(fixture, request):
+def test_weights_read_in_place_are_the_converted_weights_in_engine_order(
+    fixture, interleave, request, monkeypatch
+):
     """Each layer of each GGUFWeight dequantizes (by the gguf package) to exactly the float
     weight the converted folder gives, in the engine's "out_in" order (QKV fused by KV head,
-    Q and K unpermuted, gate then up); norms and the rest are the same arrays."""
+    Q and K unpermuted, gate then up); norms and the rest are the same arrays. Interleaved,
+    the Q4_K runs are laid out 16 rows at a time and hold the same values (Q4_1, Q4_0 and
+    Q8_0 stay as the file has them)."""
     path, folder = request.getfixturevalue(fixture)
     assert source_gguf(str(path), folder) == path
     config, floats = converted(folder)
-    params, kept = load_gguf_params(path, config, np.float32)
+    monkeypatch.setattr(gguf_weights, "_INTERLEAVE_ROWS", 16)  # a tile at a time
+    params, kept = load_gguf_params(path, config, np.float32, interleave)
     assert kept == ALL_BLOCKS
+    formats = {int(f) for n in PROJECTIONS for f, rows, _ in params["layers"][n].table[0] if rows}
+    x16 = LAYOUTS["Q4_K_X16"][0]
+    assert (x16 in formats) == (interleave and fixture == "k_gguf")
+    assert LAYOUTS["Q4_K"][0] not in formats or not interleave
     for name in PROJECTIONS:
         w = params["layers"][name]
         assert isinstance(w, GGUFWeight) and w.data.ctypes.data % 64 == 0
@@ -148,6 +160,8 @@ def test_engine_on_blocks_matches_the_engine_on_float_weights(
         extra = {"int8_activations": int8_activations} if mode == "on" else {}
         llm = build_llm(path, None, gguf_weights=mode, **options, **extra)
         assert llm.engine.gguf_weights == (ALL_BLOCKS if mode == "on" else [])
+        interleaved = mode == "on" and int8_activations and has_avx512_vnni()
+        assert llm.engine.config.resolved.gguf_interleaved == interleaved
         runs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     tolerance = 0.05 if int8_activations else 1e-4
     for ours, theirs in zip(runs["on"], runs["off"], strict=True):

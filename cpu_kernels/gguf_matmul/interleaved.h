@@ -190,12 +190,13 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
     const uint8_t* b = tile + sb * kX16Bytes6;
     const int8_t* xq[MR];
     const int16_t* xs[MR];
-    __m512i isum[MR], bias[MR];
+    __m512 fsum[MR];
+    __m512i bias[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       xq[i] = r.qx->q256.data() + (m0 + i) * r.k + 256 * sb;
       xs[i] = r.qx->sums16.data() + ((m0 + i) * r.k) / 16 + 16 * sb;
-      isum[i] = _mm512_setzero_si512();
+      fsum[i] = _mm512_setzero_ps();
       bias[i] = _mm512_setzero_si512();
     }
 #pragma GCC unroll 1
@@ -222,16 +223,17 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bb, 4), low),
                             _mm512_and_si512(_mm512_srli_epi16(hi, 2), top)),
         };
-        // Scale j per row as int32: the pair's low (h = 0) or high (h = 1) int16.
-        const __m512i sc = h == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16)
-                                  : _mm512_srai_epi32(pairs, 16);
+        // Scale j per row: the pair's low (h = 0) or high (h = 1) int16, as a float (the
+        // integer sums times it exactly: both well inside float's 24 bits).
+        const __m512 sc = _mm512_cvtepi32_ps(h == 0 ? _mm512_srai_epi32(_mm512_slli_epi32(pairs, 16), 16)
+                                                    : _mm512_srai_epi32(pairs, 16));
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], Broadcast4(xq[i] + 16 * j));
           acc = _mm512_dpbusd_epi32(acc, v[1], Broadcast4(xq[i] + 16 * j + 4));
           acc = _mm512_dpbusd_epi32(acc, v[2], Broadcast4(xq[i] + 16 * j + 8));
           acc = _mm512_dpbusd_epi32(acc, v[3], Broadcast4(xq[i] + 16 * j + 12));
-          isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(acc, sc));
+          fsum[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sc, fsum[i]);
         }
       }
     }
@@ -239,8 +241,8 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512 dx = _mm512_set1_ps(r.qx->d256[(m0 + i) * nsb + sb]);
-      const __m512i total = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(bias[i], 5));
-      y[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(total), y[i]);
+      const __m512 total = _mm512_sub_ps(fsum[i], _mm512_cvtepi32_ps(_mm512_slli_epi32(bias[i], 5)));
+      y[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), total, y[i]);
     }
   }
 #pragma GCC unroll 8

@@ -35,6 +35,8 @@ class BatchInputs:
     # i32[R], each request's device row: a hybrid model's state slots (jaxinfer.layers
     # .state_cache); None: a model without recurrent state
     state_rows: np.ndarray | None = None
+    # i32[1], the rows of logits_indices that are real (the rest padding); None: all
+    num_samples: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -277,8 +277,11 @@ def compute_logits(
     kernels: ModelKernels = REFERENCE_KERNELS,
     partitioner: Partitioner | None = None,
 ) -> jax.Array:  # f32[R, V]
-    """Final norm and LM head on the rows that sample only (one per request)."""
+    """Final norm and LM head on the rows that sample only (one per request; the padding rows
+    past batch.num_samples skipped by the kernels that can, ModelKernels.for_tokens)."""
     rows = hidden[batch.logits_indices]
+    if batch.num_samples is not None:
+        kernels = kernels.for_tokens(batch.num_samples[0])
     return lm_head(config, params, rows, kernels, partitioner)
 
 

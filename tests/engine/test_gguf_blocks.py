@@ -172,6 +172,37 @@ def test_engine_on_blocks_matches_the_engine_on_float_weights(
             assert ours.token_ids == theirs.token_ids
 
 
+@needs_compiler
+def test_speculation_on_blocks_gives_the_tokens_without_it(k_gguf, cpu_kernel_dir):
+    """Steps whose padding rows (tokens and sample rows) the block kernel skips: n-gram
+    proposals verified in the same steps as prompt chunks and other requests' decodes give the
+    greedy tokens of the engine without speculation (exact activations: every row's product
+    the same whatever else the step holds but for summation order)."""
+    path, _ = k_gguf
+    options = dict(
+        max_num_batched_tokens=16,
+        token_buckets=(1, 4, 8, 16),
+        max_num_seqs=3,
+        block_size=8,
+        num_kv_blocks=64,
+        cache_dir=str(cpu_kernel_dir.parent),
+        compilation_cache=False,
+        gguf_weights="on",
+    )
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5], [11, 12, 11, 12, 11], [20, 21, 22, 23]]
+    runs = {}
+    for method in (None, "ngram"):
+        extra = {"speculative_method": method, "num_speculative_tokens": 3} if method else {}
+        llm = build_llm(path, None, **options, **extra)
+        runs[method] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        if method:
+            assert llm.engine.stats().spec.num_accepted_tokens > 0
+    assert runs["ngram"] == runs[None]
+
+
 def test_gguf_weights_on_where_they_cannot_be_kept_is_a_clear_error(
     tiny_model_dir, model_cache_dir
 ):

@@ -109,6 +109,7 @@ class StepInputs:
     logits_indices: np.ndarray  # i32[P]
     num_seqs: np.ndarray  # i32[1]
     lora_slots: np.ndarray | None = None  # i32[T], each token's adapter slot (-1: none)
+    num_samples: np.ndarray | None = None  # i32[1], the real rows of logits_indices
 
     @property
     def num_tokens(self) -> int:

@@ -98,6 +98,7 @@ class BatchBuilder:
             query_start_loc=np.zeros(num_reqs + 1, np.int32),
             logits_indices=np.zeros(num_samples, np.int32),
             num_seqs=np.zeros(1, np.int32),
+            num_samples=np.zeros(1, np.int32),
             lora_slots=np.full(num_tokens, -1, np.int32) if self.lora else None,
         )
         sampling = SamplingMetadata.neutral(num_samples, self.padding_row)
@@ -194,6 +195,7 @@ class BatchBuilder:
             sample += num_rows
         inputs.query_start_loc[num_reqs + 1 :] = start
         inputs.num_seqs[0] = num_reqs
+        inputs.num_samples[0] = sample
         flags = SamplingFlags(
             num_logprobs=MAX_LOGPROBS
             if any(item.params.logprobs is not None for item in items)

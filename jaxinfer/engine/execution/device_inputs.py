@@ -76,6 +76,7 @@ def assemble_batch(
         num_seqs=inputs.num_seqs,
         lora_slots=inputs.lora_slots,
         state_rows=inputs.request_rows,
+        num_samples=inputs.num_samples,
     )
 
 

@@ -7,8 +7,9 @@ For each weight (the 1.5B's gate_up and qkv in Q4_K, down in Q6_K as Q4_K_M keep
 layers' down; the 0.5B's gate_up in Q5_0 and its LM head in Q8_0) and each row count: the
 median time per call and the weights' bytes read per second, beside the machine's measured
 memory read bandwidth (tools.device_rates) for the one-row steps, which read each weight once
-and are bound by it. The Q4_K weights also as the loader interleaves them for the int8 mode on
-AVX-512 VNNI (last column; ratio: the file's layout's time over the interleaved one's).
+and are bound by it. The Q4_K and Q6_K weights also as the loader interleaves them for the
+int8 mode on AVX-512 VNNI (last column; ratio: the file's layout's time over the interleaved
+one's).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from cpu_kernels.gguf_matmul.kernel import has_avx512_vnni, load_gguf_matmul
-from cpu_kernels.gguf_matmul.reference import interleave_q4_k, pack_layers, random_rows
+from cpu_kernels.gguf_matmul.reference import INTERLEAVE, pack_layers, random_rows
 from jaxinfer.config import EngineOptions
 from tools.device_rates import memory_bandwidth, timed
 
@@ -64,8 +65,9 @@ def main(argv):
         raw = random_rows(fmt, n, k, rng)
         data, table = (jnp.asarray(a) for a in pack_layers([[(fmt, raw)]]))
         tiled = None
-        if vnni and fmt == "Q4_K":
-            packed = pack_layers([[("Q4_K_X16", interleave_q4_k(raw))]])
+        layout = f"{fmt}_X16"
+        if vnni and layout in INTERLEAVE:
+            packed = pack_layers([[(layout, INTERLEAVE[layout](raw))]])
             tiled = tuple(jnp.asarray(a) for a in packed)
         for rows in map(int, FLAGS.rows):
             x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)

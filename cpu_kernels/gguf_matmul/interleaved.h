@@ -108,6 +108,12 @@ inline void GroupSumPairs(int64_t m, int64_t k, QuantizedX& qx) {
   }
 }
 
+// The next tile's superblock into L2 while this one's first rows of x run: the rows after
+// them read this tile again, so the stream the prefetchers follow is broken.
+inline void Prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(p + at), _MM_HINT_T1);
+}
+
 JAXINFER_VNNI512_INLINE __m512i Broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -116,7 +122,8 @@ JAXINFER_VNNI512_INLINE __m512i Broadcast4(const int8_t* p) {
 
 // Rows [m0, m0 + MR) of x against one tile's 16 outputs, y[row, col0 .. col0 + 16).
 template <int MR>
-JAXINFER_VNNI512 void X16Tile(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0) {
+JAXINFER_VNNI512 void X16Tile(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0,
+                              const uint8_t* next) {
   const int64_t nsb = r.k / 256;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 y[MR];
@@ -124,6 +131,7 @@ JAXINFER_VNNI512 void X16Tile(const Rows& r, const uint8_t* tile, int64_t col0, 
   for (int i = 0; i < MR; ++i) y[i] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = tile + sb * kX16Bytes;
+    if (next != nullptr) Prefetch(next + sb * kX16Bytes, kX16Bytes);
     const int8_t* xq[MR];
     __m512i isum[MR], msum[MR];
 #pragma GCC unroll 8
@@ -180,7 +188,8 @@ JAXINFER_VNNI512 void X16Tile(const Rows& r, const uint8_t* tile, int64_t col0, 
 // The same for a Q6_K tile: weight = d sc(j) (v - 32), v the unsigned 6-bit value; the 32 is
 // taken back through x's sums per 16 (vpdpwssd against the scale pairs).
 template <int MR>
-JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0) {
+JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0,
+                               const uint8_t* next) {
   const int64_t nsb = r.k / 256;
   const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   __m512 y[MR];
@@ -188,6 +197,7 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
   for (int i = 0; i < MR; ++i) y[i] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = tile + sb * kX16Bytes6;
+    if (next != nullptr) Prefetch(next + sb * kX16Bytes6, kX16Bytes6);
     const int8_t* xq[MR];
     const int16_t* xs[MR];
     __m512 fsum[MR];
@@ -250,26 +260,30 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
 }
 
 template <int F, int MR>
-JAXINFER_VNNI512_INLINE void X16Run(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0) {
+JAXINFER_VNNI512_INLINE void X16Run(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0,
+                                    const uint8_t* next) {
   if constexpr (F == kQ4_KX16) {
-    X16Tile<MR>(r, tile, col0, m0);
+    X16Tile<MR>(r, tile, col0, m0, next);
   } else {
-    X16Tile6<MR>(r, tile, col0, m0);
+    X16Tile6<MR>(r, tile, col0, m0, next);
   }
 }
 
+// Every row of x against one tile; `next`: the tile after it (nullptr: none to prefetch).
 template <int F>
-JAXINFER_VNNI512 void X16Tiles(const Rows& r, const uint8_t* tile, int64_t col0) {
+JAXINFER_VNNI512 void X16Tiles(const Rows& r, const uint8_t* tile, int64_t col0,
+                               const uint8_t* next) {
+  if (r.m <= kX16RowTile) next = nullptr;  // one pass: the prefetchers follow the stream
   int64_t m0 = 0;
-  for (; m0 + kX16RowTile <= r.m; m0 += kX16RowTile) X16Run<F, kX16RowTile>(r, tile, col0, m0);
+  for (; m0 + kX16RowTile <= r.m; m0 += kX16RowTile) {
+    X16Run<F, kX16RowTile>(r, tile, col0, m0, m0 == 0 ? next : nullptr);
+  }
   switch (r.m - m0) {
-    case 7: return X16Run<F, 7>(r, tile, col0, m0);
-    case 6: return X16Run<F, 6>(r, tile, col0, m0);
-    case 5: return X16Run<F, 5>(r, tile, col0, m0);
-    case 4: return X16Run<F, 4>(r, tile, col0, m0);
-    case 3: return X16Run<F, 3>(r, tile, col0, m0);
-    case 2: return X16Run<F, 2>(r, tile, col0, m0);
-    case 1: return X16Run<F, 1>(r, tile, col0, m0);
+    case 5: return X16Run<F, 5>(r, tile, col0, m0, nullptr);
+    case 4: return X16Run<F, 4>(r, tile, col0, m0, nullptr);
+    case 3: return X16Run<F, 3>(r, tile, col0, m0, nullptr);
+    case 2: return X16Run<F, 2>(r, tile, col0, m0, nullptr);
+    case 1: return X16Run<F, 1>(r, tile, col0, m0, nullptr);
   }
 }
 
@@ -296,7 +310,7 @@ void X16SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64
   for (int64_t t = first; t < stop; t += kX16Rows) {
     const uint8_t* tile = data + t * row_bytes;
     if (integer && vnni512) {
-      X16Tiles<F>(r, tile, out_first + t);
+      X16Tiles<F>(r, tile, out_first + t, t + kX16Rows < stop ? tile + kX16Rows * row_bytes : nullptr);
       continue;
     }
     row.resize(nsb * kBytes<kFile>);

@@ -26,6 +26,9 @@
 // threads (common.h). On a CPU with AVX-512 VNNI (the caller's `avx512_vnni`, checked here)
 // the k-quants' integer products take the 512-bit paths below IntegerStream.
 //
+// The loader may lay Q4_K and Q6_K runs out 16 rows at a time for the int8 mode on AVX-512
+// VNNI (formats kQ4_KX16 and kQ6_KX16; interleaved.h has their layout and paths).
+//
 // GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled;
 // hence the unroll pragmas.
 #include <immintrin.h>

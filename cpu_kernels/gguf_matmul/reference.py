@@ -70,6 +70,14 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
+def _rows_of_tiles(parts: list[np.ndarray], n: int, width: int) -> np.ndarray:
+    """Each tile's superblocks' parts ([T, S, ...] each) one after another, as u8[N, width]:
+    the tile's bytes span its 16 rows' share."""
+    t, s = parts[0].shape[:2]
+    tiles = np.concatenate([p.reshape(t, s, -1) for p in parts], axis=-1)
+    return np.ascontiguousarray(tiles).reshape(n, width)
+
+
 def interleave_q4_k(raw: np.ndarray) -> np.ndarray:
     """Q4_K rows u8[N, K / 256 * 144] (N a multiple of 16) -> the kernel's interleaved layout
     u8[N, K / 256 * 148] (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16 rows and
@@ -92,8 +100,7 @@ def interleave_q4_k(raw: np.ndarray) -> np.ndarray:
         m.reshape(t, s, X16, 4, 2).transpose(0, 1, 3, 2, 4),  # [T, S, p, row, 2]
         packed.transpose(0, 1, 3, 4, 2, 5),  # [T, S, g, t, row, b]
     ]
-    tiles = np.concatenate([p.reshape(t, s, -1) for p in parts], axis=-1)  # [T, S, 2368]
-    return np.ascontiguousarray(tiles).reshape(n, s * 148)
+    return _rows_of_tiles(parts, n, s * 148)  # [T, S, 2368] as N rows
 
 
 def deinterleave_q4_k(raw: np.ndarray) -> np.ndarray:
@@ -258,8 +265,7 @@ def interleave_q6_k(raw: np.ndarray) -> np.ndarray:
         b[..., 192:208].reshape(t, s, X16, 8, 2).transpose(0, 1, 3, 2, 4),  # [T, S, p, row, 2]
         groups.transpose(0, 1, 3, 4, 2, 5),  # [T, S, j, vector, row, b]
     ]
-    tiles = np.concatenate([p.reshape(t, s, -1) for p in parts], axis=-1)  # [T, S, 3360]
-    return np.ascontiguousarray(tiles).reshape(n, s * 210)
+    return _rows_of_tiles(parts, n, s * 210)  # [T, S, 3360] as N rows
 
 
 def deinterleave_q6_k(raw: np.ndarray) -> np.ndarray:

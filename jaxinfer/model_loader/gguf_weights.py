@@ -6,7 +6,9 @@ Each weight kind is one buffer over the layers (u8[L, B], 64-byte aligned so tha
 on the CPU device does not copy it), filled by reading the file's bytes straight into it: the
 file is read once, never memory-mapped whole and never expanded to float32. Rows are reordered
 where the engine's layout asks (QKV fused by KV head; Q and K unpermuted where llama.cpp
-permuted them), which moves whole rows of blocks and changes no byte of them.
+permuted them), which moves whole rows of blocks and changes no byte of them. Where the int8
+mode runs on AVX-512 VNNI, Q4_K and Q6_K runs are laid out 16 rows at a time instead
+(cpu_kernels/gguf_matmul/interleaved.h: the same values, read through a tensor-sized scratch).
 
 Supported blocks: cpu_kernels.gguf_matmul.reference.FORMATS. A weight kind with a tensor in
 another type (F16, F32, Q2_K, ...) in any layer is read as a float weight instead, and named

@@ -60,6 +60,8 @@ enum Format : int32_t {
   kQ6_KX16 = 114,
 };
 
+inline bool Interleaved(int32_t f) { return f == kQ4_KX16 || f == kQ6_KX16; }
+
 template <int F>
 constexpr bool kSuper = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // 256 values a block
 template <int F>
@@ -1241,7 +1243,7 @@ ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32
     if (count == 0) continue;
     const int64_t bytes = BlockBytes(f);
     if (bytes == 0 || count < 0 || k % BlockValues(f) != 0 ||
-        ((f == kQ4_KX16 || f == kQ6_KX16) && count % kX16Rows != 0)) {
+        (Interleaved(f) && count % kX16Rows != 0)) {
       return ffi::Error::InvalidArgument(
           "gguf_matmul: a segment's format is not a supported block format, or K is not a "
           "multiple of its block (or an interleaved segment's rows not a multiple of 16)");
@@ -1298,9 +1300,14 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       qx.d32.resize(m * k / 32);
       qx.s32.resize(m * k / 32);
     }
-    bool interleaved = false;
-    for (const Segment& s : segments) interleaved |= s.format == kQ4_KX16;  // Q6_K's: no pairs
-    const bool many512 = blocks256 && avx512_vnni && m > 8;
+    // Interleaved Q4_K takes x's sums per 32 in pairs; the file's k-quants' many-row paths
+    // (the only ones on AVX-512 VNNI that read them) take x padded and transposed.
+    bool pairs = false, file256 = false;
+    for (const Segment& s : segments) {
+      pairs |= s.format == kQ4_KX16;
+      file256 |= BlockValues(s.format) == 256 && !Interleaved(s.format);
+    }
+    const bool many512 = file256 && avx512_vnni && m > 8;
     if (blocks256) {
       qx.m_pad = many512 ? (m + 7) / 8 * 8 : m;
       qx.q256.resize(qx.m_pad * k);
@@ -1322,7 +1329,7 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         }
       }
     }
-    if (interleaved && avx512_vnni) GroupSumPairs(m, k, qx);
+    if (pairs && avx512_vnni) GroupSumPairs(m, k, qx);
     if (many512) {
       const int64_t blocks = k / 256, mp = qx.m_pad;
       qx.d256t.assign(blocks * mp, 0.0f);
@@ -1348,9 +1355,7 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::vector<Claim> claims;
   for (const Segment& s : segments) {
     int64_t size = std::clamp<int64_t>((s.rows + 3) / 4, kMinClaim, kMaxClaim);
-    if (s.format == kQ4_KX16 || s.format == kQ6_KX16) {
-      size = (size + kX16Rows - 1) / kX16Rows * kX16Rows;  // whole tiles
-    }
+    if (Interleaved(s.format)) size = (size + kX16Rows - 1) / kX16Rows * kX16Rows;  // whole tiles
     for (int64_t first = 0; first < s.rows; first += size) {
       claims.push_back({&s, first, std::min(s.rows, first + size)});
     }
@@ -1378,7 +1383,10 @@ void DequantizeRow(const uint8_t* w, int64_t k, float* out) {
   }
 }
 
-void DequantizeRowOf(int32_t f, const uint8_t* w, int64_t k, float* out) {
+// Row `row` of a segment (its bytes from `data`, rows of `row_bytes`), exact.
+void DequantizeRowOf(int32_t f, const uint8_t* data, int64_t row_bytes, int64_t row, int64_t k,
+                     float* out) {
+  const uint8_t* w = data + row * row_bytes;
   switch (f) {
     case kQ4_0: return DequantizeRow<kQ4_0>(w, k, out);
     case kQ4_1: return DequantizeRow<kQ4_1>(w, k, out);
@@ -1388,6 +1396,8 @@ void DequantizeRowOf(int32_t f, const uint8_t* w, int64_t k, float* out) {
     case kQ4_K: return DequantizeRow<kQ4_K>(w, k, out);
     case kQ5_K: return DequantizeRow<kQ5_K>(w, k, out);
     case kQ6_K: return DequantizeRow<kQ6_K>(w, k, out);
+    case kQ4_KX16: return X16DequantizeRow<kQ4_KX16>(data, row_bytes, row, k, out);
+    case kQ6_KX16: return X16DequantizeRow<kQ6_KX16>(data, row_bytes, row, k, out);
   }
 }
 
@@ -1420,16 +1430,8 @@ ffi::Error GGUFRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids, ffi::Buffer
     for (int64_t i = 8 * c; i < std::min(t, 8 * c + 8); ++i) {
       const int64_t row = std::clamp<int64_t>(id[i], 0, n - 1);
       for (const Segment& s : segments) {
-        if (row < s.out_first + s.rows && s.format == kQ4_KX16) {
-          X16DequantizeRow<kQ4_KX16>(s.data, s.row_bytes, row - s.out_first, k, o + i * k);
-          break;
-        }
-        if (row < s.out_first + s.rows && s.format == kQ6_KX16) {
-          X16DequantizeRow<kQ6_KX16>(s.data, s.row_bytes, row - s.out_first, k, o + i * k);
-          break;
-        }
         if (row < s.out_first + s.rows) {
-          DequantizeRowOf(s.format, s.data + (row - s.out_first) * s.row_bytes, k, o + i * k);
+          DequantizeRowOf(s.format, s.data, s.row_bytes, row - s.out_first, k, o + i * k);
           break;
         }
       }

@@ -7,7 +7,7 @@ For each weight (the 1.5B's gate_up and qkv in Q4_K, down in Q6_K as Q4_K_M keep
 layers' down; the 0.5B's gate_up in Q5_0 and its LM head in Q8_0) and each row count: the
 median time per call and the weights' bytes read per second, beside the machine's measured
 memory read bandwidth (tools.device_rates) for the one-row steps, which read each weight once
-and are bound by it. The Q4_K and Q6_K weights also as the loader interleaves them for the
+and are bound by it. Each weight also as the loader interleaves it for the
 int8 mode on AVX-512 VNNI (last column; ratio: the file's layout's time over the interleaved
 one's).
 """

@@ -1,6 +1,6 @@
-// Q4_K and Q6_K rows interleaved 16 at a time (the loader's Q4_K_X16 and Q6_K_X16;
-// reference.interleave_q4_k / interleave_q6_k have the layouts), for the int8-activation mode
-// on AVX-512 VNNI. Part of kernel.cc, which includes it after the types it uses (Rows,
+// Q4_K, Q6_K, Q5_0 and Q8_0 rows interleaved 16 at a time (the loader's Q4_K_X16, Q6_K_X16,
+// Q5_0_X16 and Q8_0_X16; reference.interleave_q4_k etc. have the layouts), for the
+// int8-activation mode on AVX-512 VNNI. Part of kernel.cc, which includes it after the types it uses (Rows,
 // QuantizedX, the file formats' paths).
 //
 // Why: Q4_K as the file stores it keeps a row's 256 values of a superblock together, so one
@@ -22,6 +22,12 @@
 // of 16 values three vectors of [16 rows][4 bytes]: A (low nibble: the low 4 bits of value
 // 16 j + b; high nibble: of 16 j + 4 + b), B (16 j + 8 + b, 16 j + 12 + b) and H (bits 2 s,
 // 2 s + 1 of byte b: the top 2 bits of value 16 j + 4 s + b).
+// The 32-value formats keep the file's bytes per row too. A Q8_0 tile's block (kX16Bytes32)
+// is d[16] (float16), then qs[8][16][4]: group g of 4 values, row c, byte b: value 4 g + b
+// plus 128 (unsigned, for vpdpbusd; the 128 is taken back through x's sum). A Q5_0 tile's
+// block is d[16], h[8] (64-bit masks: bit 4 c + b of mask s is the fifth bit of value
+// 4 s + b of row c, set in the vector by a masked add), then qs[4][16][4] (quarter t, row c,
+// byte b: the low 4 bits of value 8 t + b in the low nibble, of 8 t + 4 + b in the high).
 // Other modes read a tile by rebuilding each row's file blocks (UnpackQ4K, UnpackQ6K) and
 // taking the file format's paths; so does the rows (embedding) path.
 
@@ -29,6 +35,8 @@ constexpr int64_t kX16Rows = 16;
 constexpr int64_t kX16Bytes = 32 + 32 + 128 + 128 + 2048;  // a Q4_K superblock of 16 rows
 constexpr int64_t kX16Bytes6 = 16 * 210;  // a Q6_K superblock of 16 rows
 constexpr int64_t kX16RowTile = 6;  // rows of x per pass over a tile (4 and 8 measured slower)
+template <int F>
+constexpr int64_t kX16Bytes32 = F == kQ8_0X16 ? 16 * 34 : 16 * 22;  // a block of 16 rows
 
 // Row c of a tile as the file's Q4_K blocks (nsb superblocks of 144 bytes into out).
 inline void UnpackQ4K(const uint8_t* tile, int c, int64_t nsb, uint8_t* out) {
@@ -87,6 +95,35 @@ inline void UnpackQ6K(const uint8_t* tile, int c, int64_t nsb, uint8_t* out) {
                                                    ((w[64] >> 4) << 4) | ((w[96] >> 4) << 6));
       }
     }
+  }
+}
+
+// Row c of a Q8_0 tile as the file's blocks (nb blocks of 34 bytes into out).
+inline void UnpackQ8_0(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* b = tile + blk * kX16Bytes32<kQ8_0X16>;
+    uint8_t* o = out + blk * 34;
+    std::memcpy(o, b + 2 * c, 2);
+    for (int v = 0; v < 32; ++v) o[2 + v] = b[32 + 64 * (v >> 2) + 4 * c + (v & 3)] ^ 0x80;
+  }
+}
+
+// Row c of a Q5_0 tile as the file's blocks (nb blocks of 22 bytes into out).
+inline void UnpackQ5_0(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* b = tile + blk * kX16Bytes32<kQ5_0X16>;
+    uint8_t* o = out + blk * 22;
+    std::memcpy(o, b + 2 * c, 2);
+    uint32_t qh = 0;
+    for (int v = 0; v < 32; ++v) {
+      const int bit = 4 * c + (v & 3);
+      qh |= static_cast<uint32_t>((b[32 + 8 * (v >> 2) + (bit >> 3)] >> (bit & 7)) & 1) << v;
+      const uint8_t byte = b[96 + 64 * (v >> 3) + 4 * c + (v & 3)];
+      const uint8_t low = (v & 4) ? (byte >> 4) : (byte & 0xF);
+      uint8_t& packed = o[6 + (v & 15)];
+      packed = v < 16 ? low : static_cast<uint8_t>(packed | (low << 4));
+    }
+    std::memcpy(o + 2, &qh, 4);
   }
 }
 
@@ -259,13 +296,74 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(r.y + (m0 + i) * r.n + col0, y[i]);
 }
 
+// The same for a Q8_0 or Q5_0 tile, block by block: weight = d (v - bias), v unsigned (Q8_0:
+// bias 128; Q5_0: 16), the bias taken back through x's integer sum per block.
+template <int F, int MR>
+JAXINFER_VNNI512 void X16Tile32(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0,
+                                const uint8_t* next) {
+  constexpr int64_t kTile = kX16Bytes32<F>;
+  constexpr int32_t kBias = F == kQ8_0X16 ? 128 : 16;
+  const int64_t nb = r.k / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  __m512 y[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) y[i] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const uint8_t* b = tile + blk * kTile;
+    if (next != nullptr) Prefetch(next + blk * kTile, kTile);
+    const int8_t* xq[MR];
+    __m512i acc[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      xq[i] = r.qx->q32.data() + (m0 + i) * r.k + 32 * blk;
+      acc[i] = _mm512_setzero_si512();
+    }
+    if constexpr (F == kQ8_0X16) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m512i w = _mm512_loadu_si512(b + 32 + 64 * g);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, Broadcast4(xq[i] + 4 * g));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const __m512i w = _mm512_loadu_si512(b + 96 + 64 * t);
+        uint64_t bits[2];
+        std::memcpy(bits, b + 32 + 16 * t, 16);
+        __m512i lo = _mm512_and_si512(w, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, fifth);
+        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, fifth);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          acc[i] = _mm512_dpbusd_epi32(acc[i], lo, Broadcast4(xq[i] + 8 * t));
+          acc[i] = _mm512_dpbusd_epi32(acc[i], hi, Broadcast4(xq[i] + 8 * t + 4));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (m0 + i) * nb + blk;
+      const __m512i dot = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(kBias * r.qx->i32[at]));
+      y[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(r.qx->d32[at])),
+                             _mm512_cvtepi32_ps(dot), y[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(r.y + (m0 + i) * r.n + col0, y[i]);
+}
+
 template <int F, int MR>
 JAXINFER_VNNI512_INLINE void X16Run(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0,
                                     const uint8_t* next) {
   if constexpr (F == kQ4_KX16) {
     X16Tile<MR>(r, tile, col0, m0, next);
-  } else {
+  } else if constexpr (F == kQ6_KX16) {
     X16Tile6<MR>(r, tile, col0, m0, next);
+  } else {
+    X16Tile32<F, MR>(r, tile, col0, m0, next);
   }
 }
 
@@ -289,14 +387,22 @@ JAXINFER_VNNI512 void X16Tiles(const Rows& r, const uint8_t* tile, int64_t col0,
 
 // The file's format an interleaved one holds, and its rows rebuilt.
 template <int F>
-constexpr int kFileFormat = F == kQ4_KX16 ? kQ4_K : kQ6_K;
+constexpr int kFileFormat = F == kQ4_KX16   ? kQ4_K
+                            : F == kQ6_KX16 ? kQ6_K
+                            : F == kQ5_0X16 ? kQ5_0
+                                            : kQ8_0;
 
+// nb: the row's blocks (superblocks for the k-quants).
 template <int F>
-void Unpack(const uint8_t* tile, int c, int64_t nsb, uint8_t* out) {
+void Unpack(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
   if constexpr (F == kQ4_KX16) {
-    UnpackQ4K(tile, c, nsb, out);
+    UnpackQ4K(tile, c, nb, out);
+  } else if constexpr (F == kQ6_KX16) {
+    UnpackQ6K(tile, c, nb, out);
+  } else if constexpr (F == kQ5_0X16) {
+    UnpackQ5_0(tile, c, nb, out);
   } else {
-    UnpackQ6K(tile, c, nsb, out);
+    UnpackQ8_0(tile, c, nb, out);
   }
 }
 
@@ -305,7 +411,7 @@ template <int F>
 void X16SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
                     int64_t stop, int64_t out_first, bool integer, bool vnni512) {
   constexpr int kFile = kFileFormat<F>;
-  const int64_t nsb = r.k / 256;
+  const int64_t nb = r.k / kValues<kFile>;
   std::vector<uint8_t> row;
   for (int64_t t = first; t < stop; t += kX16Rows) {
     const uint8_t* tile = data + t * row_bytes;
@@ -313,10 +419,10 @@ void X16SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64
       X16Tiles<F>(r, tile, out_first + t, t + kX16Rows < stop ? tile + kX16Rows * row_bytes : nullptr);
       continue;
     }
-    row.resize(nsb * kBytes<kFile>);
+    row.resize(nb * kBytes<kFile>);
     for (int c = 0; c < kX16Rows; ++c) {
-      Unpack<F>(tile, c, nsb, row.data());
-      SegmentRows<kFile>(r, row.data(), nsb * kBytes<kFile>, 0, 1, out_first + t + c, integer,
+      Unpack<F>(tile, c, nb, row.data());
+      SegmentRows<kFile>(r, row.data(), nb * kBytes<kFile>, 0, 1, out_first + t + c, integer,
                          vnni512);
     }
   }
@@ -326,8 +432,8 @@ void X16SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64
 template <int F>
 void X16DequantizeRow(const uint8_t* data, int64_t row_bytes, int64_t row, int64_t k, float* out) {
   constexpr int kFile = kFileFormat<F>;
-  std::vector<uint8_t> blocks(k / 256 * kBytes<kFile>);
+  std::vector<uint8_t> blocks(k / kValues<kFile> * kBytes<kFile>);
   Unpack<F>(data + (row / kX16Rows) * kX16Rows * row_bytes, static_cast<int>(row % kX16Rows),
-            k / 256, blocks.data());
+            k / kValues<kFile>, blocks.data());
   DequantizeRow<kFile>(blocks.data(), k, out);
 }

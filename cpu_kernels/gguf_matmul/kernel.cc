@@ -26,8 +26,9 @@
 // threads (common.h). On a CPU with AVX-512 VNNI (the caller's `avx512_vnni`, checked here)
 // the k-quants' integer products take the 512-bit paths below IntegerStream.
 //
-// The loader may lay Q4_K and Q6_K runs out 16 rows at a time for the int8 mode on AVX-512
-// VNNI (formats kQ4_KX16 and kQ6_KX16; interleaved.h has their layout and paths).
+// The loader may lay Q5_0, Q8_0, Q4_K and Q6_K runs out 16 rows at a time for the int8 mode on
+// AVX-512 VNNI (formats kQ5_0X16, kQ8_0X16, kQ4_KX16 and kQ6_KX16; interleaved.h has their
+// layouts and paths).
 //
 // GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled;
 // hence the unroll pragmas.
@@ -55,12 +56,17 @@ enum Format : int32_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
-  // Not GGML types: Q4_K and Q6_K rows interleaved 16 at a time by the loader (interleaved.h).
+  // Not GGML types: Q5_0, Q8_0, Q4_K and Q6_K rows interleaved 16 at a time by the loader
+  // (interleaved.h).
+  kQ5_0X16 = 106,
+  kQ8_0X16 = 108,
   kQ4_KX16 = 112,
   kQ6_KX16 = 114,
 };
 
-inline bool Interleaved(int32_t f) { return f == kQ4_KX16 || f == kQ6_KX16; }
+inline bool Interleaved(int32_t f) {
+  return f == kQ5_0X16 || f == kQ8_0X16 || f == kQ4_KX16 || f == kQ6_KX16;
+}
 
 template <int F>
 constexpr bool kSuper = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // 256 values a block
@@ -89,7 +95,9 @@ int64_t BlockBytes(int32_t f) {
     case kQ4_K: return kBytes<kQ4_K>;
     case kQ5_K: return kBytes<kQ5_K>;
     case kQ6_K: return kBytes<kQ6_K>;
-    case kQ4_KX16: return 148;  // a row's share of an interleaved superblock (interleaved.h)
+    case kQ5_0X16: return kBytes<kQ5_0>;  // a row's share of an interleaved tile (interleaved.h)
+    case kQ8_0X16: return kBytes<kQ8_0>;
+    case kQ4_KX16: return 148;
     case kQ6_KX16: return 210;
     default: return 0;
   }
@@ -239,9 +247,10 @@ __attribute__((always_inline)) inline void Dequantize(const Block<F>& b, int g, 
 // x rounded to int8 (the int8-activation mode), once per call.
 
 struct QuantizedX {
-  // Per 32 values (32-value formats): q, the scale, and scale * (sum of q).
+  // Per 32 values (32-value formats): q, the scale, scale * (sum of q), and that sum.
   std::vector<int8_t> q32;
   std::vector<float> d32, s32;
+  std::vector<int32_t> i32;
   // Per 256 values (k-quants): q, the scale, and the sums of q per 16 values.
   std::vector<int8_t> q256;
   std::vector<float> d256;
@@ -304,6 +313,7 @@ void QuantizeRow(const float* x, int64_t k, bool blocks32, bool blocks256, int64
       const float d = RoundBlock(x + 32 * b, 32, out.q32.data() + at, sums);
       out.d32[at / 32] = d;
       out.s32[at / 32] = d * static_cast<float>(sums[0] + sums[1]);
+      out.i32[at / 32] = sums[0] + sums[1];
     }
   }
   if (blocks256) {
@@ -1211,6 +1221,8 @@ void RunSegment(int32_t f, const Rows& r, const uint8_t* data, int64_t row_bytes
     case kQ4_K: return SegmentRows<kQ4_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ5_K: return SegmentRows<kQ5_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ6_K: return SegmentRows<kQ6_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ5_0X16: return X16SegmentRows<kQ5_0X16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ8_0X16: return X16SegmentRows<kQ8_0X16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ4_KX16: return X16SegmentRows<kQ4_KX16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ6_KX16: return X16SegmentRows<kQ6_KX16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
   }
@@ -1293,19 +1305,20 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (int8_activations) {
     bool blocks32 = false, blocks256 = false;
     for (const Segment& s : segments) (BlockValues(s.format) == 256 ? blocks256 : blocks32) = true;
-    const bool many32 = blocks32 && avx512_vnni && m > kStreamRows32;
+    // Interleaved Q4_K takes x's sums per 32 in pairs; the file's formats' many-row paths
+    // (the only ones on AVX-512 VNNI that read them) take x padded and transposed.
+    bool pairs = false, file32 = false, file256 = false;
+    for (const Segment& s : segments) {
+      pairs |= s.format == kQ4_KX16;
+      (BlockValues(s.format) == 256 ? file256 : file32) |= !Interleaved(s.format);
+    }
+    const bool many32 = file32 && avx512_vnni && m > kStreamRows32;
     if (blocks32) {
       qx.m_pad32 = many32 ? (m + 15) / 16 * 16 : m;
       qx.q32.resize(qx.m_pad32 * k + 32);
       qx.d32.resize(m * k / 32);
       qx.s32.resize(m * k / 32);
-    }
-    // Interleaved Q4_K takes x's sums per 32 in pairs; the file's k-quants' many-row paths
-    // (the only ones on AVX-512 VNNI that read them) take x padded and transposed.
-    bool pairs = false, file256 = false;
-    for (const Segment& s : segments) {
-      pairs |= s.format == kQ4_KX16;
-      file256 |= BlockValues(s.format) == 256 && !Interleaved(s.format);
+      qx.i32.resize(m * k / 32);
     }
     const bool many512 = file256 && avx512_vnni && m > 8;
     if (blocks256) {
@@ -1396,6 +1409,8 @@ void DequantizeRowOf(int32_t f, const uint8_t* data, int64_t row_bytes, int64_t 
     case kQ4_K: return DequantizeRow<kQ4_K>(w, k, out);
     case kQ5_K: return DequantizeRow<kQ5_K>(w, k, out);
     case kQ6_K: return DequantizeRow<kQ6_K>(w, k, out);
+    case kQ5_0X16: return X16DequantizeRow<kQ5_0X16>(data, row_bytes, row, k, out);
+    case kQ8_0X16: return X16DequantizeRow<kQ8_0X16>(data, row_bytes, row, k, out);
     case kQ4_KX16: return X16DequantizeRow<kQ4_KX16>(data, row_bytes, row, k, out);
     case kQ6_KX16: return X16DequantizeRow<kQ6_KX16>(data, row_bytes, row, k, out);
   }

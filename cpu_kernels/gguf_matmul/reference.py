@@ -30,9 +30,15 @@ FORMATS = {
     )
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 }
-# Layouts the loader makes of the file's blocks (not GGML types; numbered past them): Q4_K and
-# Q6_K rows interleaved 16 at a time (INTERLEAVE), bytes per row's share of a superblock.
-INTERLEAVED = {"Q4_K_X16": (112, 256, 148), "Q6_K_X16": (114, 256, 210)}
+# Layouts the loader makes of the file's blocks (not GGML types; numbered past them): Q4_K,
+# Q6_K, Q5_0 and Q8_0 rows interleaved 16 at a time (INTERLEAVE), bytes per row's share of a
+# (super)block.
+INTERLEAVED = {
+    "Q4_K_X16": (112, 256, 148),
+    "Q6_K_X16": (114, 256, 210),
+    "Q5_0_X16": (106, 32, 22),
+    "Q8_0_X16": (108, 32, 34),
+}
 LAYOUTS = {**FORMATS, **INTERLEAVED}
 _BY_NUMBER = {number: name for name, (number, _, _) in LAYOUTS.items()}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q4_K_X16", "Q6_K_X16")
@@ -297,5 +303,87 @@ def deinterleave_q6_k(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 210).astype(np.uint8)
 
 
-INTERLEAVE = {"Q4_K_X16": interleave_q4_k, "Q6_K_X16": interleave_q6_k}
-DEINTERLEAVE = {"Q4_K_X16": deinterleave_q4_k, "Q6_K_X16": deinterleave_q6_k}
+def interleave_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q8_0 rows u8[N, K / 32 * 34] (N a multiple of 16) -> the kernel's interleaved layout,
+    the same size (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16 rows and block,
+    d[16] (float16), then qs[8][16][4] (group g of 4 values, row, byte b: value 4 g + b plus
+    128, unsigned)."""
+    n, width = raw.shape
+    if n % X16 or width % 34:
+        raise ValueError(f"interleave_q8_0: Q8_0 rows in 16s, got {raw.shape}")
+    t, s = n // X16, width // 34
+    b = raw.reshape(t, X16, s, 34).transpose(0, 2, 1, 3)  # [T, S, 16, 34]
+    u = (b[..., 2:] ^ 0x80).reshape(t, s, X16, 8, 4)  # [T, S, row, g, b]
+    return _rows_of_tiles([b[..., 0:2], u.transpose(0, 1, 3, 2, 4)], n, s * 34)
+
+
+def deinterleave_q8_0(raw: np.ndarray) -> np.ndarray:
+    """interleave_q8_0's inverse: the file's Q8_0 rows back."""
+    n, width = raw.shape
+    t, s = n // X16, width // 34
+    tiles = raw.reshape(t, s, 544)
+    d = tiles[..., 0:32].reshape(t, s, X16, 2)
+    u = tiles[..., 32:].reshape(t, s, 8, X16, 4).transpose(0, 1, 3, 2, 4).reshape(t, s, X16, 32)
+    blocks = np.concatenate([d, u ^ 0x80], axis=-1)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 34).astype(np.uint8)
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks u8[..., 22] -> their 32 unsigned 5-bit values u8[..., 32] (q + 16)."""
+    bits = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [.., 32]
+    qs = blocks[..., 6:22]
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1) | (bits << 4)
+
+
+def interleave_q5_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows u8[N, K / 32 * 22] (N a multiple of 16) -> the kernel's interleaved layout,
+    the same size (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16 rows and block,
+    d[16] (float16), h[8] (64-bit masks, bit 4 row + b of mask s: the fifth bit of value
+    4 s + b), then qs[4][16][4] (quarter t, row, byte b: the low 4 bits of value 8 t + b in
+    the low nibble, of 8 t + 4 + b in the high)."""
+    n, width = raw.shape
+    if n % X16 or width % 22:
+        raise ValueError(f"interleave_q5_0: Q5_0 rows in 16s, got {raw.shape}")
+    t, s = n // X16, width // 22
+    b = raw.reshape(t, X16, s, 22).transpose(0, 2, 1, 3)  # [T, S, 16, 22]
+    v = _q5_0_values(b).reshape(t, s, X16, 4, 2, 4)  # [T, S, row, t, half, b]
+    masks = (v >> 4).transpose(0, 1, 3, 4, 2, 5).reshape(t, s, 8, 64)  # [T, S, 4 t + half, bit]
+    low = v & 0xF
+    qs = low[..., 0, :] | (low[..., 1, :] << 4)  # [T, S, row, t, b]
+    parts = [
+        b[..., 0:2],  # d per row
+        np.packbits(masks, axis=-1, bitorder="little"),  # [T, S, s, 8]
+        qs.transpose(0, 1, 3, 2, 4),  # [T, S, t, row, b]
+    ]
+    return _rows_of_tiles(parts, n, s * 22)  # [T, S, 352] as N rows
+
+
+def deinterleave_q5_0(raw: np.ndarray) -> np.ndarray:
+    """interleave_q5_0's inverse: the file's Q5_0 rows back."""
+    n, width = raw.shape
+    t, s = n // X16, width // 22
+    tiles = raw.reshape(t, s, 352)
+    d = tiles[..., 0:32].reshape(t, s, X16, 2)
+    bits = np.unpackbits(tiles[..., 32:96].reshape(t, s, 8, 8), axis=-1, bitorder="little")
+    high = bits.reshape(t, s, 4, 2, X16, 4).transpose(0, 1, 4, 2, 3, 5)  # [T, S, row, t, h, b]
+    qs = tiles[..., 96:].reshape(t, s, 4, X16, 4).transpose(0, 1, 3, 2, 4)  # [T, S, row, t, b]
+    low = np.stack([qs & 0xF, qs >> 4], axis=-2)  # [T, S, row, t, half, b]
+    v = (low | (high << 4)).reshape(t, s, X16, 32)  # value 8 t + 4 half + b
+    qh = np.packbits(v >> 4, axis=-1, bitorder="little")  # [T, S, row, 4]
+    packed = (v[..., 0:16] & 0xF) | ((v[..., 16:32] & 0xF) << 4)
+    blocks = np.concatenate([d, qh, packed], axis=-1)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 22).astype(np.uint8)
+
+
+INTERLEAVE = {
+    "Q4_K_X16": interleave_q4_k,
+    "Q6_K_X16": interleave_q6_k,
+    "Q5_0_X16": interleave_q5_0,
+    "Q8_0_X16": interleave_q8_0,
+}
+DEINTERLEAVE = {
+    "Q4_K_X16": deinterleave_q4_k,
+    "Q6_K_X16": deinterleave_q6_k,
+    "Q5_0_X16": deinterleave_q5_0,
+    "Q8_0_X16": deinterleave_q8_0,
+}

@@ -50,7 +50,7 @@ MODE_PARAMS, INT8_PARAMS, EXACT_PARAMS = mode_params(), mode_params("int8"), mod
 
 def weight(fmt: str, n: int, k: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    if fmt in INTERLEAVE:  # the loader's interleaved Q4_K and Q6_K
+    if fmt in INTERLEAVE:  # the loader's interleaved layouts
         return pack_layers([[(fmt, INTERLEAVE[fmt](random_rows(fmt[:4], n, k, rng)))]])
     return pack_layers([[(fmt, random_rows(fmt, n, k, rng))]])
 
@@ -84,8 +84,8 @@ def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, mode, rows):
     """Few rows stream the weight row with every accumulator in registers (int8: 1-4 rows,
     1-8 on AVX-512 VNNI; exact: 1-3); more take the many-row paths (int8: chunks of 16 rows,
     on AVX-512 VNNI tiles of 16 or 8 padded with zero rows; exact: float panels). Interleaved
-    Q4_K and Q6_K on AVX-512 VNNI, int8: tiles of 16 outputs by 6 rows (and 1-5); their
-    other modes rebuild the file's rows."""
+    layouts on AVX-512 VNNI, int8: tiles of 16 outputs by 6 rows (and 1-5); their other
+    modes rebuild the file's rows."""
     k = 768 if fmt in reference.K_QUANTS else 224
     n = 48 if fmt in INTERLEAVE else 37
     data, table = weight(fmt, n, k, seed=rows)
@@ -115,7 +115,8 @@ def test_int8_activations_round_x_as_llama_cpp_does(cpu_gguf_matmul, mode):
 @pytest.mark.parametrize("mode", MODE_PARAMS)
 def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, mode):
     """A fused weight whose parts differ in format (Q4_K_M's Q4_K and Q6_K rows; Q5_0 and Q8_0
-    for rows of 896 values), layers that differ, each read in place by its index under jit."""
+    for rows of 896 values; interleaved tiles beside the file's rows), layers that differ,
+    each read in place by its index under jit."""
     rng = np.random.default_rng(7)
     k = 512
     x16 = interleave_q4_k(random_rows("Q4_K", 16, k, rng))
@@ -124,17 +125,24 @@ def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, mode):
         [("Q6_K", random_rows("Q6_K", 32, k, rng))],
         [("Q5_0", random_rows("Q5_0", 16, k, rng)), ("Q8_0", random_rows("Q8_0", 16, k, rng))],
         [("Q6_K_X16", interleave_q6_k(random_rows("Q6_K", 16, k, rng))), ("Q4_K_X16", x16)],
+        [
+            ("Q5_0_X16", INTERLEAVE["Q5_0_X16"](random_rows("Q5_0", 16, k, rng))),
+            ("Q8_0", random_rows("Q8_0", 8, k, rng)),
+            ("Q4_K", random_rows("Q4_K", 8, k, rng)),
+        ],
     ]
     data, table = pack_layers(layers)
-    x = rng.standard_normal((5, k)).astype(np.float32)
     run = jax.jit(lambda x, d, t, i: cpu_gguf_matmul(x, d, t, i, n=32, **MODES[mode]))
-    for layer in range(4):
-        ours = np.asarray(run(jnp.asarray(x), data, table, jnp.int32(layer)))
-        theirs = gguf_matmul_reference(x, data, table, layer, MODES[mode]["int8_activations"])
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+    for rows in (5, 12):  # the streaming paths, and the file's many-row paths beside tiles
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        for layer in range(len(layers)):
+            ours = np.asarray(run(jnp.asarray(x), data, table, jnp.int32(layer)))
+            int8 = MODES[mode]["int8_activations"]
+            theirs = gguf_matmul_reference(x, data, table, layer, int8)
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q4_K_X16"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q4_K_X16", "Q8_0_X16"])
 @pytest.mark.parametrize("mode", MODE_PARAMS)
 def test_rows_past_valid_are_padding(cpu_gguf_matmul, fmt, mode):
     """A step's padding rows (after `valid`, traced) come out zeros; the real rows are the
@@ -232,3 +240,28 @@ def test_interleaved_q6_k_holds_the_files_values_where_its_layout_says():
     ours = scale[:, :, None, :, None] * v  # [S, j, quarter, row, b]
     ours = ours.transpose(3, 0, 1, 2, 4).reshape(16, 512)
     assert np.array_equal(ours, reference.dequantize("Q6_K", raw))
+
+
+def test_interleaved_q8_0_and_q5_0_hold_the_files_values_where_their_layouts_say():
+    """As above for the 32-value formats: Q8_0's d (u - 128) with u the stored byte; Q5_0's
+    d (v - 16), v's low 4 bits from the nibbles and its fifth from the block's masks."""
+    rng = np.random.default_rng(5)
+    for fmt in ("Q8_0", "Q5_0"):
+        raw = random_rows(fmt, 16, 64, rng)  # one tile of 2 blocks
+        layout = INTERLEAVE[f"{fmt}_X16"](raw)
+        assert np.array_equal(reference.DEINTERLEAVE[f"{fmt}_X16"](layout), raw)
+        tiles = layout.reshape(2, -1)  # [block, bytes]
+        d = tiles[:, 0:32].copy().view(np.float16).astype(np.float32)  # [block, row]
+        if fmt == "Q8_0":
+            u = tiles[:, 32:].reshape(2, 8, 16, 4).astype(np.float32) - 128  # [B, g, row, b]
+            v = u.transpose(0, 2, 1, 3).reshape(2, 16, 32)  # value 4 g + b
+        else:
+            masks = tiles[:, 32:96].copy().view("<u8")  # [block, s]
+            bits = (masks[:, :, None] >> np.arange(64, dtype=np.uint64)) & 1  # [B, s, 4 row + b]
+            fifth = bits.reshape(2, 8, 16, 4).transpose(0, 2, 1, 3).reshape(2, 16, 32)
+            qs = tiles[:, 96:].reshape(2, 4, 16, 4)  # [B, t, row, b]
+            low = np.stack([qs & 0xF, qs >> 4], axis=2)  # [B, t, half, row, b]
+            low = low.transpose(0, 3, 1, 2, 4).reshape(2, 16, 32)  # value 8 t + 4 half + b
+            v = (low | (fifth.astype(np.uint8) << 4)).astype(np.float32) - 16
+        ours = (d[:, :, None] * v).transpose(1, 0, 2).reshape(16, 64)
+        assert np.array_equal(ours, reference.dequantize(fmt, raw)), fmt

@@ -1,6 +1,6 @@
-// Q4_K, Q6_K, Q5_0 and Q8_0 rows interleaved 16 at a time (the loader's Q4_K_X16, Q6_K_X16,
-// Q5_0_X16 and Q8_0_X16; reference.interleave_q4_k etc. have the layouts), for the
-// int8-activation mode on AVX-512 VNNI. Part of kernel.cc, which includes it after the types it uses (Rows,
+// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K rows interleaved 16 at a time (the loader's Q4_0_X16
+// ... Q6_K_X16; reference.INTERLEAVE has the layouts), for the int8-activation mode on AVX-512
+// VNNI. Part of kernel.cc, which includes it after the types it uses (Rows,
 // QuantizedX, the file formats' paths).
 //
 // Why: Q4_K as the file stores it keeps a row's 256 values of a superblock together, so one
@@ -24,10 +24,11 @@
 // 2 s + 1 of byte b: the top 2 bits of value 16 j + 4 s + b).
 // The 32-value formats keep the file's bytes per row too. A Q8_0 tile's block (kX16Bytes32)
 // is d[16] (float16), then qs[8][16][4]: group g of 4 values, row c, byte b: value 4 g + b
-// plus 128 (unsigned, for vpdpbusd; the 128 is taken back through x's sum). A Q5_0 tile's
-// block is d[16], h[8] (64-bit masks: bit 4 c + b of mask s is the fifth bit of value
-// 4 s + b of row c, set in the vector by a masked add), then qs[4][16][4] (quarter t, row c,
-// byte b: the low 4 bits of value 8 t + b in the low nibble, of 8 t + 4 + b in the high).
+// plus 128 (unsigned, for vpdpbusd; the 128 is taken back through x's sum). A Q4_0, Q4_1 or
+// Q5_0 tile's block is d[16] (Q4_1: and m[16]), Q5_0's h[8] (64-bit masks: bit 4 c + b of mask
+// s is the fifth bit of value 4 s + b of row c, set in the vector by a masked add), then
+// qs[4][16][4] (quarter t, row c, byte b: the low 4 bits of value 8 t + b in the low nibble,
+// of 8 t + 4 + b in the high).
 // Other modes read a tile by rebuilding each row's file blocks (UnpackQ4K, UnpackQ6K) and
 // taking the file format's paths; so does the rows (embedding) path.
 
@@ -36,7 +37,16 @@ constexpr int64_t kX16Bytes = 32 + 32 + 128 + 128 + 2048;  // a Q4_K superblock 
 constexpr int64_t kX16Bytes6 = 16 * 210;  // a Q6_K superblock of 16 rows
 constexpr int64_t kX16RowTile = 6;  // rows of x per pass over a tile (4 and 8 measured slower)
 template <int F>
-constexpr int64_t kX16Bytes32 = F == kQ8_0X16 ? 16 * 34 : 16 * 22;  // a block of 16 rows
+constexpr int64_t kX16Bytes32 = F == kQ8_0X16   ? 16 * 34  // a block of 16 rows
+                                : F == kQ5_0X16 ? 16 * 22
+                                : F == kQ4_1X16 ? 16 * 20
+                                                : 16 * 18;
+// A nibble format's header bytes per row in the file (d, Q4_1's m) and where its tile's
+// nibbles start.
+template <int F>
+constexpr int kNibbleHeader = F == kQ4_1X16 ? 4 : 2;
+template <int F>
+constexpr int64_t kNibblesAt = F == kQ5_0X16 ? 96 : 16 * kNibbleHeader<F>;
 
 // Row c of a tile as the file's Q4_K blocks (nsb superblocks of 144 bytes into out).
 inline void UnpackQ4K(const uint8_t* tile, int c, int64_t nsb, uint8_t* out) {
@@ -108,22 +118,26 @@ inline void UnpackQ8_0(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
   }
 }
 
-// Row c of a Q5_0 tile as the file's blocks (nb blocks of 22 bytes into out).
-inline void UnpackQ5_0(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
+// Row c of a Q4_0, Q4_1 or Q5_0 tile as the file's blocks (nb blocks into out).
+template <int F>
+void UnpackNibbles(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
+  constexpr int kHeader = kNibbleHeader<F>, kQs = F == kQ5_0X16 ? 6 : kHeader;
   for (int64_t blk = 0; blk < nb; ++blk) {
-    const uint8_t* b = tile + blk * kX16Bytes32<kQ5_0X16>;
-    uint8_t* o = out + blk * 22;
-    std::memcpy(o, b + 2 * c, 2);
+    const uint8_t* b = tile + blk * kX16Bytes32<F>;
+    uint8_t* o = out + blk * (kX16Bytes32<F> / 16);
+    for (int h = 0; h < kHeader; h += 2) std::memcpy(o + h, b + 16 * h + 2 * c, 2);
     uint32_t qh = 0;
     for (int v = 0; v < 32; ++v) {
-      const int bit = 4 * c + (v & 3);
-      qh |= static_cast<uint32_t>((b[32 + 8 * (v >> 2) + (bit >> 3)] >> (bit & 7)) & 1) << v;
-      const uint8_t byte = b[96 + 64 * (v >> 3) + 4 * c + (v & 3)];
+      if constexpr (F == kQ5_0X16) {
+        const int bit = 4 * c + (v & 3);
+        qh |= static_cast<uint32_t>((b[32 + 8 * (v >> 2) + (bit >> 3)] >> (bit & 7)) & 1) << v;
+      }
+      const uint8_t byte = b[kNibblesAt<F> + 64 * (v >> 3) + 4 * c + (v & 3)];
       const uint8_t low = (v & 4) ? (byte >> 4) : (byte & 0xF);
-      uint8_t& packed = o[6 + (v & 15)];
+      uint8_t& packed = o[kQs + (v & 15)];
       packed = v < 16 ? low : static_cast<uint8_t>(packed | (low << 4));
     }
-    std::memcpy(o + 2, &qh, 4);
+    if constexpr (F == kQ5_0X16) std::memcpy(o + 2, &qh, 4);
   }
 }
 
@@ -296,13 +310,14 @@ JAXINFER_VNNI512 void X16Tile6(const Rows& r, const uint8_t* tile, int64_t col0,
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(r.y + (m0 + i) * r.n + col0, y[i]);
 }
 
-// The same for a Q8_0 or Q5_0 tile, block by block: weight = d (v - bias), v unsigned (Q8_0:
-// bias 128; Q5_0: 16), the bias taken back through x's integer sum per block.
+// The same for a tile of a 32-value format, block by block: weight = d (v - bias), v unsigned
+// (Q8_0: bias 128; Q5_0: 16; Q4_0: 8), the bias taken back through x's integer sum per block;
+// Q4_1's weight = d v + m, m times x's sum.
 template <int F, int MR>
 JAXINFER_VNNI512 void X16Tile32(const Rows& r, const uint8_t* tile, int64_t col0, int64_t m0,
                                 const uint8_t* next) {
   constexpr int64_t kTile = kX16Bytes32<F>;
-  constexpr int32_t kBias = F == kQ8_0X16 ? 128 : 16;
+  constexpr int32_t kBias = F == kQ8_0X16 ? 128 : F == kQ5_0X16 ? 16 : F == kQ4_0X16 ? 8 : 0;
   const int64_t nb = r.k / 32;
   const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   __m512 y[MR];
@@ -328,13 +343,15 @@ JAXINFER_VNNI512 void X16Tile32(const Rows& r, const uint8_t* tile, int64_t col0
     } else {
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
-        const __m512i w = _mm512_loadu_si512(b + 96 + 64 * t);
-        uint64_t bits[2];
-        std::memcpy(bits, b + 32 + 16 * t, 16);
+        const __m512i w = _mm512_loadu_si512(b + kNibblesAt<F> + 64 * t);
         __m512i lo = _mm512_and_si512(w, low);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-        lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, fifth);
-        hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, fifth);
+        if constexpr (F == kQ5_0X16) {
+          uint64_t bits[2];
+          std::memcpy(bits, b + 32 + 16 * t, 16);
+          lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, fifth);
+          hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, fifth);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           acc[i] = _mm512_dpbusd_epi32(acc[i], lo, Broadcast4(xq[i] + 8 * t));
@@ -346,9 +363,14 @@ JAXINFER_VNNI512 void X16Tile32(const Rows& r, const uint8_t* tile, int64_t col0
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const int64_t at = (m0 + i) * nb + blk;
-      const __m512i dot = _mm512_sub_epi32(acc[i], _mm512_set1_epi32(kBias * r.qx->i32[at]));
+      __m512i dot = acc[i];
+      if constexpr (kBias != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(kBias * r.qx->i32[at]));
       y[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(r.qx->d32[at])),
                              _mm512_cvtepi32_ps(dot), y[i]);
+      if constexpr (F == kQ4_1X16) {  // + m dx sum(q)
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+        y[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(r.qx->s32[at]), y[i]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -389,6 +411,8 @@ JAXINFER_VNNI512 void X16Tiles(const Rows& r, const uint8_t* tile, int64_t col0,
 template <int F>
 constexpr int kFileFormat = F == kQ4_KX16   ? kQ4_K
                             : F == kQ6_KX16 ? kQ6_K
+                            : F == kQ4_0X16 ? kQ4_0
+                            : F == kQ4_1X16 ? kQ4_1
                             : F == kQ5_0X16 ? kQ5_0
                                             : kQ8_0;
 
@@ -399,10 +423,10 @@ void Unpack(const uint8_t* tile, int c, int64_t nb, uint8_t* out) {
     UnpackQ4K(tile, c, nb, out);
   } else if constexpr (F == kQ6_KX16) {
     UnpackQ6K(tile, c, nb, out);
-  } else if constexpr (F == kQ5_0X16) {
-    UnpackQ5_0(tile, c, nb, out);
-  } else {
+  } else if constexpr (F == kQ8_0X16) {
     UnpackQ8_0(tile, c, nb, out);
+  } else {
+    UnpackNibbles<F>(tile, c, nb, out);
   }
 }
 

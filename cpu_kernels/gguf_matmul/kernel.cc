@@ -26,9 +26,9 @@
 // threads (common.h). On a CPU with AVX-512 VNNI (the caller's `avx512_vnni`, checked here)
 // the k-quants' integer products take the 512-bit paths below IntegerStream.
 //
-// The loader may lay Q5_0, Q8_0, Q4_K and Q6_K runs out 16 rows at a time for the int8 mode on
-// AVX-512 VNNI (formats kQ5_0X16, kQ8_0X16, kQ4_KX16 and kQ6_KX16; interleaved.h has their
-// layouts and paths).
+// The loader may lay runs of every format but Q5_1 and Q5_K out 16 rows at a time for the int8
+// mode on AVX-512 VNNI (formats kQ4_0X16 ... kQ6_KX16; interleaved.h has their layouts and
+// paths).
 //
 // GCC keeps arrays of vectors in registers only if the loops over them are fully unrolled;
 // hence the unroll pragmas.
@@ -56,8 +56,9 @@ enum Format : int32_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
-  // Not GGML types: Q5_0, Q8_0, Q4_K and Q6_K rows interleaved 16 at a time by the loader
-  // (interleaved.h).
+  // Not GGML types: rows interleaved 16 at a time by the loader (interleaved.h).
+  kQ4_0X16 = 102,
+  kQ4_1X16 = 103,
   kQ5_0X16 = 106,
   kQ8_0X16 = 108,
   kQ4_KX16 = 112,
@@ -65,7 +66,8 @@ enum Format : int32_t {
 };
 
 inline bool Interleaved(int32_t f) {
-  return f == kQ5_0X16 || f == kQ8_0X16 || f == kQ4_KX16 || f == kQ6_KX16;
+  return f == kQ4_0X16 || f == kQ4_1X16 || f == kQ5_0X16 || f == kQ8_0X16 || f == kQ4_KX16 ||
+         f == kQ6_KX16;
 }
 
 template <int F>
@@ -95,7 +97,9 @@ int64_t BlockBytes(int32_t f) {
     case kQ4_K: return kBytes<kQ4_K>;
     case kQ5_K: return kBytes<kQ5_K>;
     case kQ6_K: return kBytes<kQ6_K>;
-    case kQ5_0X16: return kBytes<kQ5_0>;  // a row's share of an interleaved tile (interleaved.h)
+    case kQ4_0X16: return kBytes<kQ4_0>;  // a row's share of an interleaved tile (interleaved.h)
+    case kQ4_1X16: return kBytes<kQ4_1>;
+    case kQ5_0X16: return kBytes<kQ5_0>;
     case kQ8_0X16: return kBytes<kQ8_0>;
     case kQ4_KX16: return 148;
     case kQ6_KX16: return 210;
@@ -1221,6 +1225,8 @@ void RunSegment(int32_t f, const Rows& r, const uint8_t* data, int64_t row_bytes
     case kQ4_K: return SegmentRows<kQ4_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ5_K: return SegmentRows<kQ5_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ6_K: return SegmentRows<kQ6_K>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ4_0X16: return X16SegmentRows<kQ4_0X16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
+    case kQ4_1X16: return X16SegmentRows<kQ4_1X16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ5_0X16: return X16SegmentRows<kQ5_0X16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ8_0X16: return X16SegmentRows<kQ8_0X16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
     case kQ4_KX16: return X16SegmentRows<kQ4_KX16>(r, data, row_bytes, first, stop, out_first, integer, vnni512);
@@ -1409,6 +1415,8 @@ void DequantizeRowOf(int32_t f, const uint8_t* data, int64_t row_bytes, int64_t 
     case kQ4_K: return DequantizeRow<kQ4_K>(w, k, out);
     case kQ5_K: return DequantizeRow<kQ5_K>(w, k, out);
     case kQ6_K: return DequantizeRow<kQ6_K>(w, k, out);
+    case kQ4_0X16: return X16DequantizeRow<kQ4_0X16>(data, row_bytes, row, k, out);
+    case kQ4_1X16: return X16DequantizeRow<kQ4_1X16>(data, row_bytes, row, k, out);
     case kQ5_0X16: return X16DequantizeRow<kQ5_0X16>(data, row_bytes, row, k, out);
     case kQ8_0X16: return X16DequantizeRow<kQ8_0X16>(data, row_bytes, row, k, out);
     case kQ4_KX16: return X16DequantizeRow<kQ4_KX16>(data, row_bytes, row, k, out);

@@ -19,6 +19,8 @@ N: output rows, K: the contracted (input) axis, M: rows of x.
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 
@@ -30,14 +32,15 @@ FORMATS = {
     )
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 }
-# Layouts the loader makes of the file's blocks (not GGML types; numbered past them): Q4_K,
-# Q6_K, Q5_0 and Q8_0 rows interleaved 16 at a time (INTERLEAVE), bytes per row's share of a
-# (super)block.
+# Layouts the loader makes of the file's blocks (not GGML types; numbered past them): rows
+# interleaved 16 at a time (INTERLEAVE), bytes per row's share of a (super)block.
 INTERLEAVED = {
-    "Q4_K_X16": (112, 256, 148),
-    "Q6_K_X16": (114, 256, 210),
+    "Q4_0_X16": (102, 32, 18),
+    "Q4_1_X16": (103, 32, 20),
     "Q5_0_X16": (106, 32, 22),
     "Q8_0_X16": (108, 32, 34),
+    "Q4_K_X16": (112, 256, 148),
+    "Q6_K_X16": (114, 256, 210),
 }
 LAYOUTS = {**FORMATS, **INTERLEAVED}
 _BY_NUMBER = {number: name for name, (number, _, _) in LAYOUTS.items()}
@@ -328,62 +331,77 @@ def deinterleave_q8_0(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 34).astype(np.uint8)
 
 
-def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
-    """Q5_0 blocks u8[..., 22] -> their 32 unsigned 5-bit values u8[..., 32] (q + 16)."""
-    bits = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [.., 32]
-    qs = blocks[..., 6:22]
-    return np.concatenate([qs & 0xF, qs >> 4], axis=-1) | (bits << 4)
+# The 32-value nibble formats' interleaved headers: per row, d (and Q4_1's m) as float16,
+# then Q5_0's fifth bits as masks (below); the nibbles follow.
+_NIBBLE_HEADER = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 2}
 
 
-def interleave_q5_0(raw: np.ndarray) -> np.ndarray:
-    """Q5_0 rows u8[N, K / 32 * 22] (N a multiple of 16) -> the kernel's interleaved layout,
-    the same size (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16 rows and block,
-    d[16] (float16), h[8] (64-bit masks, bit 4 row + b of mask s: the fifth bit of value
-    4 s + b), then qs[4][16][4] (quarter t, row, byte b: the low 4 bits of value 8 t + b in
-    the low nibble, of 8 t + 4 + b in the high)."""
+def _nibble_values(fmt: str, blocks: np.ndarray) -> np.ndarray:
+    """Q4_0 / Q4_1 / Q5_0 blocks u8[..., bytes] -> their 32 unsigned values u8[..., 32]."""
+    header = _NIBBLE_HEADER[fmt] + (4 if fmt == "Q5_0" else 0)
+    qs = blocks[..., header : header + 16]
+    values = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    if fmt == "Q5_0":
+        values = values | (np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little") << 4)
+    return values
+
+
+def interleave_nibbles(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Q4_0, Q4_1 or Q5_0 rows u8[N, K / 32 * bytes] (N a multiple of 16) -> the kernel's
+    interleaved layout, the same size (cpu_kernels/gguf_matmul/interleaved.h): per tile of 16
+    rows and block, d[16] (and Q4_1's m[16]; float16), Q5_0's h[8] (64-bit masks, bit
+    4 row + b of mask s: the fifth bit of value 4 s + b), then qs[4][16][4] (quarter t, row,
+    byte b: the low 4 bits of value 8 t + b in the low nibble, of 8 t + 4 + b in the high)."""
+    size = FORMATS[fmt][2]
     n, width = raw.shape
-    if n % X16 or width % 22:
-        raise ValueError(f"interleave_q5_0: Q5_0 rows in 16s, got {raw.shape}")
-    t, s = n // X16, width // 22
-    b = raw.reshape(t, X16, s, 22).transpose(0, 2, 1, 3)  # [T, S, 16, 22]
-    v = _q5_0_values(b).reshape(t, s, X16, 4, 2, 4)  # [T, S, row, t, half, b]
-    masks = (v >> 4).transpose(0, 1, 3, 4, 2, 5).reshape(t, s, 8, 64)  # [T, S, 4 t + half, bit]
+    if n % X16 or width % size:
+        raise ValueError(f"interleave {fmt}: rows in 16s, got {raw.shape}")
+    t, s = n // X16, width // size
+    b = raw.reshape(t, X16, s, size).transpose(0, 2, 1, 3)  # [T, S, 16, bytes]
+    v = _nibble_values(fmt, b).reshape(t, s, X16, 4, 2, 4)  # [T, S, row, t, half, b]
+    header = _NIBBLE_HEADER[fmt]
+    parts = [b[..., h : h + 2] for h in range(0, header, 2)]  # d (m) per row
+    if fmt == "Q5_0":
+        masks = (v >> 4).transpose(0, 1, 3, 4, 2, 5).reshape(t, s, 8, 64)  # [T, S, mask, bit]
+        parts.append(np.packbits(masks, axis=-1, bitorder="little"))  # [T, S, mask, 8]
     low = v & 0xF
     qs = low[..., 0, :] | (low[..., 1, :] << 4)  # [T, S, row, t, b]
-    parts = [
-        b[..., 0:2],  # d per row
-        np.packbits(masks, axis=-1, bitorder="little"),  # [T, S, s, 8]
-        qs.transpose(0, 1, 3, 2, 4),  # [T, S, t, row, b]
-    ]
-    return _rows_of_tiles(parts, n, s * 22)  # [T, S, 352] as N rows
+    parts.append(qs.transpose(0, 1, 3, 2, 4))  # [T, S, t, row, b]
+    return _rows_of_tiles(parts, n, s * size)
 
 
-def deinterleave_q5_0(raw: np.ndarray) -> np.ndarray:
-    """interleave_q5_0's inverse: the file's Q5_0 rows back."""
+def deinterleave_nibbles(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """interleave_nibbles' inverse: the file's rows back."""
+    size, header = FORMATS[fmt][2], _NIBBLE_HEADER[fmt]
     n, width = raw.shape
-    t, s = n // X16, width // 22
-    tiles = raw.reshape(t, s, 352)
-    d = tiles[..., 0:32].reshape(t, s, X16, 2)
-    bits = np.unpackbits(tiles[..., 32:96].reshape(t, s, 8, 8), axis=-1, bitorder="little")
-    high = bits.reshape(t, s, 4, 2, X16, 4).transpose(0, 1, 4, 2, 3, 5)  # [T, S, row, t, h, b]
-    qs = tiles[..., 96:].reshape(t, s, 4, X16, 4).transpose(0, 1, 3, 2, 4)  # [T, S, row, t, b]
+    t, s = n // X16, width // size
+    tiles = raw.reshape(t, s, 16 * size)
+    heads = [tiles[..., 32 * i : 32 * i + 32].reshape(t, s, X16, 2) for i in range(header // 2)]
+    at = 16 * header
+    high = np.zeros((t, s, X16, 4, 2, 4), np.uint8)
+    if fmt == "Q5_0":
+        bits = np.unpackbits(tiles[..., at : at + 64].reshape(t, s, 8, 8), -1, bitorder="little")
+        high = bits.reshape(t, s, 4, 2, X16, 4).transpose(0, 1, 4, 2, 3, 5)  # [.., row, t, h, b]
+        at += 64
+    qs = tiles[..., at:].reshape(t, s, 4, X16, 4).transpose(0, 1, 3, 2, 4)  # [T, S, row, t, b]
     low = np.stack([qs & 0xF, qs >> 4], axis=-2)  # [T, S, row, t, half, b]
     v = (low | (high << 4)).reshape(t, s, X16, 32)  # value 8 t + 4 half + b
-    qh = np.packbits(v >> 4, axis=-1, bitorder="little")  # [T, S, row, 4]
     packed = (v[..., 0:16] & 0xF) | ((v[..., 16:32] & 0xF) << 4)
-    blocks = np.concatenate([d, qh, packed], axis=-1)
-    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * 22).astype(np.uint8)
+    if fmt == "Q5_0":
+        heads.append(np.packbits(v >> 4, axis=-1, bitorder="little"))  # qh [T, S, row, 4]
+    blocks = np.concatenate([*heads, packed], axis=-1)
+    return np.ascontiguousarray(blocks.transpose(0, 2, 1, 3)).reshape(n, s * size).astype(np.uint8)
 
 
 INTERLEAVE = {
     "Q4_K_X16": interleave_q4_k,
     "Q6_K_X16": interleave_q6_k,
-    "Q5_0_X16": interleave_q5_0,
     "Q8_0_X16": interleave_q8_0,
+    **{f"{f}_X16": functools.partial(interleave_nibbles, fmt=f) for f in _NIBBLE_HEADER},
 }
 DEINTERLEAVE = {
     "Q4_K_X16": deinterleave_q4_k,
     "Q6_K_X16": deinterleave_q6_k,
-    "Q5_0_X16": deinterleave_q5_0,
     "Q8_0_X16": deinterleave_q8_0,
+    **{f"{f}_X16": functools.partial(deinterleave_nibbles, fmt=f) for f in _NIBBLE_HEADER},
 }

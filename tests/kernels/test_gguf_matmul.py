@@ -130,6 +130,10 @@ def test_segments_of_several_formats_and_stacked_layers(cpu_gguf_matmul, mode):
             ("Q8_0", random_rows("Q8_0", 8, k, rng)),
             ("Q4_K", random_rows("Q4_K", 8, k, rng)),
         ],
+        [
+            (f"{f}_X16", INTERLEAVE[f"{f}_X16"](random_rows(f, 16, k, rng)))
+            for f in ("Q4_1", "Q4_0")
+        ],
     ]
     data, table = pack_layers(layers)
     run = jax.jit(lambda x, d, t, i: cpu_gguf_matmul(x, d, t, i, n=32, **MODES[mode]))
@@ -242,26 +246,35 @@ def test_interleaved_q6_k_holds_the_files_values_where_its_layout_says():
     assert np.array_equal(ours, reference.dequantize("Q6_K", raw))
 
 
-def test_interleaved_q8_0_and_q5_0_hold_the_files_values_where_their_layouts_say():
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
+def test_interleaved_32_value_formats_hold_the_files_values_where_their_layouts_say(fmt):
     """As above for the 32-value formats: Q8_0's d (u - 128) with u the stored byte; Q5_0's
-    d (v - 16), v's low 4 bits from the nibbles and its fifth from the block's masks."""
-    rng = np.random.default_rng(5)
-    for fmt in ("Q8_0", "Q5_0"):
-        raw = random_rows(fmt, 16, 64, rng)  # one tile of 2 blocks
-        layout = INTERLEAVE[f"{fmt}_X16"](raw)
-        assert np.array_equal(reference.DEINTERLEAVE[f"{fmt}_X16"](layout), raw)
-        tiles = layout.reshape(2, -1)  # [block, bytes]
-        d = tiles[:, 0:32].copy().view(np.float16).astype(np.float32)  # [block, row]
-        if fmt == "Q8_0":
-            u = tiles[:, 32:].reshape(2, 8, 16, 4).astype(np.float32) - 128  # [B, g, row, b]
-            v = u.transpose(0, 2, 1, 3).reshape(2, 16, 32)  # value 4 g + b
-        else:
+    d (v - 16), v's low 4 bits from the nibbles and its fifth from the block's masks; Q4_0's
+    d (v - 8); Q4_1's d v + m."""
+    raw = random_rows(fmt, 16, 64, np.random.default_rng(5))  # one tile of 2 blocks
+    layout = INTERLEAVE[f"{fmt}_X16"](raw)
+    assert np.array_equal(reference.DEINTERLEAVE[f"{fmt}_X16"](layout), raw)
+    tiles = layout.reshape(2, -1)  # [block, bytes]
+    d = tiles[:, 0:32].copy().view(np.float16).astype(np.float32)  # [block, row]
+    m = np.zeros_like(d)
+    if fmt == "Q8_0":
+        u = tiles[:, 32:].reshape(2, 8, 16, 4).astype(np.float32) - 128  # [B, g, row, b]
+        v = u.transpose(0, 2, 1, 3).reshape(2, 16, 32)  # value 4 g + b
+    else:
+        fifth = np.zeros((2, 16, 32), np.uint8)
+        at = 32
+        if fmt == "Q5_0":
             masks = tiles[:, 32:96].copy().view("<u8")  # [block, s]
             bits = (masks[:, :, None] >> np.arange(64, dtype=np.uint64)) & 1  # [B, s, 4 row + b]
             fifth = bits.reshape(2, 8, 16, 4).transpose(0, 2, 1, 3).reshape(2, 16, 32)
-            qs = tiles[:, 96:].reshape(2, 4, 16, 4)  # [B, t, row, b]
-            low = np.stack([qs & 0xF, qs >> 4], axis=2)  # [B, t, half, row, b]
-            low = low.transpose(0, 3, 1, 2, 4).reshape(2, 16, 32)  # value 8 t + 4 half + b
-            v = (low | (fifth.astype(np.uint8) << 4)).astype(np.float32) - 16
-        ours = (d[:, :, None] * v).transpose(1, 0, 2).reshape(16, 64)
-        assert np.array_equal(ours, reference.dequantize(fmt, raw)), fmt
+            at = 96
+        if fmt == "Q4_1":
+            m = tiles[:, 32:64].copy().view(np.float16).astype(np.float32)
+            at = 64
+        qs = tiles[:, at:].reshape(2, 4, 16, 4)  # [B, t, row, b]
+        low = np.stack([qs & 0xF, qs >> 4], axis=2)  # [B, t, half, row, b]
+        low = low.transpose(0, 3, 1, 2, 4).reshape(2, 16, 32)  # value 8 t + 4 half + b
+        bias = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[fmt]
+        v = (low | (fifth.astype(np.uint8) << 4)).astype(np.float32) - bias
+    ours = (d[:, :, None] * v + m[:, :, None]).transpose(1, 0, 2).reshape(16, 64)
+    assert np.array_equal(ours, reference.dequantize(fmt, raw))

@@ -13,6 +13,7 @@ import pytest
 from jaxinfer import SamplingParams
 from jaxinfer.config import EngineOptions
 from jaxinfer.engine.scheduling.scheduler import Scheduler
+from jaxinfer.engine.speculation.propose import DRAFT_PATIENCE, IDLE_AFTER, PROBE_EVERY
 from tests.support.engines import build_llm
 from tests.support.models import make_tiny_model
 from tests.support.speculative import (
@@ -181,6 +182,35 @@ def test_distribution_unchanged(make_llm, other_draft, params, monkeypatch):
     pvalue = homogeneity_pvalue(reference, got)
     print(f"p = {pvalue:.3f}; proposed {proposed}, accepted {accepted}")
     assert pvalue > 1e-3
+
+
+def test_a_draft_no_plan_pays_for_stops_running(tiny_model_dir, other_model_dir, baseline):
+    """Where no plan takes a proposal, a request's draft steps (the catch-up of tokens it
+    missed) stop after DRAFT_PATIENCE steps; once IDLE_AFTER requests in a row left the draft
+    so, new requests start without it (not even their prompts run through it) but one in
+    PROBE_EVERY. The tokens are those of decoding without a draft throughout."""
+    spec = build_llm(
+        tiny_model_dir, "tiny", batch_invariant=True, draft_model=str(other_model_dir), **DRAFT
+    )
+    scheduler = spec.engine.scheduler
+    scheduler.plan_proposals = lambda used, n, wanted, draft_rows=0: [0] * len(wanted)
+    draft = spec.engine.draft
+    calls = collections.Counter()
+    propose, extend = draft.propose, draft.extend
+    draft.propose = lambda *args: calls.update(["propose"]) or propose(*args)
+    draft.extend = lambda batch: calls.update(["extend"]) or extend(batch)
+    prompts, _ = prompts_and_params(IDLE_AFTER + PROBE_EVERY, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = completions(baseline.generate(prompts, greedy, use_tqdm=False))
+    runs = []
+    for prompt, tokens in zip(prompts, expected, strict=True):  # one request at a time
+        before = calls.copy()
+        assert completions(spec.generate([prompt], greedy, use_tqdm=False)) == [tokens]
+        runs.append((calls["propose"] - before["propose"], calls["extend"] - before["extend"]))
+    print(runs)
+    followed = runs[:IDLE_AFTER] + runs[-1:]  # (the last: the probe)
+    assert all(0 < p < DRAFT_PATIENCE and e > 0 for p, e in followed)
+    assert all(run == (0, 0) for run in runs[IDLE_AFTER:-1])
 
 
 def test_draft_options_are_checked(tmp_path, tiny_model_dir):

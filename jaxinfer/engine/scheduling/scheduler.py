@@ -223,7 +223,8 @@ class Scheduler:
         (jaxinfer.engine.speculation.draft_model). A request without them proposes fewer tokens."""
         for request, num_new in scheduled:
             end = request.num_computed_tokens + num_new
-            if request.spec is None or end < request.num_tokens_with_placeholders:
+            spec = request.spec
+            if spec is None or spec.draft_off or end < request.num_tokens_with_placeholders:
                 continue
             extra = min(self.config.spec_lookahead, self.config.max_model_len - end)
             if extra > 0:

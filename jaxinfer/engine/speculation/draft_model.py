@@ -17,6 +17,9 @@ K/V the draft holds (moved back over rejected proposals, to 0 on preemption):
   accepted tokens is stale until written again, and every read stops at the request's own
   length.
 
+Where no plan pays for its proposals, the draft stops following a request (SpecState.draft_off,
+jaxinfer.engine.speculation.propose): its steps and extends leave the request out from then on.
+
 The K/V of the tokens the draft proposes is written ahead of the target, into blocks the
 scheduler gives proposing requests in advance (SchedulerConfig.spec_lookahead); a request
 without them proposes fewer.
@@ -61,6 +64,11 @@ from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
 
 DRAFT_STREAM = 3  # folded into a row's key for the draft's own draws (the verifier uses 1, 2)
+# A draft shares the target's tokenizer and most of its proposals are accepted: a request's
+# acceptance starts at PRIOR_ACCEPTED / (PRIOR_ACCEPTED + 1) rather than n-grams' even odds
+# (a draft's steps cost time, so the plans would never take its first proposal and never
+# learn otherwise); its own steps soon outweigh it (SpecState.record).
+PRIOR_ACCEPTED = 4.0
 
 
 @jax.tree_util.register_dataclass
@@ -176,7 +184,7 @@ class DraftModel:
         )
 
     def new_state(self, limit: int) -> SpecState:
-        return SpecState(limit=limit)
+        return SpecState(limit=limit, accepted=PRIOR_ACCEPTED)
 
     def extend(self, batch: BatchInputs) -> None:
         """Writes the draft's K/V for a target step's tokens (the same flat batch)."""

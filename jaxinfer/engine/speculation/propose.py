@@ -3,6 +3,7 @@ room left), and what they propose, by n-grams, suffix trees or the draft model."
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -20,6 +21,15 @@ from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.engine.speculation.suffix import SuffixProposer
 
 HostProposer = NgramProposer | SuffixProposer
+
+# A draft model that is not paid for costs its steps anyway (the catch-up of a request whose
+# last proposal was all accepted, the prompt chunks of new requests). So a request the draft
+# could have proposed for in this many steps in a row, and did not, leaves it (draft_off);
+# after this many requests in a row left it with no proposal taken in between, new requests
+# start without it but one in PROBE_EVERY, which measures whether it pays again.
+DRAFT_PATIENCE = 8
+IDLE_AFTER = 4
+PROBE_EVERY = 16
 
 
 def make_proposer(config: SpeculativeConfig) -> HostProposer | None:
@@ -57,21 +67,32 @@ def propose_on_host(proposer: HostProposer, running: list[Request], max_model_le
         request.spec_token_ids = proposer.propose(request.spec, request.all_token_ids, room)
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftRun:
+    """What one step's proposing with the draft model did."""
+
+    rows: int = 0  # requests it ran for
+    steps: int = 0  # its one-token steps
+    proposing: int = 0  # requests that propose in the next step
+    left: int = 0  # requests that left it (draft_off) in this step
+
+
 def propose_with_draft(
     draft: DraftModel,
     scheduler: Scheduler,
     block_size: int,
     rows: RowTable,
     runner: ModelRunner,
-) -> tuple[int, int]:
+) -> DraftRun:
     """The draft model's proposals for each running request caught up to its last token,
     up to its proposal length, what max_tokens and max_model_len leave, and the KV slots its
     blocks hold for the tokens the draft writes (the one before the last, the last and each
     proposal but the final one); in all, as many as the scheduler's plan says pay for their
     time and the draft's steps (Scheduler.plan_proposals). A request that proposes nothing
     now but whose final proposal, all accepted, the draft never fed takes the first step
-    anyway (its proposal dropped): else the draft would miss that token for good. Returns
-    (rows, steps) of the draft's run ((0, 0): none)."""
+    anyway (its proposal dropped): else the draft would miss that token for good; but one
+    that took none in DRAFT_PATIENCE steps in a row, or whose draft missed a token, leaves
+    the draft (SpecState.draft_off)."""
     running = scheduler.running
     for request in running:
         request.spec_token_ids = []
@@ -79,12 +100,18 @@ def propose_with_draft(
             spec = request.spec
             spec.draft_computed = min(spec.draft_computed, request.num_computed_tokens)
     wanted, idle = [], []
+    left = 0
     for request, room in proposal_candidates(running, scheduler.config.max_model_len):
         spec = request.spec
+        if spec.draft_off:
+            continue
         # (the draft feeds the last two tokens first: it must hold the ones before, and the
         # last one's slot must be the request's)
+        if spec.draft_computed < request.num_tokens - 2:
+            spec.draft_off, left = True, left + 1
+            continue
         slots = len(request.block_ids) * block_size - request.num_tokens + 1
-        if spec.draft_computed < request.num_tokens - 2 or slots < 1:
+        if slots < 1:
             continue
         count = min(spec.length, room, slots) if spec.wanted() else 0
         (wanted if count > 0 else idle).append((request, count))
@@ -97,17 +124,23 @@ def propose_with_draft(
         for (request, _), count in zip(wanted, counts, strict=True)
         if count
     ]
-    behind = [
-        (rows.row(request.request_id), request, 1)
-        for request, count in idle + [w for w, c in zip(wanted, counts, strict=True) if not c]
-        if request.spec.draft_computed == request.num_tokens - 2
-    ]
+    behind = []
+    for request, _ in idle + [w for w, c in zip(wanted, counts, strict=True) if not c]:
+        spec = request.spec
+        spec.draft_declined += 1
+        if spec.draft_declined >= DRAFT_PATIENCE:
+            spec.draft_off, left = True, left + 1
+        elif spec.draft_computed == request.num_tokens - 2:
+            behind.append((rows.row(request.request_id), request, 1))
+    for _, request, _ in chosen:
+        request.spec.draft_declined = 0
     if not chosen and not behind:
-        return 0, 0
+        return DraftRun(left=left)
     proposals = draft.propose(runner.block_table, runner.sampler_state.bias, chosen + behind)
     for (_, request, _), tokens in zip(chosen, proposals, strict=False):
         request.spec_token_ids = tokens
-    return len(chosen) + len(behind), max(count for _, _, count in chosen + behind)
+    steps = max(count for _, _, count in chosen + behind)
+    return DraftRun(len(chosen) + len(behind), steps, len(chosen), left)
 
 
 class Speculation:
@@ -124,6 +157,8 @@ class Speculation:
             self.control = SpecControl(config.scheduler.token_buckets)
         self.seconds = 0.0  # spent proposing (host lookups, the draft's steps)
         self._drafted = 0.0  # the draft's steps since the last observed step
+        self.left_in_row = 0  # requests that left the draft with no proposal taken since
+        self.started_without = 0  # new requests started without the draft while it idles
 
     @property
     def on(self) -> bool:
@@ -134,7 +169,11 @@ class Speculation:
         limit = self.config.speculative.num_speculative_tokens
         if requested is not None:
             limit = min(limit, requested)
-        return (self.draft or self.host).new_state(limit)
+        state = (self.draft or self.host).new_state(limit)
+        if self.draft is not None and self.left_in_row >= IDLE_AFTER:  # (one in PROBE_EVERY
+            self.started_without += 1  # starts with it)
+            state.draft_off = self.started_without % PROBE_EVERY != 0
+        return state
 
     def propose(self, scheduler: Scheduler, rows: RowTable, runner: ModelRunner) -> None:
         """Sets the proposals of each running request caught up to its last token."""
@@ -143,34 +182,42 @@ class Speculation:
             propose_on_host(self.host, scheduler.running, scheduler.config.max_model_len)
         else:
             block_size = self.config.cache.block_size
-            num_rows, steps = propose_with_draft(self.draft, scheduler, block_size, rows, runner)
+            run = propose_with_draft(self.draft, scheduler, block_size, rows, runner)
+            self.left_in_row = 0 if run.proposing else self.left_in_row + run.left
             self._drafted += time.perf_counter() - start
             if self.control is not None:
-                self.control.observe_draft(num_rows, steps, time.perf_counter() - start)
+                self.control.observe_draft(run.rows, run.steps, time.perf_counter() - start)
         self.seconds += time.perf_counter() - start
 
     def draft_extend(self, scheduled: tuple[ScheduledRequest, ...], requests) -> bool:
         """Whether the draft must run over a step's flat batch (DraftModel.extend): some
-        request's tokens in it are not covered by the draft's own steps (a prompt chunk, or
-        a decode whose earlier tokens the draft missed). If so, it covers them all.
-        `requests`: by id."""
+        request it follows has tokens in it not covered by the draft's own steps (a prompt
+        chunk). If so, it covers them all. Requests it does not follow (no SpecState, or
+        draft_off) are left out: their K/V in the draft's cache goes stale, so a later
+        prefix-cache hit on their blocks gives the draft worse proposals, never a wrong
+        token. `requests`: by id."""
         if self.draft is None:
             return False
-        states = [(requests[item.request_id].spec, item) for item in scheduled]
+        states = [
+            (spec, item)
+            for item in scheduled
+            if (spec := requests[item.request_id].spec) is not None and not spec.draft_off
+        ]
+        for spec, item in states:
+            # A gap before the step's tokens stays one (the draft leaves the request), but
+            # for an admission's prefix-cache hit, whose blocks the draft wrote when they
+            # were first computed.
+            if spec.draft_computed < item.num_computed_tokens and item.row_init is None:
+                spec.draft_off = True
+        states = [(spec, item) for spec, item in states if not spec.draft_off]
         if all(
-            spec is not None
-            and item.num_new_tokens - len(item.draft_token_ids) == 1
+            item.num_new_tokens - len(item.draft_token_ids) == 1
             and spec.draft_computed >= item.num_computed_tokens
             for spec, item in states
         ):
             return False
         for spec, item in states:
-            # A gap before the step's tokens stays one, but for an admission's prefix-cache
-            # hit, whose blocks the draft wrote when they were first computed.
-            if spec is not None and (
-                spec.draft_computed >= item.num_computed_tokens or item.row_init is not None
-            ):
-                spec.draft_computed = item.num_computed_tokens + item.num_new_tokens
+            spec.draft_computed = item.num_computed_tokens + item.num_new_tokens
         return True
 
     def finished(self, request: Request) -> None:

@@ -30,8 +30,12 @@ class SpecState:
     # model's evidence (each proposal is tried only if those before it were accepted).
     accepted: float = 1.0
     rejections: float = 1.0
-    # A draft model's: the leading tokens whose K/V its cache holds (DraftModel).
+    # A draft model's: the leading tokens whose K/V its cache holds (DraftModel); steps in a
+    # row it could have proposed in and did not; whether it follows the request no more
+    # (jaxinfer.engine.speculation.propose: then it proposes nothing for the rest of it).
     draft_computed: int = 0
+    draft_declined: int = 0
+    draft_off: bool = False
 
     def __post_init__(self):
         self.length = self.limit

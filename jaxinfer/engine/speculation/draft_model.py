@@ -134,20 +134,28 @@ def draw_proposals(
     draft_probs[row * K + step]. q is the draft's distribution under the request's logit
     bias, temperature, min-p, top-k and top-p; the penalties are left out (they need the
     target sampler's per-request counts), which costs acceptance, never exactness: the
-    verification takes any q."""
+    verification takes any q. Where every real row is greedy, q is not formed (the verifier
+    reads it for random rows only)."""
     sampling = rows.sampling
     logits = logits.astype(jnp.float32)
     logits = logits + jnp.where(sampling.has_bias[:, None] > 0, bias[rows.rows], 0.0)
-    scaled = truncated(logits, sampling, batch_invariant)
-    log_softmax = invariant.log_softmax if batch_invariant else jax.nn.log_softmax
-    q = jnp.exp(log_softmax(scaled))  # [R, V]
-    keys = request_keys(sampling.seeds, sampling.output_positions + step)
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_STREAM))(keys)
-    exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
-    sampled = first_argmax(scaled - jnp.log(exponential))
-    tokens = jnp.where(sampling.temperature == 0, first_argmax(logits), sampled)
-    draft_probs = draft_probs.at[rows.rows * num_speculative + step].set(q)
-    return tokens.astype(jnp.int32), draft_probs
+    greedy = first_argmax(logits).astype(jnp.int32)
+
+    def random():
+        scaled = truncated(logits, sampling, batch_invariant)
+        log_softmax = invariant.log_softmax if batch_invariant else jax.nn.log_softmax
+        q = jnp.exp(log_softmax(scaled))  # [R, V]
+        keys = request_keys(sampling.seeds, sampling.output_positions + step)
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, DRAFT_STREAM))(keys)
+        exponential = jax.vmap(lambda k: jax.random.exponential(k, logits.shape[-1:]))(keys)
+        sampled = first_argmax(scaled - jnp.log(exponential)).astype(jnp.int32)
+        return jnp.where(sampling.temperature == 0, greedy, sampled), q
+
+    real = jnp.arange(greedy.shape[0]) < rows.num_seqs[0]
+    all_greedy = jnp.all((sampling.temperature == 0) | ~real)
+    # (draft_probs stays out of the branches: a conditional would copy it whole)
+    tokens, q = jax.lax.cond(all_greedy, lambda: (greedy, jnp.zeros_like(logits)), random)
+    return tokens, draft_probs.at[rows.rows * num_speculative + step].set(q)
 
 
 class DraftModel:
@@ -207,8 +215,9 @@ class DraftModel:
         """Each request's proposals after its last token (as many as wanted); the draft must
         hold the K/V of all but its last two tokens (SpecState.draft_computed), and then
         holds it up to the last proposal but one."""
-        rows = self._rows(requests)
-        tokens = np.stack([rows.previous, rows.tokens], axis=1).reshape(-1)  # [R * 2]
+        host_rows = self._rows(requests)
+        tokens = np.stack([host_rows.previous, host_rows.tokens], axis=1).reshape(-1)  # [R * 2]
+        rows = jax.device_put(host_rows)  # (once, not by every step's programs)
         proposed = []
         for step in range(max(count for _, _, count in requests)):
             tokens = self._step(block_table, rows, tokens, np.int32(step), bias)

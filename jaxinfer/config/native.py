@@ -52,7 +52,8 @@ def check_int8_activations(options, matmul_fn, gguf_fn, int4: bool) -> None:
 
 
 def gguf_interleaved(options, gguf_fn) -> bool:
-    """Whether the GGUF file's Q4_K, Q6_K, Q5_0 and Q8_0 weights are laid out interleaved at
-    load (16 rows at a time, cpu_kernels/gguf_matmul/interleaved.h): where the block kernel takes int8
-    activations on AVX-512 VNNI, the one path that reads that layout at full speed."""
+    """Whether the GGUF file's block weights (every format but Q5_1 and Q5_K) are laid out
+    interleaved at load (16 rows at a time, cpu_kernels/gguf_matmul/interleaved.h): where the
+    block kernel takes int8 activations on AVX-512 VNNI, the one path that reads that layout
+    at full speed."""
     return gguf_fn is not None and options.int8_activations and has_avx512_vnni()

@@ -28,9 +28,7 @@ class ResolvedOptions:
     matmul: str  # "cpu" (the C++ kernel) or "xla"
     gguf_blocks: bool  # read the source GGUF file's weights in place, in its own blocks
     gguf_blocks_required: bool  # gguf_weights "on": finding none is an error
-    gguf_interleaved: (
-        bool  # its Q4_K / Q6_K / Q5_0 / Q8_0 blocks interleaved at load for the VNNI int8 path
-    )
+    gguf_interleaved: bool  # its blocks interleaved at load for the VNNI int8 path
     layer_execution: str  # "scan" or "per_layer"
     async_scheduling: bool
     batch_invariant: bool  # every kernel reduces in an order fixed per token

@@ -7,8 +7,9 @@ on the CPU device does not copy it), filled by reading the file's bytes straight
 file is read once, never memory-mapped whole and never expanded to float32. Rows are reordered
 where the engine's layout asks (QKV fused by KV head; Q and K unpermuted where llama.cpp
 permuted them), which moves whole rows of blocks and changes no byte of them. Where the int8
-mode runs on AVX-512 VNNI, Q4_K, Q6_K, Q5_0 and Q8_0 runs are laid out 16 rows at a time instead
-(cpu_kernels/gguf_matmul/interleaved.h: the same values, read through a tensor-sized scratch).
+mode runs on AVX-512 VNNI, runs in reference.INTERLEAVE's formats are laid out 16 rows at a
+time instead (cpu_kernels/gguf_matmul/interleaved.h: the same values, read through a
+tensor-sized scratch).
 
 Supported blocks: cpu_kernels.gguf_matmul.reference.FORMATS. A weight kind with a tensor in
 another type (F16, F32, Q2_K, ...) in any layer is read as a float weight instead, and named
@@ -93,8 +94,9 @@ class _File:
         self, layers: list[list[_Part]], out: tuple[int, ...], k: int, interleave: bool = False
     ) -> GGUFWeight:
         """The GGUFWeight [L, ...] whose layer i is the rows of layers[i]'s parts, in order.
-        interleave: Q4_K, Q6_K, Q5_0 and Q8_0 runs of whole tiles of 16 rows are laid out interleaved
-        (reference.INTERLEAVE) for the kernel's integer path on AVX-512 VNNI."""
+        interleave: runs of whole tiles of 16 rows are laid out interleaved where their format
+        has such a layout (reference.INTERLEAVE), for the kernel's integer path on AVX-512
+        VNNI."""
         runs = [_runs(parts, k, interleave) for parts in layers]
         sizes = [sum(run.nbytes for run in layer) for layer in runs]
         data = aligned_empty((len(layers), max(sizes)))
@@ -192,8 +194,8 @@ def load_gguf_params(
     """(the parameter tree of a dense model from its GGUF file, the names of the weights kept
     in blocks): the projections, the embedding and the LM head as GGUFWeights where every
     layer's tensors are in formats the block kernel reads, the rest as the float arrays of
-    jaxinfer.model_loader.safetensors_loader.params_from_reader. interleave: Q4_K, Q6_K, Q5_0
-    and Q8_0 laid out 16 rows at a time (ResolvedOptions.gguf_interleaved)."""
+    jaxinfer.model_loader.safetensors_loader.params_from_reader. interleave: the blocks laid out
+    16 rows at a time where they can be (ResolvedOptions.gguf_interleaved)."""
     if config.moe is not None:
         raise ValueError("GGUF block weights are read in place for dense models only")
     family = family_for_architecture(config.architecture)

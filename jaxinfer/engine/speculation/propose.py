@@ -170,9 +170,9 @@ class Speculation:
         if requested is not None:
             limit = min(limit, requested)
         state = (self.draft or self.host).new_state(limit)
-        if self.draft is not None and self.left_in_row >= IDLE_AFTER:  # (one in PROBE_EVERY
-            self.started_without += 1  # starts with it)
-            state.draft_off = self.started_without % PROBE_EVERY != 0
+        if self.draft is not None and self.left_in_row >= IDLE_AFTER:
+            self.started_without += 1
+            state.draft_off = self.started_without % PROBE_EVERY != 0  # (one in 16 probes)
         return state
 
     def propose(self, scheduler: Scheduler, rows: RowTable, runner: ModelRunner) -> None:
@@ -198,18 +198,18 @@ class Speculation:
         token. `requests`: by id."""
         if self.draft is None:
             return False
-        states = [
-            (spec, item)
-            for item in scheduled
-            if (spec := requests[item.request_id].spec) is not None and not spec.draft_off
-        ]
-        for spec, item in states:
+        states = []
+        for item in scheduled:
+            spec = requests[item.request_id].spec
+            if spec is None or spec.draft_off:
+                continue
             # A gap before the step's tokens stays one (the draft leaves the request), but
             # for an admission's prefix-cache hit, whose blocks the draft wrote when they
             # were first computed.
             if spec.draft_computed < item.num_computed_tokens and item.row_init is None:
                 spec.draft_off = True
-        states = [(spec, item) for spec, item in states if not spec.draft_off]
+                continue
+            states.append((spec, item))
         if all(
             item.num_new_tokens - len(item.draft_token_ids) == 1
             and spec.draft_computed >= item.num_computed_tokens

@@ -54,9 +54,9 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
 def compressed_attention_kernel(
     options: EngineOptions, platform, arch: LlamaConfig, registry, reasons: dict[str, str]
 ) -> tuple[str | None, dict[str, Callable]]:
-    """(the kernels' name, the callables by kind: its attention and its Lightning Indexer),
-    or (None, {}) for another model: the Pallas kernels on a GPU, the references on CPU (no
-    C++ kernels of them yet)."""
+    """(the kernels' name, the callables by kind: its attention, its Lightning Indexer and its
+    compressors' pooling), or (None, {}) for another model: the Pallas kernels on a GPU, the
+    references on CPU (no C++ kernels of them yet)."""
     name = options.compressed_attention_impl
     if arch.compressed is None:
         if name != "auto":
@@ -73,7 +73,7 @@ def compressed_attention_kernel(
         raise ValueError(
             "compressed_attention_impl 'pallas' runs on a GPU (pallas_interpret on CPU)"
         )
-    kinds = ("compressed_attention", "lightning_indexer")
+    kinds = ("compressed_attention", "lightning_indexer", "compressor")
     return name, {kind: registry.get(kind, name) for kind in kinds}
 
 

@@ -23,6 +23,9 @@ The kinds, each with the signature of its pure-JAX reference:
 - "lightning_indexer": indexer_topk(q, weights, keys, block_table, query_start_loc,
   positions, *, ratio, topk, scale) -> i32[T, k] (DeepSeek-V4's picks of compressed entries,
   pallas_kernels.lightning_indexer)
+- "compressor": compress(kv, gate, bias, CompressorState, CompressorBatch, *, overlap)
+  -> (entries [T, D], closes [T], state) (DeepSeek-V4's windows pooled into compressed
+  entries, pallas_kernels.compressor)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -51,6 +54,8 @@ from pallas_kernels.compressed_attention.kernel import compressed_attention
 from pallas_kernels.compressed_attention.reference import (
     compressed_attention as compressed_attention_reference,
 )
+from pallas_kernels.compressor.kernel import compress
+from pallas_kernels.compressor.reference import compress as compress_reference
 from pallas_kernels.fused_ffn.kernel import fused_ffn
 from pallas_kernels.fused_ffn.reference import fused_ffn_reference
 from pallas_kernels.gated_delta.kernel import gated_delta
@@ -68,7 +73,7 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 
 KINDS = (
     "attention", "ffn", "norm", "grouped_matmul", "int4_matmul", "lora", "gated_delta",
-    "compressed_attention", "lightning_indexer",
+    "compressed_attention", "lightning_indexer", "compressor",
 )  # fmt: skip
 
 
@@ -104,6 +109,9 @@ class ModelKernels:
     compressed_attention: Callable = compressed_attention_reference
     # Its Lightning Indexer's picks: indexer_topk_reference(q, weights, keys, ...) -> i32[T, k].
     lightning_indexer: Callable = indexer_topk_reference
+    # Its compressors' pooling: compress_reference(kv, gate, bias, state, batch, *, overlap)
+    # -> (entries [T, D], closes [T], state).
+    compressor: Callable = compress_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).
     batch_invariant: bool = False
@@ -164,6 +172,7 @@ def default_registry() -> KernelRegistry:
         "gated_delta": (gated_delta_reference, gated_delta),
         "compressed_attention": (compressed_attention_reference, compressed_attention),
         "lightning_indexer": (indexer_topk_reference, indexer_topk),
+        "compressor": (compress_reference, compress),
     }
     registry.register("attention", "cpu", paged_attention)
     registry.register("norm", "invariant", invariant.add_rms_norm)

@@ -60,7 +60,7 @@ from jaxinfer.layers.weights import Dense, is_weight
 from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.parallel.sharding import Partitioner
-from pallas_kernels.compressor.reference import CompressorBatch, compress
+from pallas_kernels.compressor.reference import CompressorBatch
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
 
 
@@ -240,7 +240,7 @@ def attention(
 
         def pooled(prefix, store_key, state_key):
             """The step's closed windows pooled, normed, RoPE'd and written to the store."""
-            new, closes, state = compress(
+            new, closes, state = kernels.compressor(
                 x @ c[prefix + "kv_proj"], x @ c[prefix + "gate_proj"],
                 c[prefix + "position_bias"], layer_state(states[state_key], index), step,
                 overlap=key == "csa",

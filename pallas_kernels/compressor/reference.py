@@ -55,13 +55,7 @@ def compress(
     num_tokens, features = kv.shape
     ratio = bias.shape[0]
     dim = features // 2 if overlap else features
-    num_reqs = batch.state_rows.shape[0]
-    request = token_request_index(batch.query_start_loc, num_tokens)  # [T]
-    valid = request < batch.num_seqs[0]
-    request = jnp.minimum(request, num_reqs - 1)
-    row = batch.state_rows[request]  # [T]
-    start = batch.query_start_loc[request]  # [T], the request's first token in the step
-    first = batch.positions[start]  # [T], its position
+    request, valid, row, first = token_fields(batch, num_tokens)
     pos = batch.positions
     closes = valid & ((pos + 1) % ratio == 0)
     window = (pos + 1) // ratio - 1  # [T], the window a closing token closes
@@ -101,10 +95,22 @@ def compress(
         slots_gate = jnp.concatenate([before_gate, slots_gate], axis=1)
     weights = jax.nn.softmax(slots_gate, axis=1)
     entries = jnp.where(closes[:, None], (weights * slots_kv).sum(axis=1), 0.0)
-    return entries, closes, _next_state(kv, gate, state, batch, request, valid, row, first, overlap)
+    return entries, closes, next_state(kv, gate, state, batch, request, valid, row, first, overlap)
 
 
-def _next_state(kv, gate, state, batch, request, valid, row, first, overlap) -> CompressorState:
+def token_fields(
+    batch: CompressorBatch, num_tokens: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per token i32[T]: its request (padding tokens: the last), whether it is real, its
+    request's state slot, and the position of its request's first token in the step."""
+    request = token_request_index(batch.query_start_loc, num_tokens)
+    valid = request < batch.num_seqs[0]
+    request = jnp.minimum(request, batch.state_rows.shape[0] - 1)
+    first = batch.positions[batch.query_start_loc[request]]
+    return request, valid, batch.state_rows[request], first
+
+
+def next_state(kv, gate, state, batch, request, valid, row, first, overlap) -> CompressorState:
     """Each request's open window after the step in its buffer, and (CSA) the Ca of the last
     window the step closed, if it closed one."""
     num_tokens, features = kv.shape

@@ -240,11 +240,14 @@ def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_pa
 
 
 def test_the_pallas_kernels_swap_in_under_jit(served):
-    """The Pallas attention and indexer kernels (interpreted on CPU) in place of the
-    references, in the engine's step, give HF's tokens."""
+    """The Pallas attention, indexer and compressor kernels (interpreted on CPU) in place of
+    the references, in the engine's step, give HF's tokens."""
+    from pallas_kernels.compressor import kernel
+
     folder, expected = served
     llm = build_llm(folder, "tiny", compressed_attention_impl="pallas_interpret")
     assert llm.engine.describe()["resolved"]["compressed_attention"]["value"] == "pallas_interpret"
+    assert llm.engine.runner.kernels.compressor.func is kernel.compress
     outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected[:2]
 

@@ -3,13 +3,19 @@ tokens pooled into compressed entries, HCA's one series and CSA's two overlappin
 numpy pools a whole sequence at once, and that pooling (with the RMSNorm and RoPE after it)
 is HF transformers' DeepseekV4 compressors' output; the JAX reference gives the same entries
 for requests whose tokens arrive over several steps (prefill chunks, decodes) side by side
-in one flattened batch, each window's tokens carried across steps in its state slot."""
+in one flattened batch, each window's tokens carried across steps in its state slot; so does
+the Pallas kernel (interpreted), and it lowers for CUDA."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 import pytest
 
+from pallas_kernels import gpu_lowering
+from pallas_kernels.compressor import kernel
 from pallas_kernels.compressor.reference import CompressorBatch, CompressorState, compress
 from tests.support.deepseek_v4 import DIM, HIDDEN, ROPE, hf_config, norm_and_rope, pool_sequence
 
@@ -44,10 +50,18 @@ def test_numpy_pooling_is_hugging_faces_compressor(kind):
     np.testing.assert_allclose(entries, expected, rtol=1e-5, atol=1e-5)
 
 
+IMPLEMENTATIONS = {
+    "reference": compress,
+    "pallas": functools.partial(kernel.compress, interpret=True),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("kind", ["hca", "csa"])
-def test_windows_carried_across_steps_give_the_whole_sequences_entries(kind):
+def test_windows_carried_across_steps_give_the_whole_sequences_entries(kind, implementation):
     """Three requests (37, 23 and 9 tokens) in steps of mixed chunks and decodes, each in its
-    own state slot: every token that closes a window gets numpy's entry for that window."""
+    own state slot: every token that closes a window gets numpy's entry for that window, the
+    others zeros."""
     import jax.numpy as jnp
 
     overlap = kind == "csa"
@@ -77,6 +91,7 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(kind):
     )
     done = dict.fromkeys(lengths, 0)
     found = {r: {} for r in lengths}  # window -> entry
+    pool = jax.jit(IMPLEMENTATIONS[implementation], static_argnames="overlap")
     for step in steps:
         step_kv = np.zeros((num_tokens, features))
         step_gate = np.zeros((num_tokens, features))
@@ -97,7 +112,7 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(kind):
             done[r] += count
         starts[len(step) + 1 :] = cursor
         batch = CompressorBatch(starts, positions, state_rows, np.array([len(step)], np.int32))
-        entries, closes, state = compress(
+        entries, closes, state = pool(
             jnp.asarray(step_kv, jnp.float32),
             jnp.asarray(step_gate, jnp.float32),
             jnp.asarray(bias, jnp.float32),
@@ -107,9 +122,39 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(kind):
         )
         for t in np.flatnonzero(np.asarray(closes)):
             found[owners[t]][(positions[t] + 1) // ratio - 1] = np.asarray(entries[t])
+        assert not np.asarray(entries)[~np.asarray(closes)].any()
     assert done == lengths
     for r in lengths:
         expected = pool_sequence(kv[r], gate[r], bias, overlap)
         assert sorted(found[r]) == list(range(len(expected)))
         got = np.asarray([found[r][w] for w in range(len(expected))])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_pallas_kernel_lowers_for_cuda(kind):
+    import jax.numpy as jnp
+
+    overlap = kind == "csa"
+    ratio, slots, tokens = (4 if overlap else 128), 3, 6
+    features = 2 * DIM if overlap else DIM
+    state = CompressorState(
+        jnp.zeros((slots, ratio, features)),
+        jnp.zeros((slots, ratio, features)),
+        jnp.zeros((slots, ratio if overlap else 0, DIM)),
+        jnp.zeros((slots, ratio if overlap else 0, DIM)),
+    )
+    batch = CompressorBatch(
+        jnp.asarray([0, 5, 6], jnp.int32),
+        jnp.zeros(tokens, jnp.int32),
+        jnp.zeros(2, jnp.int32),
+        jnp.ones(1, jnp.int32),
+    )
+    args = [jnp.zeros((tokens, features)), jnp.zeros((tokens, features))]
+    args += [jnp.zeros((ratio, features)), state, batch]
+
+    def pool(*arrays):
+        return kernel.compress(*arrays, overlap=overlap)
+
+    text = gpu_lowering.lower_for_gpu(pool, *args)
+    assert gpu_lowering.custom_calls(text).count(gpu_lowering.triton_custom_call()) == 1

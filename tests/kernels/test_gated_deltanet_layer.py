@@ -5,6 +5,7 @@ beside another request (both delta-rule forms, and the choice between them)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import transformers
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from jaxinfer.arch_config import LinearAttentionShape
-from jaxinfer.layers.gated_deltanet import gated_deltanet
+from jaxinfer.layers.gated_deltanet import gated_deltanet as deltanet_layer
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.layers.weights import Dense
 from jaxinfer.model_loader.hybrid_weights import linear_layer
@@ -57,6 +58,8 @@ def _params(layer) -> dict:
 
 
 KERNELS = ModelKernels()
+# (jitted: run op by op, the chunked form's loops would compile again at every call)
+gated_deltanet = jax.jit(deltanet_layer, static_argnums=(5, 6), static_argnames="form")
 
 
 def _batch(lengths, slots, fresh) -> StateBatch:

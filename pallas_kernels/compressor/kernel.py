@@ -1,0 +1,145 @@
+"""DeepSeek-V4's compressor as a Pallas kernel (the reference's signature and entries,
+pallas_kernels/compressor/reference.py): one program per token pools the window the token
+closes, its `ratio` slots (CSA: and the window before's, from the other series) each read
+from the step where the step holds it, else from the request's state slot; the softmax over
+the slots runs per channel, sum_j e_j kv_j / sum_j e_j with e_j = exp(gate_j + bias_j - max).
+A token that closes no window writes zeros. The state after the step (the open windows'
+buffers, CSA's last closed window) is the reference's scatter (reference.next_state).
+
+A window's slots are a run of the step's rows ending at the closing token (its earlier tokens
+in the step, in order), and a run of the state slot's rows (a slot's row is the position
+modulo ratio), so each program reads two tiles of `ratio` rows per series; the step's rows
+are padded in front so that a run before a request's first token still lies in the array
+(those rows are masked). Float32; `ratio` and the entry dim must be powers of two (Triton's
+tiles).
+
+T: tokens in the step, R: requests, S: state slots, m: ratio, D: entry dim, F: S' * D with
+S' series (1 for HCA, 2 for CSA).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import gpu_lowering
+from pallas_kernels.compressor.reference import (
+    CompressorBatch,
+    CompressorState,
+    next_state,
+    token_fields,
+)
+from pallas_kernels.tiles import check_powers_of_two
+
+MASK_VALUE = -1e30  # a slot's gate where it has no token (CSA's window before the first)
+
+
+def _kernel(
+    closes_ref,  # i32[T], 1 where the token closes a window
+    position_ref,  # i32[T]
+    first_ref,  # i32[T], the position of its request's first token in the step
+    row_ref,  # i32[T], its request's state slot
+    kv_ref,  # f32[P + T, F], the step's rows after P padding rows
+    gate_ref,  # f32[P + T, F]
+    bias_ref,  # f32[m, F]
+    buffer_kv_ref,  # f32[S * m, F], each slot's open window by offset
+    buffer_gate_ref,  # f32[S * m, F]
+    *rest,  # CSA: previous_kv_ref, previous_gate_ref f32[S * m, D]; then entries_ref f32[T, D]
+    ratio: int,
+    dim: int,
+    overlap: bool,
+):
+    entries_ref = rest[-1]
+    t = pl.program_id(0)
+    position, first, row = position_ref[t], first_ref[t], row_ref[t]
+    pad = 2 * ratio
+    window = (position + 1) // ratio - 1
+    offsets = jnp.arange(ratio)[:, None]  # [m, 1]
+    slots = pl.ds(row * ratio, ratio)
+
+    def series(columns: int, back: int, in_buffer, previous=None):
+        """(kv, gate + bias) [m, D] of the window `back` windows before the token's, from the
+        series at `columns`."""
+        starts = window * ratio - back * ratio  # its first position
+        in_step = starts + offsets >= first  # [m, 1]
+        rows = pl.ds(t + pad - (back + 1) * ratio + 1, ratio)
+        cols = pl.ds(columns, dim)
+        kv_state, gate_state = buffer_kv_ref[slots, cols], buffer_gate_ref[slots, cols]
+        if previous is not None:  # (CSA's Ca of the window before the open one)
+            kv_state = jnp.where(in_buffer, kv_state, previous[0][slots, :])
+            gate_state = jnp.where(in_buffer, gate_state, previous[1][slots, :])
+        kv = jnp.where(in_step, kv_ref[rows, cols], kv_state)
+        gate = jnp.where(in_step, gate_ref[rows, cols], gate_state) + bias_ref[:, cols]
+        return kv, gate
+
+    own_kv, own_gate = series(dim if overlap else 0, 0, True)
+    peak = own_gate.max(axis=0)  # [D]
+    if overlap:
+        in_buffer = window - 1 == first // ratio
+        before_kv, before_gate = series(0, 1, in_buffer, rest[:2])
+        before_gate = jnp.where(window > 0, before_gate, MASK_VALUE)
+        before_kv = jnp.where(window > 0, before_kv, 0.0)
+        peak = jnp.maximum(peak, before_gate.max(axis=0))
+    weights = jnp.exp(own_gate - peak[None, :])  # [m, D]
+    total, norm = (weights * own_kv).sum(axis=0), weights.sum(axis=0)
+    if overlap:
+        weights = jnp.exp(before_gate - peak[None, :])
+        total, norm = total + (weights * before_kv).sum(axis=0), norm + weights.sum(axis=0)
+    entries_ref[t, :] = jnp.where(closes_ref[t] > 0, total / norm, 0.0)
+
+
+def compress(
+    kv: jax.Array,  # f32[T, F], the step's tokens projected (kv_proj)
+    gate: jax.Array,  # f32[T, F] (gate_proj)
+    bias: jax.Array,  # f32[m, F], position_bias
+    state: CompressorState,
+    batch: CompressorBatch,
+    *,
+    overlap: bool,  # CSA's two series (F = 2D); else HCA (F = D)
+    interpret: bool = False,
+    launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
+) -> tuple[jax.Array, jax.Array, CompressorState]:
+    """Returns (entries f32[T, D]: the pooled entry of the window each token closes, zeros
+    for the others; closes bool[T]; the state after the step), as the reference."""
+    num_tokens, features = kv.shape
+    ratio = bias.shape[0]
+    dim = features // 2 if overlap else features
+    check_powers_of_two("compressor", ratio=ratio, dim=dim)
+    request, valid, row, first = token_fields(batch, num_tokens)
+    closes = valid & ((batch.positions + 1) % ratio == 0)
+    slots = state.buffer_kv.shape[0]
+    kv, gate = kv.astype(jnp.float32), gate.astype(jnp.float32)
+    padding = ((2 * ratio, 0), (0, 0))
+    previous = (
+        (
+            state.previous_kv.reshape(slots * ratio, dim).astype(jnp.float32),
+            state.previous_gate.reshape(slots * ratio, dim).astype(jnp.float32),
+        )
+        if overlap
+        else ()
+    )
+    kernel = functools.partial(_kernel, ratio=ratio, dim=dim, overlap=overlap)
+    entries = gpu_lowering.call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32),
+        grid=(num_tokens,),
+        launch=launch,
+        interpret=interpret,
+        name="compressor",
+    )(
+        closes.astype(jnp.int32),
+        batch.positions.astype(jnp.int32),
+        first.astype(jnp.int32),
+        row.astype(jnp.int32),
+        jnp.pad(kv, padding),
+        jnp.pad(gate, padding),
+        bias.astype(jnp.float32),
+        state.buffer_kv.reshape(slots * ratio, features).astype(jnp.float32),
+        state.buffer_gate.reshape(slots * ratio, features).astype(jnp.float32),
+        *previous,
+    )
+    new_state = next_state(kv, gate, state, batch, request, valid, row, first, overlap)
+    return entries, closes, new_state

@@ -2,8 +2,10 @@
 settled for jaxinfer.config.resolve and sized for jaxinfer.config.engine_config.
 
 Under tensor parallelism its MoE experts are split (by expert with expert_parallel, else
-within each), as are the shared expert's columns and the vocabulary; its attention, with its
-one K=V head, its compressors and its indexer, runs whole on every device.
+within each), as are the shared expert's columns, the vocabulary and its attention's query
+heads (their projection, their sinks and their groups' output projections: each device
+attends with its heads, and the output projection's partial sums are added across devices);
+its one K=V head, its compressors and its indexer run whole on every device.
 
 Its compressed layers keep entries pooled from whole windows and, per request, the open
 window's tokens (the compressor's state), so a cached prefix would need both at its end:

@@ -65,12 +65,16 @@ PARAM_AXES = {
             "q_norm": ("layers", None),
             "k_norm": ("layers", None),
         },
-        # DeepSeek-V4's (jaxinfer.model_loader.deepseek_v4_weights): its attention whole on
-        # every device (its experts, shared expert and vocabulary split as the others')
-        **{name: ("layers", None) for name in ("q_a_norm", "kv_norm", "sinks")},
-        **{name: ("layers", None, None) for name in ("q_a_proj", "q_b_proj", "kv_proj")},
-        "o_a_proj": ("layers", None, None, None),
-        "o_b_proj": ("layers", None, "embed"),
+        # DeepSeek-V4's (jaxinfer.model_loader.deepseek_v4_weights): its query heads split
+        # (their projection's columns, their sinks, their groups' output projections), its
+        # one K=V head, compressors and indexer whole on every device (its experts, shared
+        # expert and vocabulary split as the others')
+        **{name: ("layers", None) for name in ("q_a_norm", "kv_norm")},
+        "sinks": ("layers", "q_heads"),
+        **{name: ("layers", None, None) for name in ("q_a_proj", "kv_proj")},
+        "q_b_proj": ("layers", None, "q_heads_x_dim"),
+        "o_a_proj": ("layers", "head_groups", None, None),
+        "o_b_proj": ("layers", "head_groups", "embed"),
         **{
             hc: {"fn": ("layers", None, None), "base": ("layers", None), "scale": ("layers", None)}
             for hc in ("attn_hc", "ffn_hc")

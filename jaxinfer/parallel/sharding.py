@@ -26,6 +26,7 @@ RULES: dict[str, str] = {
     "kv_heads": TP_AXIS,  # fused QKV (grouped by KV head) and the KV cache: by KV head
     "q_heads": TP_AXIS,  # attention output: by query head
     "q_heads_x_dim": TP_AXIS,  # O projection: by rows (query head x head dim)
+    "head_groups": TP_AXIS,  # DeepSeek-V4's grouped low-rank O projection: by head group
     "kv_heads_x_dim": TP_AXIS,  # a hybrid's K and V projections: by columns (KV head x dim)
     "linear_heads": TP_AXIS,  # a hybrid's linear layers: by key-head groups
     "mlp": TP_AXIS,  # gate/up by columns, down by rows

@@ -229,7 +229,8 @@ def test_options_deepseek_v4_cannot_run_with_are_refused(served, option):
 @pytest.mark.parametrize("tp,expert_parallel", [(2, False), (4, True)], ids=["tp2", "ep4"])
 def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_parallel):
     """The experts split within each (tp) or whole per device (ep), the shared expert's
-    columns and the vocabulary split; attention whole on every device."""
+    columns, the vocabulary and the query heads split (the K=V head, the compressors and the
+    indexer whole on every device)."""
     folder, expected = served
     llm = build_llm(folder, "tiny", tensor_parallel_size=tp, expert_parallel=expert_parallel)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -237,6 +238,12 @@ def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_pa
     gate_up = llm.engine.runner.state["layers"]["experts_gate_up"].get_value().w
     axis = 1 if expert_parallel else 4  # [L, X, E, 2, I] ("in_out")
     assert gate_up.addressable_shards[0].data.shape[axis] * tp == gate_up.shape[axis]
+    layers = llm.engine.runner.state["layers"]
+    q_b, sinks = layers["q_b_proj"].get_value(), layers["sinks"].get_value()  # [L, Rq, H D]
+    assert q_b.addressable_shards[0].data.shape[2] * tp == q_b.shape[2]
+    assert sinks.addressable_shards[0].data.shape[1] * tp == sinks.shape[1]  # [L, H]
+    kv = layers["kv_proj"].get_value()
+    assert kv.addressable_shards[0].data.shape == kv.shape
 
 
 def test_the_pallas_kernels_swap_in_under_jit(served):

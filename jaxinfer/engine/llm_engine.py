@@ -335,8 +335,11 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
         host_step = self.batch_builder.build(scheduler_output)
         built = time.perf_counter()
-        extend = self.speculation.draft_extend(scheduler_output.scheduled, self.requests)
-        sampled, prompt_logprobs = self.runner.execute(host_step, draft_extend=extend)
+        follow = self.speculation.draft_extend(scheduler_output.scheduled, self.requests)
+        draft_inputs = (
+            None if follow is None else self.batch_builder.subset(host_step.inputs, follow)
+        )
+        sampled, prompt_logprobs = self.runner.execute(host_step, draft_inputs)
         rows = host_step.pooling
         pooled = None if rows is None else pooling.dispatch(self.runner, rows)
         prompt_rows, dispatched = host_step.prompt_logprobs, time.perf_counter()

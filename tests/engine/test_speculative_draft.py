@@ -213,6 +213,44 @@ def test_a_draft_no_plan_pays_for_stops_running(tiny_model_dir, other_model_dir,
     assert all(run == (0, 0) for run in runs[IDLE_AFTER:-1])
 
 
+def test_the_draft_runs_over_the_requests_it_follows_alone(
+    tiny_model_dir, other_model_dir, baseline
+):
+    """Requests the draft does not follow (here: all but the first, started without it) are
+    left out of its runs over a step's prompt chunks: each batch it extends holds the first
+    request's tokens alone, in a bucket of their size, and it still proposes for that one.
+    The tokens are those of decoding without a draft."""
+    import jax
+
+    spec = build_llm(
+        tiny_model_dir, "tiny", batch_invariant=True, draft_model=str(other_model_dir), **DRAFT
+    )
+    speculation, draft = spec.engine.speculation, spec.engine.draft
+    states, batches, calls = [], [], collections.Counter()
+    new_state, extend, propose = speculation.new_state, draft.extend, draft.propose
+
+    def started(requested):
+        state = new_state(requested)
+        state.draft_off = bool(states)  # (the first request alone is followed)
+        return states.append(state) or state
+
+    speculation.new_state = started
+    draft.extend = lambda batch: batches.append(jax.device_get(batch)) or extend(batch)
+    draft.propose = lambda *args: calls.update(["propose"]) or propose(*args)
+    prompts = [[5, 6, 7] * 9, [11, 12] * 17, [40 + i for i in range(30)]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = completions(baseline.generate(prompts, greedy, use_tqdm=False))
+    assert completions(spec.generate(prompts, greedy, use_tqdm=False)) == expected
+    assert batches and calls["propose"] > 0
+    tokens = []
+    for batch in batches:
+        assert int(batch.num_seqs[0]) == 1
+        count = int(batch.query_start_loc[1])
+        assert spec.engine.batch_builder.bucket(count) == len(batch.token_ids)
+        tokens += batch.token_ids[:count].tolist()
+    assert tokens[: len(prompts[0])] == prompts[0]
+
+
 def test_draft_options_are_checked(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="needs a draft_model"):
         EngineOptions(speculative_method="draft")

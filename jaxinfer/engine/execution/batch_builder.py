@@ -104,6 +104,31 @@ class BatchBuilder:
         sampling = SamplingMetadata.neutral(num_samples, self.padding_row)
         return inputs, sampling
 
+    def subset(self, inputs: StepInputs, keep: list[int]) -> StepInputs:
+        """A built step's inputs for the requests at `keep` (their indices in the step,
+        ascending) alone, in the smallest ready bucket that holds their tokens: the draft
+        model's extend over the requests it follows (no logits: none are sampled). `inputs`
+        itself where `keep` is every request."""
+        if len(keep) == int(inputs.num_seqs[0]):
+            return inputs
+        starts = inputs.query_start_loc
+        count = sum(int(starts[i + 1] - starts[i]) for i in keep)
+        out, _ = self.padding_batch(self.bucket(count))
+        per_token = ("token_ids", "token_rows", "positions", "slot_mapping", "lora_slots")
+        end = 0
+        for index, i in enumerate(keep):
+            span, start = slice(starts[i], starts[i + 1]), end
+            end = start + int(starts[i + 1] - starts[i])
+            for name in per_token:
+                if getattr(inputs, name) is not None:
+                    getattr(out, name)[start:end] = getattr(inputs, name)[span]
+            out.request_rows[index] = inputs.request_rows[i]
+            out.seq_lens[index] = inputs.seq_lens[i]
+            out.query_start_loc[index + 1] = end
+        out.query_start_loc[len(keep) + 1 :] = end
+        out.num_seqs[0] = len(keep)
+        return out
+
     def padding_updates(self, num_rows: int) -> RowUpdates:
         """Rewrites of the padding row, num_rows (a bucket) of each kind (for warm-up)."""
         rows = np.full(num_rows, self.padding_row, np.int32)

@@ -19,7 +19,7 @@ from jaxinfer.engine.execution.batch import (
     SamplingMetadata,
     StepInputs,
 )
-from jaxinfer.engine.sampling.sampler import SamplerState
+from jaxinfer.engine.sampling.sampler import DraftProbs, SamplerState
 from jaxinfer.models.inputs import BatchInputs
 
 
@@ -117,8 +117,9 @@ def verified_probs(
     draft_probs: jax.Array,  # f32[S * K, V]
     sampling: SamplingMetadata,  # the target step's sample rows [P]
     num_speculative: int,
-) -> jax.Array:  # f32[P, V]
-    """q of the proposal each sample row verifies (rows without one: any row's)."""
+) -> DraftProbs:
+    """q of the proposal each sample row verifies (rows without one: any row's), gathered
+    where the sampler reads it."""
     index = jnp.arange(sampling.first_rows.shape[0]) - sampling.first_rows
     index = jnp.clip(index, 0, num_speculative - 1)
-    return draft_probs[sampling.state_rows * num_speculative + index]
+    return DraftProbs(draft_probs, sampling.state_rows * num_speculative + index)

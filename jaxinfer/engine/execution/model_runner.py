@@ -99,7 +99,7 @@ def _sample_and_record(
     """The sampler, then each request's last kept token and the output counts kept for the
     next step (the samples' logprobs, where asked for: ModelRunner.sampled_logprobs)."""
     if draft_probs is not None:
-        draft_probs = verified_probs(draft_probs, sampling, num_speculative)  # [P, V]
+        draft_probs = verified_probs(draft_probs, sampling, num_speculative)
     sampled = sample(
         logits,
         sampling,
@@ -314,7 +314,7 @@ class ModelRunner:
         return chunks
 
     def execute(
-        self, step: HostStep, draft_extend: bool = True
+        self, step: HostStep, draft_inputs: StepInputs | None = None
     ) -> tuple[SamplerOutput, list[tuple[jax.Array, jax.Array, jax.Array]]]:
         """Enqueues one step: the per-request rows that changed, the model and the sampler. Returns
         at once; the result stays on the device until fetched.
@@ -322,7 +322,8 @@ class ModelRunner:
         The step's host arrays go straight into the jitted programs, which transfer them
         (a separate `jax.device_put` of the ~20 small arrays, or another program dispatch,
         costs more). The "scan" step is two programs (the model with its batch assembly, then
-        the sampler with the bookkeeping of what it sampled). `draft_extend`: the draft too."""
+        the sampler with the bookkeeping of what it sampled). `draft_inputs`: the draft runs
+        over them too (the step's, or some of its requests', BatchBuilder.subset)."""
         self.apply_updates(step.updates)
         inputs = step.inputs
         if self.layer_execution == "scan":
@@ -342,9 +343,9 @@ class ModelRunner:
         self.last_hidden = hidden  # [T, E], for the step's embedding requests (pooling.py)
         draft_probs = None
         if self.draft is not None:
-            if draft_extend and self.layer_execution == "scan":
-                batch = self._assemble(inputs, self.block_table, self.last_tokens)
-            if draft_extend:  # (else the draft's own steps wrote this step's K/V)
+            if draft_inputs is not None:  # (else the draft's own steps wrote its K/V)
+                if draft_inputs is not inputs or self.layer_execution == "scan":
+                    batch = self._assemble(draft_inputs, self.block_table, self.last_tokens)
                 self.draft.extend(batch)
             draft_probs = self.draft.draft_probs
         sampled, self.last_tokens, self.sampler_state = self.sample_program(

@@ -50,6 +50,20 @@ class SamplerState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class DraftProbs:
+    """A draft model's q of the proposals a step's rows verify, gathered only where a random
+    row reads them (a gather of R rows of V floats on every step costs as much as the rest of
+    the sampler)."""
+
+    probs: jax.Array  # f32[N, V], q of every request row's proposals
+    rows: jax.Array  # i32[R], the one each sample row verifies (rows without one: any)
+
+    def gather(self) -> jax.Array:  # f32[R, V]
+        return self.probs[self.rows]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # i32[R]
     sampled_logprobs: jax.Array | None  # f32[R], log-probability of the sampled token
@@ -130,7 +144,7 @@ def draw(
     logits: jax.Array,
     metadata: SamplingMetadata,
     batch_invariant: bool = False,
-    draft_probs: jax.Array | None = None,  # f32[R, V]
+    draft_probs: DraftProbs | None = None,
 ) -> jax.Array:  # i32[R]
     """Temperature, min_p, top-k, top-p, then the Gumbel-max draw; with `draft_probs`, rows
     verifying a draft model's proposal take rejection_sample's token instead."""
@@ -140,7 +154,8 @@ def draw(
     sampled = first_argmax(scaled - jnp.log(exponential))
     if draft_probs is None:
         return sampled
-    verified = rejection_sample(scaled, draft_probs, metadata.drafts, keys, batch_invariant)
+    q = draft_probs.gather()
+    verified = rejection_sample(scaled, q, metadata.drafts, keys, batch_invariant)
     return jnp.where(metadata.drafts >= 0, verified, sampled)
 
 
@@ -202,13 +217,13 @@ def sample(
     *,
     batch_invariant: bool = False,
     num_speculative: int = 0,
-    draft_probs: jax.Array | None = None,
+    draft_probs: DraftProbs | None = None,
 ) -> SamplerOutput:
     """The rows' tokens (their logprobs, where asked for, are token_logprobs' program of its
     own, so the sampler compiles once per row count). `batch_invariant`: every float sum over a row as a fixed tree (jaxinfer.layers.invariant),
     so a row's result does not depend on the other rows. `num_speculative`: the most proposals
-    a request verifies in a step (D). `draft_probs` (f32[R, V]): the distributions a draft
-    model drew the rows' proposals from; random rows then verify them by rejection sampling.
+    a request verifies in a step (D). `draft_probs`: the distributions a draft model drew the
+    rows' proposals from; random rows then verify them by rejection sampling.
     Without it a proposal is one-hot (n-gram): the row's own draw is the verification."""
     logits = logits.astype(jnp.float32)
     is_greedy = metadata.temperature == 0

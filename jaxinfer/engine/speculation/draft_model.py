@@ -11,11 +11,11 @@ K/V the draft holds (moved back over rejected proposals, to 0 on preemption):
   accepted, and is rewritten with the same K/V otherwise); each later step feeds the
   proposal just drawn. So the draft does not recompute the tokens its own steps wrote: the
   target's verify step needs no draft step of its own;
-- `extend` runs the draft over a target step's whole flat batch only where some request's
-  tokens are not covered that way (prompt chunks, a decode whose earlier tokens the draft
-  missed: LLMEngine asks Speculation.draft_extend). K/V at positions past a request's
-  accepted tokens is stale until written again, and every read stops at the request's own
-  length.
+- `extend` runs the draft over the requests it follows in a target step's flat batch
+  (BatchBuilder.subset), only where some request's tokens are not covered that way (prompt
+  chunks, a decode whose earlier tokens the draft missed: LLMEngine asks
+  Speculation.draft_extend). K/V at positions past a request's accepted tokens is stale until
+  written again, and every read stops at the request's own length.
 
 Where no plan pays for its proposals, the draft stops following a request (SpecState.draft_off,
 jaxinfer.engine.speculation.propose): its steps and extends leave the request out from then on.
@@ -195,7 +195,7 @@ class DraftModel:
         return SpecState(limit=limit, accepted=PRIOR_ACCEPTED)
 
     def extend(self, batch: BatchInputs) -> None:
-        """Writes the draft's K/V for a target step's tokens (the same flat batch)."""
+        """Writes the draft's K/V for a target step's tokens (of the requests it follows)."""
         self.runner.hidden_states(batch)
 
     def _step(self, block_table, rows, tokens, step, bias):

@@ -189,17 +189,18 @@ class Speculation:
                 self.control.observe_draft(run.rows, run.steps, time.perf_counter() - start)
         self.seconds += time.perf_counter() - start
 
-    def draft_extend(self, scheduled: tuple[ScheduledRequest, ...], requests) -> bool:
-        """Whether the draft must run over a step's flat batch (DraftModel.extend): some
-        request it follows has tokens in it not covered by the draft's own steps (a prompt
-        chunk). If so, it covers them all. Requests it does not follow (no SpecState, or
-        draft_off) are left out: their K/V in the draft's cache goes stale, so a later
-        prefix-cache hit on their blocks gives the draft worse proposals, never a wrong
-        token. `requests`: by id."""
+    def draft_extend(self, scheduled: tuple[ScheduledRequest, ...], requests) -> list[int] | None:
+        """The requests (indices in the step) the draft must run over with the step
+        (DraftModel.extend, over BatchBuilder.subset of the step), or None: it runs where some
+        request it follows has tokens in the step not covered by the draft's own steps (a
+        prompt chunk), over every request it follows. Requests it does not follow (no
+        SpecState, or draft_off) are left out: their K/V in the draft's cache goes stale, so
+        a later prefix-cache hit on their blocks gives the draft worse proposals, never a
+        wrong token. `requests`: by id."""
         if self.draft is None:
-            return False
+            return None
         states = []
-        for item in scheduled:
+        for index, item in enumerate(scheduled):
             spec = requests[item.request_id].spec
             if spec is None or spec.draft_off:
                 continue
@@ -209,16 +210,16 @@ class Speculation:
             if spec.draft_computed < item.num_computed_tokens and item.row_init is None:
                 spec.draft_off = True
                 continue
-            states.append((spec, item))
+            states.append((index, spec, item))
         if all(
             item.num_new_tokens - len(item.draft_token_ids) == 1
             and spec.draft_computed >= item.num_computed_tokens
-            for spec, item in states
+            for _, spec, item in states
         ):
-            return False
-        for spec, item in states:
+            return None
+        for _, spec, item in states:
             spec.draft_computed = item.num_computed_tokens + item.num_new_tokens
-        return True
+        return [index for index, _, _ in states]
 
     def finished(self, request: Request) -> None:
         if isinstance(self.host, SuffixProposer):

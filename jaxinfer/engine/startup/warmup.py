@@ -59,7 +59,7 @@ def warmup(
         runner.sampled_buckets.add(num_samples)
         prompt = PromptLogprobRows(np.zeros(1, np.int32), np.zeros(1, np.int32), ())
         step = HostStep(inputs, sampling, SamplingFlags(num_logprobs), RowUpdates(), prompt)
-        jax.block_until_ready(runner.execute(step))
+        jax.block_until_ready(runner.execute(step, draft_inputs=inputs))  # (the draft's too)
         if progress is not None:
             progress(index + 1, f"{num_tokens} tokens")
     for num_rows in builder.update_buckets:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -71,7 +72,8 @@ def test_attention_over_the_window_and_the_compressed_entries(kind, implementati
         picks = np.stack([rng.permutation(8)[:3] for _ in positions]).astype(np.int32)
         picks[0, 1] = -1  # (a query that found fewer to pick)
     scale = DIM**-0.5
-    got = IMPLEMENTATIONS[implementation](
+    attend = jax.jit(IMPLEMENTATIONS[implementation], static_argnames=("window", "ratio", "scale"))
+    got = attend(
         jnp.asarray(q, jnp.float32),
         jnp.asarray(kv_store, jnp.float32),
         jnp.asarray(np.stack(tables), jnp.int32),

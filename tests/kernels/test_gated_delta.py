@@ -110,11 +110,10 @@ def test_chunked_matches_hf_chunked_rule_on_one_long_sequence():
     )
     states = np.zeros((1, HV, DK, DV), np.float32)
     qsl = np.asarray([0, length], np.int32)
-    ours, final = gated_delta_chunked(
+    ours, final = jax.jit(functools.partial(gated_delta_chunked, chunk=16))(
         *(x[:length] for x in (q, k, v, g, beta)),
         states,
         StateBatch(qsl, np.zeros(1, np.int32), np.ones(1, bool), np.ones(1, np.int32)),
-        chunk=16,
     )
     np.testing.assert_allclose(ours, o[0].numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(final[0], state[0].numpy(), rtol=1e-4, atol=1e-4)
@@ -144,7 +143,7 @@ def test_causal_conv1d_continues_each_request_from_its_state():
     qsl = np.concatenate([starts, [starts[-1]] * 2]).astype(np.int32)
     fresh = np.asarray([history[r] == 0 for r in range(5)] + [False, False])
     where = StateBatch(qsl, slots, fresh, np.asarray([5], np.int32))
-    y, new_states = causal_conv1d(x, weight, states, where)
+    y, new_states = jax.jit(causal_conv1d)(x, weight, states, where)
     conv = torch.nn.Conv1d(
         channels, channels, width, groups=channels, padding=width - 1, bias=False
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -61,7 +62,8 @@ def test_picks_are_hugging_faces_indexers(implementation):
         weights_all.append(weights)
         positions_all.append(np.arange(length))
         expected += [{int(e) for e in row if e >= 0} for row in picks]
-    got = IMPLEMENTATIONS[implementation](
+    pick = jax.jit(IMPLEMENTATIONS[implementation], static_argnames=("ratio", "topk", "scale"))
+    got = pick(
         jnp.asarray(np.concatenate(q_all), jnp.float32),
         jnp.asarray(np.concatenate(weights_all), jnp.float32),
         jnp.asarray(store, jnp.float32),

@@ -33,7 +33,7 @@ def check_tp_size(arch: LlamaConfig, tp: int) -> None:
 
 def kv_replicas(arch: LlamaConfig, tp: int) -> int:
     """How many copies of each KV head the model keeps (1 unless tp > KV heads; DeepSeek-V4's
-    one K=V head is whole on every device, with its attention)."""
+    one K=V head is whole on every device, beside its split query heads)."""
     if arch.compressed is not None:
         return 1
     return max(1, tp // arch.num_key_value_heads)

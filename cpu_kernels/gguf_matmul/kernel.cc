@@ -7,7 +7,8 @@
 // rows, byte offset in the layer): runs of whole rows in one format, in output order. A fused
 // projection whose parts differ in format (Q4_K_M keeps some V rows in Q6_K beside Q4_K Q and
 // K) is one weight of several segments; a layer scan passes the whole stack and the index, so
-// nothing is sliced or copied per layer.
+// nothing is sliced or copied per layer. A MoE layer's experts are G weights per layer
+// (data[layer * G + g]), each group of rows of x times its own (GGUFGroupedMatmul).
 //
 // Two ways to take the activations:
 // - exact: each group of 32 weights is dequantized in registers to exactly the float32
@@ -37,6 +38,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -1284,14 +1286,108 @@ ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32
 // the prefetchers), at least 8, at most 64 (an LM head).
 constexpr int64_t kMinClaim = 8, kMaxClaim = 64;
 
+// x's rows [m, k] rounded to int8 as the segments' formats take them (the int8 mode), with the
+// copies the AVX-512 VNNI many-row paths read.
+void QuantizeX(ffi::ThreadPool& pool, const float* xs, int64_t m, int64_t k,
+               const std::vector<Segment>& segments, bool avx512_vnni, QuantizedX& qx) {
+  bool blocks32 = false, blocks256 = false;
+  for (const Segment& s : segments) (BlockValues(s.format) == 256 ? blocks256 : blocks32) = true;
+  // Interleaved Q4_K takes x's sums per 32 in pairs; the file's formats' many-row paths
+  // (the only ones on AVX-512 VNNI that read them) take x padded and transposed.
+  bool pairs = false, file32 = false, file256 = false;
+  for (const Segment& s : segments) {
+    pairs |= s.format == kQ4_KX16;
+    (BlockValues(s.format) == 256 ? file256 : file32) |= !Interleaved(s.format);
+  }
+  const bool many32 = file32 && avx512_vnni && m > kStreamRows32;
+  if (blocks32) {
+    qx.m_pad32 = many32 ? (m + 15) / 16 * 16 : m;
+    qx.q32.resize(qx.m_pad32 * k + 32);
+    qx.d32.resize(m * k / 32);
+    qx.s32.resize(m * k / 32);
+    qx.i32.resize(m * k / 32);
+  }
+  const bool many512 = file256 && avx512_vnni && m > 8;
+  if (blocks256) {
+    qx.m_pad = many512 ? (m + 7) / 8 * 8 : m;
+    qx.q256.resize(qx.m_pad * k);
+    qx.d256.resize(m * k / 256);
+    qx.sums16.resize(m * k / 16);
+  }
+  jaxinfer::ParallelFor(pool, m, [&](int64_t row) {
+    QuantizeRow(xs + row * k, k, blocks32, blocks256, row, qx);
+  });
+  if (many32) {
+    const int64_t blocks = k / 32, mp = qx.m_pad32;
+    qx.d32t.assign(blocks * mp + 16, 0.0f);
+    qx.s32t.assign(blocks * mp + 16, 0.0f);
+    for (int64_t row = 0; row < m; ++row) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        qx.d32t[b * mp + row] = qx.d32[row * blocks + b];
+        qx.s32t[b * mp + row] = qx.s32[row * blocks + b];
+      }
+    }
+  }
+  if (pairs && avx512_vnni) GroupSumPairs(m, k, qx);
+  if (many512) {
+    const int64_t blocks = k / 256, mp = qx.m_pad;
+    qx.d256t.assign(blocks * mp, 0.0f);
+    qx.sums_t.assign(blocks * 8 * mp, 0);
+    for (int64_t row = 0; row < m; ++row) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        qx.d256t[b * mp + row] = qx.d256[row * blocks + b];
+        const int16_t* sums = qx.sums16.data() + (row * k) / 16 + 16 * b;
+        for (int64_t q = 0; q < 8; ++q) {
+          int32_t pair;
+          std::memcpy(&pair, sums + 2 * q, 4);
+          qx.sums_t[(8 * b + q) * mp + row] = pair;
+        }
+      }
+    }
+  }
+}
+
+// A share of one product's output rows: rows [first, stop) of a segment, for `rows`' x.
+struct Claim {
+  const Segment* segment;
+  const Rows* rows;
+  int64_t first, stop;
+};
+
+void AddClaims(const std::vector<Segment>& segments, const Rows* rows, std::vector<Claim>& out) {
+  for (const Segment& s : segments) {
+    int64_t size = std::clamp<int64_t>((s.rows + 3) / 4, kMinClaim, kMaxClaim);
+    if (Interleaved(s.format)) size = (size + kX16Rows - 1) / kX16Rows * kX16Rows;  // whole tiles
+    for (int64_t first = 0; first < s.rows; first += size) {
+      out.push_back({&s, rows, first, std::min(s.rows, first + size)});
+    }
+  }
+}
+
+void RunClaims(ffi::ThreadPool& pool, const std::vector<Claim>& claims, bool int8_activations,
+               bool avx512_vnni) {
+  jaxinfer::ParallelFor(pool, static_cast<int64_t>(claims.size()), [&](int64_t c) {
+    const Claim& claim = claims[c];
+    const Segment& s = *claim.segment;
+    RunSegment(s.format, *claim.rows, s.data, s.row_bytes, claim.first, claim.stop,
+               s.out_first, int8_activations, avx512_vnni);
+  });
+}
+
+ffi::Error CheckVnni(bool avx512_vnni, const char* name) {
+  if (avx512_vnni && !Vnni512Supported()) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) +
+        ": avx512_vnni asked for on a CPU without AVX-512 (F, BW, VL, DQ) and VNNI");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> layer,
                       ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y,
                       bool int8_activations, bool avx512_vnni) {
-  if (avx512_vnni && !Vnni512Supported()) {
-    return ffi::Error::InvalidArgument(
-        "gguf_matmul: avx512_vnni asked for on a CPU without AVX-512 (F, BW, VL, DQ) and VNNI");
-  }
+  if (ffi::Error error = CheckVnni(avx512_vnni, "gguf_matmul"); error.failure()) return error;
   const auto x_dims = x.dimensions();
   const auto y_dims = y->dimensions();
   if (x_dims.size() != 2 || y_dims.size() != 2 || y_dims[0] != x_dims[0]) {
@@ -1308,83 +1404,104 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::fill(y->typed_data() + m * n, y->typed_data() + x_dims[0] * n, 0.0f);
   if (m == 0 || n == 0) return ffi::Error::Success();
   QuantizedX qx;
-  if (int8_activations) {
-    bool blocks32 = false, blocks256 = false;
-    for (const Segment& s : segments) (BlockValues(s.format) == 256 ? blocks256 : blocks32) = true;
-    // Interleaved Q4_K takes x's sums per 32 in pairs; the file's formats' many-row paths
-    // (the only ones on AVX-512 VNNI that read them) take x padded and transposed.
-    bool pairs = false, file32 = false, file256 = false;
-    for (const Segment& s : segments) {
-      pairs |= s.format == kQ4_KX16;
-      (BlockValues(s.format) == 256 ? file256 : file32) |= !Interleaved(s.format);
-    }
-    const bool many32 = file32 && avx512_vnni && m > kStreamRows32;
-    if (blocks32) {
-      qx.m_pad32 = many32 ? (m + 15) / 16 * 16 : m;
-      qx.q32.resize(qx.m_pad32 * k + 32);
-      qx.d32.resize(m * k / 32);
-      qx.s32.resize(m * k / 32);
-      qx.i32.resize(m * k / 32);
-    }
-    const bool many512 = file256 && avx512_vnni && m > 8;
-    if (blocks256) {
-      qx.m_pad = many512 ? (m + 7) / 8 * 8 : m;
-      qx.q256.resize(qx.m_pad * k);
-      qx.d256.resize(m * k / 256);
-      qx.sums16.resize(m * k / 16);
-    }
-    const float* xs = x.typed_data();
-    jaxinfer::ParallelFor(pool, m, [&](int64_t row) {
-      QuantizeRow(xs + row * k, k, blocks32, blocks256, row, qx);
-    });
-    if (many32) {
-      const int64_t blocks = k / 32, mp = qx.m_pad32;
-      qx.d32t.assign(blocks * mp + 16, 0.0f);
-      qx.s32t.assign(blocks * mp + 16, 0.0f);
-      for (int64_t row = 0; row < m; ++row) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          qx.d32t[b * mp + row] = qx.d32[row * blocks + b];
-          qx.s32t[b * mp + row] = qx.s32[row * blocks + b];
-        }
-      }
-    }
-    if (pairs && avx512_vnni) GroupSumPairs(m, k, qx);
-    if (many512) {
-      const int64_t blocks = k / 256, mp = qx.m_pad;
-      qx.d256t.assign(blocks * mp, 0.0f);
-      qx.sums_t.assign(blocks * 8 * mp, 0);
-      for (int64_t row = 0; row < m; ++row) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          qx.d256t[b * mp + row] = qx.d256[row * blocks + b];
-          const int16_t* sums = qx.sums16.data() + (row * k) / 16 + 16 * b;
-          for (int64_t q = 0; q < 8; ++q) {
-            int32_t pair;
-            std::memcpy(&pair, sums + 2 * q, 4);
-            qx.sums_t[(8 * b + q) * mp + row] = pair;
-          }
-        }
-      }
-    }
-  }
+  if (int8_activations) QuantizeX(pool, x.typed_data(), m, k, segments, avx512_vnni, qx);
   const Rows rows{x.typed_data(), &qx, y->typed_data(), m, n, k};
-  struct Claim {
-    const Segment* segment;
-    int64_t first, stop;
-  };
   std::vector<Claim> claims;
-  for (const Segment& s : segments) {
-    int64_t size = std::clamp<int64_t>((s.rows + 3) / 4, kMinClaim, kMaxClaim);
-    if (Interleaved(s.format)) size = (size + kX16Rows - 1) / kX16Rows * kX16Rows;  // whole tiles
-    for (int64_t first = 0; first < s.rows; first += size) {
-      claims.push_back({&s, first, std::min(s.rows, first + size)});
+  AddClaims(segments, &rows, claims);
+  RunClaims(pool, claims, int8_activations, avx512_vnni);
+  return ffi::Error::Success();
+}
+
+// The experts of a MoE layer: y[M, N], product rows offsets[g] .. offsets[g] + group_sizes[g]
+// times weight `layer * G + g` of the stack (data u8[L G, B], table i32[L G, S, 3]), rows
+// after the last group zeros. x_rows (i32[M], or empty) gathers product row r from x[x_rows[r]]
+// and y_rows (i32[M], a permutation, or empty) writes it to y[y_rows[r]]. Each group's x is
+// rounded on its own (as the matmul above rounds its x) and every group's claims share one
+// parallel loop.
+ffi::Error GGUFGroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::U8> data, ffi::Buffer<ffi::S32> table,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Buffer<ffi::S32> x_rows, ffi::Buffer<ffi::S32> y_rows,
+                             ffi::ResultBuffer<ffi::F32> y, bool int8_activations,
+                             bool avx512_vnni) {
+  const char* name = "gguf_grouped_matmul";
+  if (ffi::Error error = CheckVnni(avx512_vnni, name); error.failure()) return error;
+  const auto x_dims = x.dimensions();
+  const auto y_dims = y->dimensions();
+  const int64_t groups = static_cast<int64_t>(group_sizes.element_count());
+  const int64_t gather = static_cast<int64_t>(x_rows.element_count());
+  const int64_t scatter = static_cast<int64_t>(y_rows.element_count());
+  if (x_dims.size() != 2 || y_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("gguf_grouped_matmul: x [X, K] and y [M, N]");
+  }
+  const int64_t m = y_dims[0], n = y_dims[1], k = x_dims[1];
+  if ((gather ? gather : x_dims[0]) != m || (scatter && scatter != m)) {
+    return ffi::Error::InvalidArgument(
+        "gguf_grouped_matmul: x [M, K] (or x_rows [M]), y_rows [M] and y [M, N]");
+  }
+  const int32_t* xr = x_rows.typed_data();
+  const int32_t* yr = y_rows.typed_data();
+  for (int64_t r = 0; r < gather; ++r) {
+    if (xr[r] < 0 || xr[r] >= x_dims[0]) {
+      return ffi::Error::InvalidArgument("gguf_grouped_matmul: x_rows out of range");
     }
   }
-  jaxinfer::ParallelFor(pool, static_cast<int64_t>(claims.size()), [&](int64_t c) {
-    const Claim& claim = claims[c];
-    const Segment& s = *claim.segment;
-    RunSegment(s.format, rows, s.data, s.row_bytes, claim.first, claim.stop, s.out_first,
-               int8_activations, avx512_vnni);
-  });
+  for (int64_t r = 0; r < scatter; ++r) {
+    if (yr[r] < 0 || yr[r] >= m) {
+      return ffi::Error::InvalidArgument("gguf_grouped_matmul: y_rows out of range");
+    }
+  }
+  struct Group {
+    std::vector<Segment> segments;
+    QuantizedX qx;
+    std::vector<float> xg, yg;  // the gathered rows, the rows to scatter
+    Rows rows{};
+    int64_t first = 0;
+  };
+  std::vector<Group> work(groups);  // never resized: claims point into it
+  const int64_t base = static_cast<int64_t>(layer.typed_data()[0]) * groups;
+  const float* xs = x.typed_data();
+  float* ys = y->typed_data();
+  std::vector<Claim> claims;
+  int64_t offset = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t size = std::min<int64_t>(std::max(group_sizes.typed_data()[g], 0), m - offset);
+    if (size <= 0) continue;
+    Group& group = work[g];
+    group.first = offset;
+    if (ffi::Error error = Segments(data, table, base + g, k, n, group.segments);
+        error.failure()) {
+      return error;
+    }
+    const float* gx = xs + offset * k;
+    if (gather) {
+      group.xg.resize(size * k);
+      for (int64_t r = 0; r < size; ++r) {
+        std::memcpy(group.xg.data() + r * k, xs + xr[offset + r] * k, k * sizeof(float));
+      }
+      gx = group.xg.data();
+    }
+    float* gy = ys + offset * n;
+    if (scatter) {
+      group.yg.resize(size * n);
+      gy = group.yg.data();
+    }
+    if (int8_activations) QuantizeX(pool, gx, size, k, group.segments, avx512_vnni, group.qx);
+    group.rows = Rows{gx, &group.qx, gy, size, n, k};
+    AddClaims(group.segments, &group.rows, claims);
+    offset += size;
+  }
+  RunClaims(pool, claims, int8_activations, avx512_vnni);
+  for (int64_t r = offset; r < m; ++r) {  // past the last group: zeros
+    std::fill_n(ys + (scatter ? yr[r] : r) * n, n, 0.0f);
+  }
+  if (scatter) {
+    for (const Group& group : work) {
+      for (int64_t r = 0; r < group.rows.m && !group.yg.empty(); ++r) {
+        std::memcpy(ys + yr[group.first + r] * n, group.yg.data() + r * n, n * sizeof(float));
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -1473,6 +1590,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFMatmul, GGUFMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // table [L, S, 3]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // valid [] (rows of x)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("int8_activations")
+                                  .Attr<bool>("avx512_vnni"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferGGUFGroupedMatmul, GGUFGroupedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [X, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // data [L G, B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // table [L G, S, 3]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // x_rows [M] or [0]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // y_rows [M] or [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<bool>("int8_activations")
                                   .Attr<bool>("avx512_vnni"));

@@ -189,6 +189,39 @@ def gguf_matmul_reference(
     return np.concatenate(parts, axis=1).astype(np.float32)
 
 
+def gguf_grouped_matmul_reference(
+    x: np.ndarray,  # f32[M, K] sorted by group; [X, K] with x_rows
+    data: np.ndarray,  # u8[L G, B]
+    table: np.ndarray,  # i32[L G, S, 3]
+    layer: int,
+    group_sizes: np.ndarray,  # i32[G]
+    int8_activations: bool = False,
+    x_rows: np.ndarray | None = None,  # i32[M]
+    y_rows: np.ndarray | None = None,  # i32[M], a permutation
+) -> np.ndarray:  # f32[M, N]
+    """Each group's rows times expert g of layer `layer` (weight layer * G + g), rows after
+    the last group zeros; x_rows gathers the product's rows, y_rows scatters them."""
+    groups = len(group_sizes)
+    xs = x if x_rows is None else x[x_rows]
+    m = xs.shape[0]
+    n = sum(int(rows) for _, rows, _ in table[layer * groups]) if m else 0
+    out = np.zeros((m, n), np.float32)
+    first = 0
+    for g, size in enumerate(group_sizes):
+        size = min(int(size), m - first)
+        if size > 0:
+            part = xs[first : first + size]
+            out[first : first + size] = gguf_matmul_reference(
+                part, data, table, layer * groups + g, int8_activations
+            )
+            first += size
+    if y_rows is None:
+        return out
+    y = np.zeros_like(out)
+    y[y_rows] = out
+    return y
+
+
 def pack_layers(layers: list[list[tuple[str, np.ndarray]]]) -> tuple[np.ndarray, np.ndarray]:
     """(data u8[L, B], table i32[L, S, 3]) of each layer's segments (format, u8[rows, row
     bytes]), in output order; adjacent segments of one format are merged."""

@@ -323,8 +323,6 @@ class _Resolver:
             why.append(f"the weights are to be quantized ({options.quantization})")
         if self.dtype != "float32":
             why.append(f"the block kernel takes float32 activations, not {self.dtype}")
-        if self.arch.moe is not None:
-            why.append("a MoE model's experts are not read in place yet")
         if self.gguf_source is None:
             why.append("the model was not converted from a GGUF file (or its folder lost it)")
         gguf_fn, why_not = native_kernel(

@@ -8,7 +8,8 @@ Where they are used at all is decided in jaxinfer.config.resolve.
   take the kernel (XLA has no fast int8 path).
 - The GGUF block kernel: a weight kept in its GGUF file's blocks
   (jaxinfer.layers.weights.GGUFWeight) is multiplied from them for every row count, exactly
-  or with activations rounded to int8 (int8_activations, llama.cpp's way).
+  or with activations rounded to int8 (int8_activations, llama.cpp's way); a MoE layer's
+  experts by its grouped product.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from cpu_kernels.gguf_matmul.kernel import gguf_grouped_matmul
 from cpu_kernels.matmul.kernel import grouped_int4_matmul, grouped_matmul, int4_matmul
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, unstacked, xla_dense
 
@@ -107,3 +109,20 @@ class KernelMatmul:
         return self.gguf_kernel(
             x, data, table, layer, n=n, int8_activations=self.int8_activations, valid=self.tokens
         )
+
+    def grouped_blocks(self, x, weight, group_sizes, x_rows=None, y_rows=None):
+        """`grouped` for experts kept in GGUF blocks (a GGUFWeight of `groups` experts per
+        layer) -> [M, *out], through the block kernel's grouped product."""
+        data, table, layer = weight.stacked()
+        y = gguf_grouped_matmul(
+            x,
+            data,
+            table,
+            layer,
+            group_sizes,
+            n=math.prod(weight.out),
+            x_rows=x_rows,
+            y_rows=y_rows,
+            int8_activations=self.int8_activations,
+        )
+        return y.reshape(y.shape[0], *weight.out)

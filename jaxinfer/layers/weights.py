@@ -153,56 +153,69 @@ class GGUFWeight:
     Every product goes through the block kernel (ModelKernels.matmul.blocks, the C++ kernel of
     cpu_kernels.gguf_matmul); the arrays are replicated (the kernel runs on one device).
     `layer` picks one layer of the stack: i32[L] (0 .. L - 1) as loaded, so that slicing the
-    layers off the stack slices it too; a scalar once `in_place` sets it under the layer scan. There is no array XLA's paths could take
-    (OWN_KERNEL): `dequantized` asks the kernel for every row."""
+    layers off the stack slices it too; a scalar once `in_place` sets it under the layer scan.
+    A MoE layer's experts are `groups` weights per layer (layer l's expert g at l * groups +
+    g), multiplied by the kernel's grouped product (ModelKernels.matmul.grouped_blocks).
+    There is no array XLA's paths could take (OWN_KERNEL): `dequantized` asks the kernel for
+    every row."""
 
-    data: Any  # u8[L, B] (u8[B] when a scan has sliced the layer out)
-    table: Any  # i32[L, S, 3] (format, rows, byte offset), or [S, 3]
+    data: Any  # u8[L G, B] (u8[B] when a scan has sliced the layer out)
+    table: Any  # i32[L G, S, 3], or [S, 3]
     layer: Any  # i32[L], or i32[] (in_place)
-    out: tuple  # the output axes (their product: the rows of a layer)
+    out: tuple  # the output axes (their product: the rows of a layer's weight)
     k: int  # the input size
     input_axis: int = -1
+    groups: int = 1  # G: weights per layer (a MoE layer's experts)
 
     OWN_KERNEL = True
-    STATIC = ("out", "k")
+    STATIC = ("out", "k", "groups")
 
     @property
     def size(self) -> int:  # values of the weight it stands for (one layer's times L)
-        layers = self.data.shape[0] if self.data.ndim == 2 else 1
-        return layers * math.prod(self.out) * self.k
+        weights = self.data.shape[0] if self.data.ndim == 2 else 1
+        return weights * math.prod(self.out) * self.k
 
     def axes(self, weight_axes: tuple) -> GGUFWeight:
-        return GGUFWeight((), (), (), self.out, self.k, self.input_axis)
+        return GGUFWeight((), (), (), self.out, self.k, self.input_axis, self.groups)
 
     def to_out_in(self) -> GGUFWeight:
         return self
 
     def in_place(self, layer) -> GGUFWeight:
-        return GGUFWeight(self.data, self.table, layer, self.out, self.k, self.input_axis)
+        return dataclasses.replace(self, layer=layer)
 
     def stacked(self) -> tuple[Any, Any, Any]:
-        """(data [L, B], table [L, S, 3], layer i32[]): one layer sliced off the stack given
-        its axis back; an unstacked weight (L = 1) its only layer."""
+        """(data [L G, B], table [L G, S, 3], layer i32[]): one layer sliced off the stack
+        given its axis back; an unstacked weight (L = 1) its only layer."""
         if self.data.ndim == 1:
             return self.data[None], self.table[None], jnp.int32(0)
         if jnp.ndim(self.layer) == 0:
             return self.data, self.table, self.layer
-        if self.data.shape[0] != 1:
+        if self.data.shape[0] != self.groups:
             raise ValueError("a GGUFWeight of several layers is read one layer at a time")
         return self.data, self.table, jnp.int32(0)
 
     def project(self, x, kernels):
         if kernels.matmul is None:
             raise ValueError("GGUF block weights need the C++ block kernel (gguf_weights)")
+        if self.groups != 1:
+            raise ValueError("a GGUFWeight of experts is multiplied by group (grouped_blocks)")
         y = kernels.matmul.blocks(x, self)  # [T, N]
         return y.reshape(x.shape[0], *self.out).astype(x.dtype)
 
     def scaled(self):
         return self.dequantized(jnp.float32), None
 
-    def dequantized(self, dtype):
+    def dequantized(self, dtype):  # [*out, K], or [G, *out, K] for experts
         n = math.prod(self.out)
-        return self.rows(jnp.arange(n), dtype).reshape(*self.out, self.k)
+        data, table, layer = self.stacked()
+        ids = jnp.arange(n)
+        weights = [
+            gguf_rows(ids, data, table, layer * self.groups + g, k=self.k)
+            for g in range(self.groups)
+        ]
+        w = weights[0] if self.groups == 1 else jnp.stack(weights)
+        return w.reshape(*w.shape[:-2], *self.out, self.k).astype(dtype)
 
     def rows(self, ids, dtype):
         data, table, layer = self.stacked()

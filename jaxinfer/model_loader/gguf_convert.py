@@ -104,8 +104,9 @@ def hf_value(family: ModelFamily, name: str, value: np.ndarray, heads: int, kv_h
 
 
 class GGUFTensorReader:
-    """A dense model's tensors in a GGUF file by Hugging Face name, dequantized to float32
-    when asked for (the interface of jaxinfer.model_loader.safetensors_loader's readers)."""
+    """A model's tensors in a GGUF file by Hugging Face name, dequantized to float32 when asked
+    for (the interface of jaxinfer.model_loader.safetensors_loader's readers); packed experts
+    joined as transformers packs them (`experts.gate_up_proj`, `experts.down_proj`)."""
 
     def __init__(self, path: Path, family: ModelFamily, heads: int, kv_heads: int):
         self.path, self.family, self.heads, self.kv_heads = path, family, heads, kv_heads
@@ -117,11 +118,24 @@ class GGUFTensorReader:
                     f"{path}: unexpected GGUF tensor {tensor.name!r} for {family.name}"
                 )
             self._tensors[name] = tensor
+        self._joined: dict[str, tuple[str, ...]] = {}  # name -> the tensors it joins (axis 1)
+        for name in self._tensors:
+            if name.endswith("experts.gate_proj.weight"):
+                up = name.replace("gate_proj", "up_proj")
+                if up in self._tensors:
+                    self._joined[name.removesuffix("gate_proj.weight") + "gate_up_proj"] = (
+                        name,
+                        up,
+                    )
+            elif name.endswith("experts.down_proj.weight"):
+                self._joined[name.removesuffix(".weight")] = (name,)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._joined
 
     def tensor(self, name: str) -> np.ndarray:
+        if name in self._joined:
+            return np.concatenate([self.tensor(part) for part in self._joined[name]], axis=1)
         t = self._tensors[name]
         try:
             kind = gguf.GGMLQuantizationType[t.type_name]
@@ -135,7 +149,7 @@ class GGUFTensorReader:
         return hf_value(self.family, name, value, self.heads, self.kv_heads)
 
     def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-        if name not in self._tensors:
+        if not self.has(name):
             raise ValueError(f"{self.path} has no tensor for {name!r} (expected shape {shape})")
         value = self.tensor(name)
         if tuple(value.shape) != shape:

@@ -1,5 +1,5 @@
-"""A GGUF model's weights read in place: the projections, the embedding and the LM head kept in
-the file's own blocks (jaxinfer.layers.weights.GGUFWeight, multiplied by the block kernel of
+"""A GGUF model's weights read in place: the projections (a MoE layer's experts too), the
+embedding and the LM head kept in the file's own blocks (jaxinfer.layers.weights.GGUFWeight, multiplied by the block kernel of
 cpu_kernels.gguf_matmul), everything else (norms, biases) dequantized to float.
 
 Each weight kind is one buffer over the layers (u8[L, B], 64-byte aligned so that placing it
@@ -188,32 +188,49 @@ def _qkv_parts(file: _File, config: LlamaConfig, layer: int, permuted: bool) -> 
     return parts
 
 
+def _expert_parts(file: _File, names: list[str], layer: int, expert: int) -> list[_Part]:
+    """Expert `expert`'s rows of layer `layer`'s packed expert tensors ([X, rows, K] each), in
+    order: each a view of its bytes in the file, read alone."""
+    parts = []
+    for name in names:
+        t = file.tensors[name.format(layer)]
+        rows = t.data.shape[0] // t.shape[0]
+        first = expert * rows
+        view = dataclasses.replace(
+            t,
+            shape=t.shape[1:],
+            data=t.data[first : first + rows],
+            offset=t.offset + first * t.data.shape[1],
+        )
+        parts.append(_Part(view))
+    return parts
+
+
 def load_gguf_params(
     path: Path, config: LlamaConfig, dtype, interleave: bool = False
 ) -> tuple[dict, list[str]]:
-    """(the parameter tree of a dense model from its GGUF file, the names of the weights kept
-    in blocks): the projections, the embedding and the LM head as GGUFWeights where every
-    layer's tensors are in formats the block kernel reads, the rest as the float arrays of
+    """(the parameter tree of a model from its GGUF file, the names of the weights kept in
+    blocks): the projections (a MoE layer's experts and shared expert too), the embedding and
+    the LM head as GGUFWeights where every layer's tensors are in formats the block kernel
+    reads, the rest (norms, biases, a MoE router) as the float arrays of
     jaxinfer.model_loader.safetensors_loader.params_from_reader. interleave: the blocks laid out
     16 rows at a time where they can be (ResolvedOptions.gguf_interleaved)."""
-    if config.moe is not None:
-        raise ValueError("GGUF block weights are read in place for dense models only")
     family = family_for_architecture(config.architecture)
     file = _File(path, config)
     try:
         L, E, D = config.num_hidden_layers, config.hidden_size, config.head_dim
         K = config.num_key_value_heads
         G = config.num_attention_heads // K
+        I = config.dense_intermediate_size  # noqa: E741
+        ffn = "ffn_{}" if config.moe is None else "ffn_{}_shexp"  # the dense FFN's, or shared
         kinds = {
             "qkv_proj": ([f"blk.{{}}.attn_{x}.weight" for x in "qkv"], (K, G + 2, D), E),
             "o_proj": (["blk.{}.attn_output.weight"], (E,), config.q_size),
-            "gate_up_proj": (
-                ["blk.{}.ffn_gate.weight", "blk.{}.ffn_up.weight"],
-                (2, config.dense_intermediate_size),
-                E,
-            ),
-            "down_proj": (["blk.{}.ffn_down.weight"], (E,), config.dense_intermediate_size),
         }
+        if I:
+            gate_up = [f"blk.{{}}.{ffn.format(x)}.weight" for x in ("gate", "up")]
+            kinds["gate_up_proj"] = (gate_up, (2, I), E)
+            kinds["down_proj"] = ([f"blk.{{}}.{ffn.format('down')}.weight"], (E,), I)
         blocks: dict = {"layers": {}}
         for name, (patterns, out, k) in kinds.items():
             names = [p.format(i) for i in range(L) for p in patterns]
@@ -224,6 +241,8 @@ def load_gguf_params(
             else:
                 layers = [[_Part(file.tensors[p.format(i)]) for p in patterns] for i in range(L)]
             blocks["layers"][name] = file.weight(layers, out, k, interleave)
+        if config.moe is not None:
+            blocks["layers"].update(_experts(file, config, interleave))
         V = config.vocab_size
         heads = {"embed": "token_embd.weight"}
         if not config.tie_word_embeddings:
@@ -239,3 +258,27 @@ def load_gguf_params(
     params["layers"].update(blocks.pop("layers"))
     params.update(blocks)
     return params, kept
+
+
+def _experts(file: _File, config: LlamaConfig, interleave: bool) -> dict[str, GGUFWeight]:
+    """A MoE model's experts as GGUFWeights of X experts per layer (layer l's expert x at
+    l * X + x), from the packed tensors llama.cpp writes (ffn_{gate,up,down}_exps [X, rows,
+    K]): gate then up rows [2, I] over E, down [E] over I."""
+    L, E = config.num_hidden_layers, config.hidden_size
+    X, I = config.moe.num_experts, config.moe.intermediate_size  # noqa: E741
+    kinds = {
+        "experts_gate_up": (
+            ["blk.{}.ffn_gate_exps.weight", "blk.{}.ffn_up_exps.weight"],
+            (2, I),
+            E,
+        ),
+        "experts_down": (["blk.{}.ffn_down_exps.weight"], (E,), I),
+    }
+    out = {}
+    for name, (patterns, shape, k) in kinds.items():
+        if not file.supported([p.format(i) for i in range(L) for p in patterns]):
+            continue
+        layers = [_expert_parts(file, patterns, i, x) for i in range(L) for x in range(X)]
+        weight = file.weight(layers, shape, k, interleave)
+        out[name] = dataclasses.replace(weight, layer=np.arange(L, dtype=np.int32), groups=X)
+    return out

@@ -196,7 +196,7 @@ def params_from_reader(
         layers["q_norm"] = stacked(lambda p: norm(p + "self_attn.q_norm.weight", (q_width,)))
         layers["k_norm"] = stacked(k_norm)
     if cfg.moe is not None:
-        layers.update(load_moe_layers(reader, cfg, dtype))
+        layers.update(load_moe_layers(reader, cfg, dtype, skip))
     if cfg.attention_bias:
         layers["qkv_bias"] = stacked(qkv_bias)
     params = {"layers": layers, "norm": norm("model.norm.weight", (E,))}
@@ -209,13 +209,16 @@ def params_from_reader(
     }
 
 
-def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
+def load_moe_layers(
+    reader: _TensorReader, config: LlamaConfig, dtype, skip: frozenset[str] = frozenset()
+) -> dict:
     """The router and the experts of every layer, stacked ("in_out"): router [L, E, X],
     experts_gate_up [L, X, E, 2, I], experts_down [L, X, I, E], and Qwen2-MoE's shared
-    expert gate [L, E, 1]. Experts are read from either layout transformers writes: one
-    tensor per expert (`experts.{e}.gate_proj.weight`, ...; Mixtral's `w1`/`w3`/`w2`) or all
-    experts packed (`experts.gate_up_proj` [X, 2I, E] and `experts.down_proj` [X, E, I], with
-    Mixtral's `block_sparse_moe.` renamed `mlp.`)."""
+    expert gate [L, E, 1]; but for the experts named in `skip` (kept in a GGUF file's
+    blocks). Experts are read from either layout transformers writes: one tensor per expert
+    (`experts.{e}.gate_proj.weight`, ...; Mixtral's `w1`/`w3`/`w2`) or all experts packed
+    (`experts.gate_up_proj` [X, 2I, E] and `experts.down_proj` [X, E, I], with Mixtral's
+    `block_sparse_moe.` renamed `mlp.`)."""
     cfg, moe = config, config.moe
     E, X, I = cfg.hidden_size, moe.num_experts, moe.intermediate_size  # noqa: E741
     block, (gate, up, down) = family_for_architecture(cfg.architecture).expert_names
@@ -228,13 +231,12 @@ def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
         packed = prefix + "mlp.experts.gate_up_proj"
         return prefix + ("mlp." if reader.has(packed) else block)
 
-    def experts(i: int) -> tuple[np.ndarray, np.ndarray]:
+    def gate_up(i: int) -> np.ndarray:  # [X, E, 2, I]
         p = layer_prefix(i)
         if reader.has(p + "experts.gate_up_proj"):
-            gate_up = get(p + "experts.gate_up_proj", (X, 2 * I, E))
-            gate_up = gate_up.reshape(X, 2, I, E).transpose(0, 3, 1, 2)
-            return gate_up, get(p + "experts.down_proj", (X, E, I)).transpose(0, 2, 1)
-        gate_up = np.stack(
+            packed = get(p + "experts.gate_up_proj", (X, 2 * I, E))
+            return packed.reshape(X, 2, I, E).transpose(0, 3, 1, 2)
+        return np.stack(
             [
                 gate_up_in_out(
                     get(f"{p}experts.{e}.{gate}.weight", (I, E)),
@@ -243,16 +245,19 @@ def load_moe_layers(reader: _TensorReader, config: LlamaConfig, dtype) -> dict:
                 for e in range(X)
             ]
         )
-        downs = np.stack([get(f"{p}experts.{e}.{down}.weight", (E, I)).T for e in range(X)])
-        return gate_up, downs
+
+    def downs(i: int) -> np.ndarray:  # [X, I, E]
+        p = layer_prefix(i)
+        if reader.has(p + "experts.gate_up_proj"):
+            return get(p + "experts.down_proj", (X, E, I)).transpose(0, 2, 1)
+        return np.stack([get(f"{p}experts.{e}.{down}.weight", (E, I)).T for e in range(X)])
 
     layers = range(cfg.num_hidden_layers)
-    pairs = [experts(i) for i in layers]
-    out = {
-        "router": np.stack([get(layer_prefix(i) + "gate.weight", (X, E)).T for i in layers]),
-        "experts_gate_up": np.stack([g for g, _ in pairs]),
-        "experts_down": np.stack([d for _, d in pairs]),
-    }
+    out = {"router": np.stack([get(layer_prefix(i) + "gate.weight", (X, E)).T for i in layers])}
+    if "experts_gate_up" not in skip:
+        out["experts_gate_up"] = np.stack([gate_up(i) for i in layers])
+    if "experts_down" not in skip:
+        out["experts_down"] = np.stack([downs(i) for i in layers])
     if moe.shared_expert_gate:
         out["shared_expert_gate"] = np.stack(
             [get(f"model.layers.{i}.mlp.shared_expert_gate.weight", (1, E)).T for i in layers]

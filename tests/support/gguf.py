@@ -101,7 +101,8 @@ def write_gguf(hf_folder, path, quantized=None) -> dict[str, np.ndarray]:
             stored = stored + np.float32(1)  # llama.cpp stores Gemma's norms as 1 + w
         if qtype is not None:
             if qtype == gguf.GGMLQuantizationType.Q4_K:  # gguf cannot quantize it
-                packed = quantize_q4_k(stored)
+                rows = quantize_q4_k(stored.reshape(-1, stored.shape[-1]))  # experts [X, ...]
+                packed = rows.reshape(*stored.shape[:-1], rows.shape[-1])
             elif qtype == gguf.GGMLQuantizationType.Q8_1:  # nor read it: zero blocks
                 block, size = gguf.GGML_QUANT_SIZES[qtype]
                 packed = np.zeros((stored.shape[0], stored.shape[1] // block * size), np.uint8)

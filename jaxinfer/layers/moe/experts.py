@@ -31,7 +31,7 @@ from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.invariant import tree_sum
 from jaxinfer.layers.linear import OUT_IN, StackedWeight, dense_ffn, swiglu, unstacked
 from jaxinfer.layers.moe.routing import route
-from jaxinfer.layers.weights import Dense, Int4, Int8, dense
+from jaxinfer.layers.weights import Dense, GGUFWeight, Int4, Int8, dense
 from jaxinfer.parallel.sharding import Partitioner
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_out_in_reference
 
@@ -145,7 +145,7 @@ def _experts(x, weights, experts, gate_up, down, kernels, first, count, reduce_a
 
 def grouped_project(
     x: jax.Array,  # [M, in] sorted by expert, or [X, in] gathered by x_rows
-    weight,  # Dense / Int8 / Int4 over [X, ...]
+    weight,  # Dense / Int8 / Int4 over [X, ...], or a GGUFWeight of X experts
     group_sizes: jax.Array,  # i32[X]
     row_experts: jax.Array,  # i32[M], each sorted row's expert (for int8 scales)
     kernels,
@@ -153,9 +153,14 @@ def grouped_project(
     y_rows: jax.Array | None = None,  # i32[M], a permutation: row r goes to y_rows[r]
 ) -> jax.Array:  # [M, *out]
     """Each row times its expert's weight: the C++ grouped kernel ("out_in" with the matmul
-    kernel, which gathers and scatters the rows itself), the selected grouped kernel
-    ("in_out"), or the reference."""
+    kernel, which gathers and scatters the rows itself; the block kernel's for experts kept
+    in GGUF blocks), the selected grouped kernel ("in_out"), or the reference."""
     layout, matmul = kernels.weight_layout, kernels.matmul
+    if isinstance(weight, GGUFWeight):  # the block kernel's grouped product, nothing else
+        if matmul is None or matmul.gguf_kernel is None:
+            raise ValueError("experts in GGUF blocks need the C++ block kernel (gguf_weights)")
+        y = matmul.grouped_blocks(x, weight, group_sizes, x_rows=x_rows, y_rows=y_rows)
+        return y.astype(x.dtype)
     if isinstance(weight, Int4):
         if layout == OUT_IN and matmul is not None:
             return matmul.grouped_int4(x, weight, group_sizes, x_rows=x_rows, y_rows=y_rows)
@@ -188,6 +193,8 @@ def grouped_project(
 
 
 def _num_experts(weight) -> int:
+    if isinstance(weight, GGUFWeight):
+        return weight.groups
     w = (
         weight.q
         if isinstance(weight, Int8)

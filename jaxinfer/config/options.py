@@ -220,7 +220,9 @@ class EngineOptions:
         "exact: the verification is). Unset: on where the draft's weights are GGUF blocks "
         "or int4 on CPU, else the model's setting.",
     )
-    prompt_lookup_min: int = option(2, "ngram: the shortest suffix looked up.")
+    prompt_lookup_min: int = option(
+        3, "ngram: the shortest suffix looked up (2 matches code too loosely to pay)."
+    )
     prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
     suffix_max_depth: int = option(
         32,

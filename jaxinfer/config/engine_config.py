@@ -104,6 +104,7 @@ class SpeculativeConfig:
     suffix_cache_max_tokens: int = 16384
     suffix_min_token_prob: float = 0.1
     suffix_max_spec_factor: float = 1.0
+    draft_prompt_lookup: bool = False  # a draft's requests that copy propose by lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +306,7 @@ def build_engine_config(
             suffix_cache_max_tokens=options.suffix_cache_max_tokens,
             suffix_min_token_prob=options.suffix_min_token_prob,
             suffix_max_spec_factor=options.suffix_max_spec_factor,
+            draft_prompt_lookup=options.draft_prompt_lookup,
         ),
         lora=LoraConfig(options.max_loras, options.max_lora_rank) if options.enable_lora else None,
     )

@@ -220,6 +220,12 @@ class EngineOptions:
         "exact: the verification is). Unset: on where the draft's weights are GGUF blocks "
         "or int4 on CPU, else the model's setting.",
     )
+    draft_prompt_lookup: bool = option(
+        True,
+        "draft: a request whose text repeats a run of prompt_lookup_max tokens tries prompt "
+        "lookup's proposals for a step in place of the draft's; if enough are accepted it "
+        "copies (proposes by lookup alone, the draft leaving it), else it tries again later.",
+    )
     prompt_lookup_min: int = option(
         3, "ngram: the shortest suffix looked up (2 matches code too loosely to pay)."
     )

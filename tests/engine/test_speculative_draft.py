@@ -29,8 +29,14 @@ from tests.support.speculative import (
 
 pytestmark = pytest.mark.engine
 
-# (the rule of thumb: measured step times would make the proposals counted here vary)
-DRAFT = dict(speculative_method="draft", num_speculative_tokens=4, speculative_adaptive=False)
+# (the rule of thumb: measured step times would make the proposals counted here vary; the
+# draft's own proposals alone, but in the test of draft_prompt_lookup)
+DRAFT = dict(
+    speculative_method="draft",
+    num_speculative_tokens=4,
+    speculative_adaptive=False,
+    draft_prompt_lookup=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +255,39 @@ def test_the_draft_runs_over_the_requests_it_follows_alone(
         assert spec.engine.batch_builder.bucket(count) == len(batch.token_ids)
         tokens += batch.token_ids[:count].tolist()
     assert tokens[: len(prompts[0])] == prompts[0]
+
+
+def test_a_request_that_copies_proposes_by_lookup(tiny_model_dir, other_model_dir, baseline):
+    """draft_prompt_lookup: a request whose text repeats a run of prompt_lookup_max tokens
+    tries lookup's proposals for a step (the draft extended over them); accepted, it copies
+    from then on, proposing by lookup alone, the draft leaving it. Its tokens, and those of
+    requests the draft goes on following beside it, are those of decoding without
+    speculation."""
+    options = {**DRAFT, "draft_prompt_lookup": True}
+    spec = build_llm(
+        tiny_model_dir, "tiny", batch_invariant=True, draft_model=str(other_model_dir), **options
+    )
+    engine = spec.engine
+    prompts = [[5, 6, 7, 8, 9, 10] * 6, [40 + i for i in range(30)], [11, 12, 13, 14, 15] * 5]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [
+        list(o.outputs[0].token_ids) for o in baseline.generate(prompts, greedy, use_tqdm=False)
+    ]
+    ids = [f"copy-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(prompt, greedy, request_id=request_id)
+    states, outputs = {}, {}
+    while engine.has_unfinished_requests():
+        for request in engine.scheduler.running:
+            states[request.request_id] = request.spec
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = list(output.outputs[0].token_ids)
+    assert [outputs[i] for i in ids] == expected
+    copying = [i for i in ids if states[i].copying]
+    print(f"copying: {copying}; {engine.stats().spec}")
+    assert copying and all(states[i].draft_off for i in copying)
+    assert not states[ids[1]].copying  # (no run of 5 of its tokens repeats early on)
 
 
 def test_draft_options_are_checked(tmp_path, tiny_model_dir):

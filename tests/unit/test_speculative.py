@@ -17,7 +17,7 @@ from jaxinfer.engine.execution.device_inputs import accepted_rows, record_sample
 from jaxinfer.engine.sampling.sampler import SamplerState, process_logits
 from jaxinfer.engine.scheduling.stats import SpecStats
 from jaxinfer.engine.speculation.ngram import NgramIndex
-from jaxinfer.engine.speculation.state import MAX_COOLDOWN, SpecState
+from jaxinfer.engine.speculation.state import COPYING_ACCEPTED, MAX_COOLDOWN, SpecState
 from jaxinfer.layers.kv_cache import KVCacheFormat
 
 
@@ -226,3 +226,21 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert pvalue(tokens) > 1e-3 and not np.any(tokens == 5)
     accepted = (tokens == drafts).mean()
     assert abs(accepted - np.minimum(p, q).sum()) < 0.02
+
+
+def test_a_lookup_probe_makes_a_draft_request_copy_or_wait():
+    """A probe with COPYING_ACCEPTED of its proposals accepted makes the request copy (the
+    draft leaves it); fewer, and probes wait a cooldown that doubles each time."""
+    state = SpecState(limit=8)
+    waits = []
+    for _ in range(6):
+        state.lookup_probe = True
+        state.record(8, COPYING_ACCEPTED - 1)
+        assert not state.lookup_probe and not state.copying and not state.draft_off
+        waits.append(state.probe_cooldown)
+    assert waits == [4, 8, 16, 32, 64, MAX_COOLDOWN]
+    state.record(8, 8)  # a draft's proposals: no probe
+    assert not state.copying
+    state.lookup_probe = True
+    state.record(8, COPYING_ACCEPTED)
+    assert state.copying and state.draft_off

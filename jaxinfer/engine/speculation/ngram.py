@@ -33,15 +33,16 @@ class NgramIndex:
                 self.last_end[tuple(tokens[end - n + 1 : end + 1])] = end
         self.num_indexed = max(self.num_indexed, len(tokens) - 1)
 
-    def propose(self, tokens: list[int], count: int) -> list[int]:
+    def propose(self, tokens: list[int], count: int, min_n: int | None = None) -> list[int]:
         """The `count` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` found, copied as LZ77 copies a match that overlaps its own output: where
+        of `tokens` found (of at least `min_n` tokens, default the index's), copied as LZ77 copies a match that overlaps its own output: where
         the copy reaches the end of `tokens` it goes on over the tokens it proposed (a loop of
         period p, found p tokens back, is proposed for `count` tokens, not p)."""
         if count <= 0:
             return []
         self.extend(tokens)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+        shortest = self.min_n if min_n is None else max(min_n, self.min_n)
+        for n in range(min(self.max_n, len(tokens) - 1), shortest - 1, -1):
             end = self.last_end.get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
                 proposed = tokens[end + 1 : end + 1 + count]

@@ -16,7 +16,7 @@ from jaxinfer.engine.scheduling.scheduler import Scheduler
 from jaxinfer.engine.scheduling.stats import SpecStats
 from jaxinfer.engine.speculation.control import SpecControl
 from jaxinfer.engine.speculation.draft_model import DraftModel
-from jaxinfer.engine.speculation.ngram import NgramProposer
+from jaxinfer.engine.speculation.ngram import NgramIndex, NgramProposer
 from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.engine.speculation.suffix import SuffixProposer
 
@@ -99,10 +99,17 @@ def propose_with_draft(
         if request.spec is not None:  # (back over the proposals the last step rejected)
             spec = request.spec
             spec.draft_computed = min(spec.draft_computed, request.num_computed_tokens)
+            if spec.lookup_probe:  # (a probe the step did not take: as if rejected)
+                spec.lookup_probe = False
+                spec.record_failed_probe()
     wanted, idle = [], []
+    feed = []  # lookup probes whose last two tokens the draft runs over first (a dropped proposal)
     left = 0
     for request, room in proposal_candidates(running, scheduler.config.max_model_len):
         spec = request.spec
+        if spec.copying:  # by lookup alone
+            request.spec_token_ids = spec.index.propose(request.all_token_ids, spec.proposals(room))
+            continue
         if spec.draft_off:
             continue
         # (the draft feeds the last two tokens first: it must hold the ones before, and the
@@ -112,6 +119,10 @@ def propose_with_draft(
             continue
         slots = len(request.block_ids) * block_size - request.num_tokens + 1
         if slots < 1:
+            continue
+        if lookup_probe(request, room):
+            if spec.draft_computed < request.num_tokens - 1:  # (it feeds the last two first)
+                feed.append((rows.row(request.request_id), request, 1))
             continue
         count = min(spec.length, room, slots) if spec.wanted() else 0
         (wanted if count > 0 else idle).append((request, count))
@@ -124,7 +135,7 @@ def propose_with_draft(
         for (request, _), count in zip(wanted, counts, strict=True)
         if count
     ]
-    behind = []
+    behind = feed
     for request, _ in idle + [w for w, c in zip(wanted, counts, strict=True) if not c]:
         spec = request.spec
         spec.draft_declined += 1
@@ -141,6 +152,26 @@ def propose_with_draft(
         request.spec_token_ids = tokens
     steps = max(count for _, _, count in chosen + behind)
     return DraftRun(len(chosen) + len(behind), steps, len(chosen), left)
+
+
+def lookup_probe(request: Request, room: int) -> bool:
+    """Whether the request tries prompt lookup's proposals this step in place of the draft's
+    (SpecState.lookup_probe, draft_prompt_lookup): its last prompt_lookup_max tokens occurred
+    before. The draft runs over the step's tokens with it (DraftModel.extend), and over its
+    last two tokens first where it has not (propose_with_draft), so it can take the request
+    back."""
+    spec = request.spec
+    index = spec.index
+    if index is None:
+        return False
+    if spec.probe_cooldown > 0:
+        spec.probe_cooldown -= 1
+        return False
+    tokens = index.propose(request.all_token_ids, min(spec.limit, room), min_n=index.max_n)
+    if not tokens:
+        return False
+    request.spec_token_ids, spec.lookup_probe = tokens, True
+    return True
 
 
 class Speculation:
@@ -170,6 +201,9 @@ class Speculation:
         if requested is not None:
             limit = min(limit, requested)
         state = (self.draft or self.host).new_state(limit)
+        speculative = self.config.speculative
+        if self.draft is not None and speculative.draft_prompt_lookup:
+            state.index = NgramIndex(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
         if self.draft is not None and self.left_in_row >= IDLE_AFTER:
             self.started_without += 1
             state.draft_off = self.started_without % PROBE_EVERY != 0  # (one in 16 probes)
@@ -214,6 +248,7 @@ class Speculation:
         if all(
             item.num_new_tokens - len(item.draft_token_ids) == 1
             and spec.draft_computed >= item.num_computed_tokens
+            and not (spec.lookup_probe and item.draft_token_ids)  # (not the draft's)
             for _, spec, item in states
         ):
             return None

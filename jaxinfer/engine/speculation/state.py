@@ -9,6 +9,7 @@ from typing import Any
 MAX_COOLDOWN = 64  # most steps a request waits before proposing again after backing off
 RESET_ACCEPTED = 4  # proposals accepted in one step that reset the cooldown
 ACCEPTANCE_DECAY = 0.8  # weight of the earlier steps in a request's acceptance, per step
+COPYING_ACCEPTED = 4  # a lookup probe's proposals accepted that make a request copying
 
 
 @dataclasses.dataclass
@@ -36,6 +37,14 @@ class SpecState:
     draft_computed: int = 0
     draft_declined: int = 0
     draft_off: bool = False
+    # A draft model's request that copies (draft_prompt_lookup; `index` an NgramIndex): a
+    # probe step proposes a long match's continuation in place of the draft's proposals; if
+    # COPYING_ACCEPTED of them are accepted, the request proposes by lookup alone from then
+    # on (copying) and the draft leaves it; else probes wait a cooldown, doubling each time.
+    lookup_probe: bool = False
+    copying: bool = False
+    probe_cooldown: int = 0
+    probe_backoff: int = 4
 
     def __post_init__(self):
         self.length = self.limit
@@ -58,9 +67,19 @@ class SpecState:
         """The chance that the next proposal is accepted, given the ones before it were."""
         return self.accepted / (self.accepted + self.rejections)
 
+    def record_failed_probe(self) -> None:
+        self.probe_cooldown = self.probe_backoff
+        self.probe_backoff = min(2 * self.probe_backoff, MAX_COOLDOWN)
+
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
             return
+        if self.lookup_probe:
+            self.lookup_probe = False
+            if num_accepted >= COPYING_ACCEPTED:
+                self.copying = self.draft_off = True
+            else:
+                self.record_failed_probe()
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
         self.rejections = ACCEPTANCE_DECAY * self.rejections + (num_accepted < num_proposed)
         if num_accepted >= RESET_ACCEPTED:

@@ -40,16 +40,24 @@ class NgramIndex:
         period p, found p tokens back, is proposed for `count` tokens, not p)."""
         if count <= 0:
             return []
+        end = self.match(tokens, min_n)
+        if end is None:
+            return []
+        proposed = tokens[end + 1 : end + 1 + count]
+        while len(proposed) < count:
+            proposed.append(proposed[len(proposed) - (len(tokens) - end - 1)])
+        return proposed
+
+    def match(self, tokens: list[int], min_n: int | None = None) -> int | None:
+        """Where the latest earlier occurrence of the longest suffix of `tokens` found (of at
+        least `min_n` tokens, default the index's) ends, or None."""
         self.extend(tokens)
         shortest = self.min_n if min_n is None else max(min_n, self.min_n)
         for n in range(min(self.max_n, len(tokens) - 1), shortest - 1, -1):
             end = self.last_end.get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
-                proposed = tokens[end + 1 : end + 1 + count]
-                while len(proposed) < count:
-                    proposed.append(proposed[len(proposed) - (len(tokens) - end - 1)])
-                return proposed
-        return []
+                return end
+        return None
 
 
 class NgramProposer:

@@ -157,7 +157,7 @@ def propose_with_draft(
 def lookup_probe(request: Request, room: int) -> bool:
     """Whether the request tries prompt lookup's proposals this step in place of the draft's
     (SpecState.lookup_probe, draft_prompt_lookup): its last prompt_lookup_max tokens occurred
-    before. The draft runs over the step's tokens with it (DraftModel.extend), and over its
+    in its prompt, the latest time they occurred. The draft runs over the step's tokens with it (DraftModel.extend), and over its
     last two tokens first where it has not (propose_with_draft), so it can take the request
     back."""
     spec = request.spec
@@ -167,9 +167,12 @@ def lookup_probe(request: Request, room: int) -> bool:
     if spec.probe_cooldown > 0:
         spec.probe_cooldown -= 1
         return False
-    tokens = index.propose(request.all_token_ids, min(spec.limit, room), min_n=index.max_n)
-    if not tokens:
+    # (a run of its prompt: the output copies its input, as an edit does; a match in its own
+    # output is as likely new code repeating a shape, which the draft proposes better)
+    end = index.match(request.all_token_ids, min_n=index.max_n)
+    if end is None or end >= request.num_prompt_tokens:
         return False
+    tokens = index.propose(request.all_token_ids, min(spec.limit, room), min_n=index.max_n)
     request.spec_token_ids, spec.lookup_probe = tokens, True
     return True
 

@@ -222,9 +222,10 @@ class EngineOptions:
     )
     draft_prompt_lookup: bool = option(
         True,
-        "draft: a request whose text repeats a run of prompt_lookup_max tokens tries prompt "
-        "lookup's proposals for a step in place of the draft's; if enough are accepted it "
-        "copies (proposes by lookup alone, the draft leaving it), else it tries again later.",
+        "draft: a request whose last prompt_lookup_max tokens occurred in its prompt tries "
+        "prompt lookup's proposals for a step in place of the draft's; if 4 or more are "
+        "accepted it copies (proposes by lookup alone, the draft leaving it), else it tries "
+        "again later.",
     )
     prompt_lookup_min: int = option(
         3, "ngram: the shortest suffix looked up (2 matches code too loosely to pay)."

@@ -1,6 +1,7 @@
 """A GGUF model's weights read in place: the projections (a MoE layer's experts too), the
-embedding and the LM head kept in the file's own blocks (jaxinfer.layers.weights.GGUFWeight, multiplied by the block kernel of
-cpu_kernels.gguf_matmul), everything else (norms, biases) dequantized to float.
+embedding and the LM head kept in the file's own blocks (jaxinfer.layers.weights.GGUFWeight,
+multiplied by the block kernel of cpu_kernels.gguf_matmul), everything else (norms, biases, a
+MoE router) dequantized to float.
 
 Each weight kind is one buffer over the layers (u8[L, B], 64-byte aligned so that placing it
 on the CPU device does not copy it), filled by reading the file's bytes straight into it: the

@@ -134,16 +134,10 @@ def test_weights_read_in_place_are_the_converted_weights_in_engine_order(
         np.testing.assert_array_equal(params["layers"][name], floats["layers"][name])
 
 
-@needs_compiler
-@pytest.mark.parametrize("fixture", ["q4_gguf", "k_gguf"])
-@pytest.mark.parametrize("int8_activations", [False, True])
-def test_engine_on_blocks_matches_the_engine_on_float_weights(
-    fixture, int8_activations, request, cpu_kernel_dir
-):
-    """Greedy tokens the same and logprobs close: exact activations differ from the float
-    weights' products by summation order, int8 ones by their rounding too."""
-    path, _ = request.getfixturevalue(fixture)
-    options = dict(
+def comparison_options(cpu_kernel_dir) -> dict:
+    """The engines compared on blocks and on float weights: prompt chunks and decodes of
+    three requests, the C++ kernels of the session's builds."""
+    return dict(
         max_num_batched_tokens=8,
         token_buckets=(1, 2, 8),
         max_num_seqs=3,
@@ -153,6 +147,18 @@ def test_engine_on_blocks_matches_the_engine_on_float_weights(
         compilation_cache=False,
         matmul_impl="cpu",
     )
+
+
+@needs_compiler
+@pytest.mark.parametrize("fixture", ["q4_gguf", "k_gguf"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_engine_on_blocks_matches_the_engine_on_float_weights(
+    fixture, int8_activations, request, cpu_kernel_dir
+):
+    """Greedy tokens the same and logprobs close: exact activations differ from the float
+    weights' products by summation order, int8 ones by their rounding too."""
+    path, _ = request.getfixturevalue(fixture)
+    options = comparison_options(cpu_kernel_dir)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [11, 12], [20, 21, 22]]
     runs = {}

@@ -17,7 +17,7 @@ from jaxinfer.layers.weights import GGUFWeight
 from jaxinfer.model_loader.gguf_weights import load_gguf_params
 from jaxinfer.model_loader.model_cache import gguf_folder
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
-from tests.engine.test_gguf_blocks import converted
+from tests.engine.test_gguf_blocks import comparison_options, converted
 from tests.support.engines import build_llm
 from tests.support.gguf import write_gguf
 from tests.support.models import make_family_model
@@ -97,16 +97,7 @@ def test_engine_on_expert_blocks_matches_the_engine_on_float_weights(
     requests (experts of one, several and no rows): exact activations differ from the float
     weights' products by summation order, int8 ones by their rounding too."""
     path, _ = moe_gguf
-    options = dict(
-        max_num_batched_tokens=8,
-        token_buckets=(1, 2, 8),
-        max_num_seqs=3,
-        block_size=8,
-        num_kv_blocks=32,
-        cache_dir=str(cpu_kernel_dir.parent),
-        compilation_cache=False,
-        matmul_impl="cpu",
-    )
+    options = comparison_options(cpu_kernel_dir)
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [11, 12], [20, 21, 22]]
     runs = {}

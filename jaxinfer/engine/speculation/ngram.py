@@ -35,9 +35,10 @@ class NgramIndex:
 
     def propose(self, tokens: list[int], count: int, min_n: int | None = None) -> list[int]:
         """The `count` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` found (of at least `min_n` tokens, default the index's), copied as LZ77 copies a match that overlaps its own output: where
-        the copy reaches the end of `tokens` it goes on over the tokens it proposed (a loop of
-        period p, found p tokens back, is proposed for `count` tokens, not p)."""
+        of `tokens` found (of at least `min_n` tokens, default the index's), copied as LZ77
+        copies a match that overlaps its own output: where the copy reaches the end of
+        `tokens` it goes on over the tokens it proposed (a loop of period p, found p tokens
+        back, is proposed for `count` tokens, not p)."""
         if count <= 0:
             return []
         end = self.match(tokens, min_n)

@@ -103,7 +103,7 @@ def propose_with_draft(
                 spec.lookup_probe = False
                 spec.record_failed_probe()
     wanted, idle = [], []
-    feed = []  # lookup probes whose last two tokens the draft runs over first (a dropped proposal)
+    feed = []  # probes whose last two tokens the draft runs over first (a dropped proposal)
     left = 0
     for request, room in proposal_candidates(running, scheduler.config.max_model_len):
         spec = request.spec
@@ -156,10 +156,10 @@ def propose_with_draft(
 
 def lookup_probe(request: Request, room: int) -> bool:
     """Whether the request tries prompt lookup's proposals this step in place of the draft's
-    (SpecState.lookup_probe, draft_prompt_lookup): its last prompt_lookup_max tokens occurred
-    in its prompt, the latest time they occurred. The draft runs over the step's tokens with it (DraftModel.extend), and over its
-    last two tokens first where it has not (propose_with_draft), so it can take the request
-    back."""
+    (SpecState.lookup_probe, draft_prompt_lookup): the latest earlier occurrence of its last
+    prompt_lookup_max tokens is in its prompt. The draft runs over the step's tokens with it
+    (DraftModel.extend), and over its last two tokens first where it has not
+    (propose_with_draft), so it can take the request back."""
     spec = request.spec
     index = spec.index
     if index is None:

@@ -41,8 +41,13 @@ class NgramIndex:
         back, is proposed for `count` tokens, not p)."""
         if count <= 0:
             return []
-        end = self.match(tokens, min_n)
-        if end is None:
+        return self.follow(tokens, self.match(tokens, min_n), count)
+
+    @staticmethod
+    def follow(tokens: list[int], end: int | None, count: int) -> list[int]:
+        """The `count` tokens after the occurrence that ends at `end` (a match), copied on
+        over the copy where it reaches the end of `tokens`; none without a match."""
+        if end is None or count <= 0:
             return []
         proposed = tokens[end + 1 : end + 1 + count]
         while len(proposed) < count:

@@ -172,7 +172,7 @@ def lookup_probe(request: Request, room: int) -> bool:
     end = index.match(request.all_token_ids, min_n=index.max_n)
     if end is None or end >= request.num_prompt_tokens:
         return False
-    tokens = index.propose(request.all_token_ids, min(spec.limit, room), min_n=index.max_n)
+    tokens = index.follow(request.all_token_ids, end, min(spec.limit, room))
     request.spec_token_ids, spec.lookup_probe = tokens, True
     return True
 

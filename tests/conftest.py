@@ -117,3 +117,12 @@ def cpu_attention(cpu_kernel_dir):
     from cpu_kernels.paged_attention.kernel import load_paged_attention
 
     return load_paged_attention(cpu_kernel_dir)
+
+
+@pytest.fixture(scope="session")
+def cpu_compressed(cpu_kernel_dir):
+    """DeepSeek-V4's C++ attention and indexer (cpu_kernels.compressed_attention), built once
+    per session."""
+    from cpu_kernels.compressed_attention.kernel import load_compressed_attention
+
+    return load_compressed_attention(cpu_kernel_dir)

@@ -43,6 +43,12 @@ flags.DEFINE_list("contexts", ["1024", "8192", "65536"], "Tokens of context per 
 flags.DEFINE_integer("steps", 10, "Timed steps per point (after two warm-up steps).")
 flags.DEFINE_integer("layers", 8, "Layers of each model.")
 flags.DEFINE_integer("hidden_size", 256, "The models' hidden size.")
+flags.DEFINE_list(
+    "impls",
+    ["auto"],
+    "compressed_attention_impl values to time each model with (reference, cpu, auto), side by "
+    "side in one run.",
+)
 flags.DEFINE_string("output_json", None, "Also write the rows here.")
 
 BLOCK_SIZE = 16
@@ -105,7 +111,7 @@ def held_bytes(groups: list[dict], context: int) -> int:
     return int(total)
 
 
-def measure(folder: Path, context: int) -> tuple[float, int]:
+def measure(folder: Path, context: int, impl: str) -> tuple[float, int]:
     """Seconds per decode step at `context`, and the bytes the request holds. The engine is
     sized for that context (max_model_len): the pure-JAX references' shapes, and so their
     cost, follow the longest context a request may reach."""
@@ -119,6 +125,7 @@ def measure(folder: Path, context: int) -> tuple[float, int]:
         max_num_batched_tokens=16,
         token_buckets=(16,),
         enable_prefix_caching=False,
+        compressed_attention_impl=impl,
     )
     config, kernels = configure(options, folder)
     partitioner = Partitioner(make_mesh(1))
@@ -157,17 +164,28 @@ def main(argv):
     with tempfile.TemporaryDirectory() as tmp:
         for name, (layer_types, window) in models.items():
             folder = write_model(Path(tmp) / name, layer_types, window, max(contexts))
-            times, held = zip(*(measure(folder, c) for c in contexts), strict=True)
-            rows[name] = {"step_seconds": times, "kv_bytes": held}
-            shown = ", ".join(
-                f"{c}: {t * 1e3:.2f} ms, {b / 2**20:.2f} MiB"
-                for c, t, b in zip(contexts, times, held, strict=True)
-            )
-            print(f"{name:10s}: {shown}", flush=True)
-    for what in ("step_seconds", "kv_bytes"):
-        ratios = [c / d for c, d in zip(rows["compressed"][what], rows["dense"][what], strict=True)]
-        shown = ", ".join(f"{c}: {r:.3f}x" for c, r in zip(contexts, ratios, strict=True))
-        print(f"compressed / dense {what}: {shown}")
+            for impl in FLAGS.impls:
+                times, held = zip(*(measure(folder, c, impl) for c in contexts), strict=True)
+                rows[f"{name}[{impl}]"] = {"step_seconds": times, "kv_bytes": held}
+                shown = ", ".join(
+                    f"{c}: {t * 1e3:.2f} ms, {b / 2**20:.2f} MiB"
+                    for c, t, b in zip(contexts, times, held, strict=True)
+                )
+                print(f"{name}[{impl}]: {shown}", flush=True)
+
+    def ratios(over: str, under: str, what: str) -> str:
+        pairs = zip(rows[over][what], rows[under][what], strict=True)
+        values = [a / b for a, b in pairs]
+        return ", ".join(f"{c}: {r:.3f}x" for c, r in zip(contexts, values, strict=True))
+
+    for impl in FLAGS.impls:
+        for what in ("step_seconds", "kv_bytes"):
+            print(f"compressed / dense {what} [{impl}]: " + ratios(
+                f"compressed[{impl}]", f"dense[{impl}]", what))  # fmt: skip
+    for name in models:
+        for impl in FLAGS.impls[1:]:
+            print(f"{name} step_seconds, {impl} / {FLAGS.impls[0]}: " + ratios(
+                f"{name}[{impl}]", f"{name}[{FLAGS.impls[0]}]", "step_seconds"))  # fmt: skip
     if FLAGS.output_json:
         Path(FLAGS.output_json).write_text(json.dumps({"contexts": contexts, **rows}, indent=2))
 

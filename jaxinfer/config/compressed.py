@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.config.cache_specs import CacheSpec, compressed_specs_of
+from jaxinfer.config.native import native_kernel, native_reasons
 from jaxinfer.config.options import EngineOptions, refuse_options
 
 PREFIX_CACHING_OFF = (
@@ -54,11 +55,17 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
 
 
 def compressed_attention_kernel(
-    options: EngineOptions, platform, arch: LlamaConfig, registry, reasons: dict[str, str]
+    options: EngineOptions,
+    platform,
+    arch: LlamaConfig,
+    dtype: str,
+    registry,
+    reasons: dict[str, str],
 ) -> tuple[str | None, dict[str, Callable]]:
     """(the kernels' name, the callables by kind: its attention, its Lightning Indexer and its
-    compressors' pooling), or (None, {}) for another model: the Pallas kernels on a GPU, the
-    references on CPU (no C++ kernels of them yet)."""
+    compressors' pooling), or (None, {}) for another model: the C++ attention and indexer on
+    XLA:CPU where they run (cpu_kernels.compressed_attention; the compressor the
+    reference's), the Pallas kernels on a GPU, else the references."""
     name = options.compressed_attention_impl
     if arch.compressed is None:
         if name != "auto":
@@ -66,11 +73,26 @@ def compressed_attention_kernel(
         return None, {}
     cpu = platform.backend == "cpu"
     reasons["attention"] = "not used: DeepSeek-V4's layers attend through compressed_attention"
-    if name == "auto":
-        name = "reference" if cpu else "pallas"
-        reasons["compressed_attention"] = (
-            "the reference on CPU (no C++ kernel of it yet)" if cpu else "the Pallas kernel"
+    if name in ("auto", "cpu"):
+        why = native_reasons(platform, options.tensor_parallel_size, dtype)
+        native, why_not = native_kernel(
+            platform, "compressed_attention", "compressed_attention_impl", name, why
         )
+        if native is not None:
+            if name == "auto":
+                reasons["compressed_attention"] = (
+                    "the C++ attention and indexer run here (the compressor: the reference)"
+                )
+            return "cpu", {
+                "compressed_attention": native.compressed_attention,
+                "lightning_indexer": native.lightning_indexer,
+                "compressor": registry.get("compressor", "reference"),
+            }
+        if name == "auto":
+            name = "reference" if cpu else "pallas"
+            reasons["compressed_attention"] = (
+                f"the reference: not the C++ kernels: {why_not}" if cpu else "the Pallas kernel"
+            )
     if name == "pallas" and cpu:
         raise ValueError(
             "compressed_attention_impl 'pallas' runs on a GPU (pallas_interpret on CPU)"

@@ -26,7 +26,7 @@ def layer_kernels(
     fields; the callables the model takes: ModelKernels' fields)."""
     delta, delta_fn = gated_delta_kernel(options, platform, arch, dtype, registry, reasons)
     compressed, compressed_fns = compressed_attention_kernel(
-        options, platform, arch, registry, reasons
+        options, platform, arch, dtype, registry, reasons
     )
     names = {"gated_delta": delta, "compressed_attention": compressed}
     fns = {} if delta_fn is None else {"gated_delta": delta_fn}

@@ -295,7 +295,7 @@ class EngineOptions:
     compressed_attention_impl: str = option(
         "auto",
         "DeepSeek-V4's attention, Lightning Indexer and compressor kernels (reference, "
-        "pallas, pallas_interpret) or auto; other models: auto only.",
+        "cpu, pallas, pallas_interpret) or auto; other models: auto only.",
     )
     reasoning_parser: str | None = option(
         None,

@@ -6,10 +6,12 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from cpu_kernels import build
+from cpu_kernels.compressed_attention.kernel import load_compressed_attention
 from cpu_kernels.gated_delta.kernel import load_gated_delta
 from cpu_kernels.gguf_matmul.kernel import load_gguf_matmul
 from cpu_kernels.lora.kernel import load_lora
@@ -17,13 +19,15 @@ from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 
 # The C++ kernels for XLA:CPU by name: each loader builds its kernel once into a folder and
-# returns it ready to call, or raises cpu_kernels.build.KernelBuildError.
-NATIVE_LOADERS: dict[str, Callable[[Path], Callable]] = {
+# returns it ready to call (compressed_attention: a pair of them, CompressedKernels), or
+# raises cpu_kernels.build.KernelBuildError.
+NATIVE_LOADERS: dict[str, Callable[[Path], Any]] = {
     "matmul": load_matmul,
     "gguf_matmul": load_gguf_matmul,
     "paged_attention": load_paged_attention,
     "lora": load_lora,
     "gated_delta": load_gated_delta,
+    "compressed_attention": load_compressed_attention,
 }
 
 
@@ -56,11 +60,11 @@ class Platform:
             return "no C++ compiler on PATH"
         return None
 
-    def load_native(self, name: str) -> Callable:
+    def load_native(self, name: str) -> Any:
         """The C++ kernel `name` (NATIVE_LOADERS), built on first use; KernelBuildError."""
         return _load_native(name, self.native_dir)
 
 
 @functools.cache
-def _load_native(name: str, folder: Path) -> Callable:
+def _load_native(name: str, folder: Path) -> Any:
     return NATIVE_LOADERS[name](folder)

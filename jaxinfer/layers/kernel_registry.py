@@ -17,12 +17,13 @@ The kinds, each with the signature of its pure-JAX reference:
   (a hybrid model's delta rule over a mixed batch, each request's state in its slot,
   pallas_kernels.gated_delta; the C++ kernel is loaded by the engine, cpu_kernels.gated_delta)
 - "compressed_attention": compressed_attention(q, kv, block_table, entries, entry_table,
-  picks, sinks, query_start_loc, positions, *, window, ratio, scale) -> [T, H, D]
-  (DeepSeek-V4's attention over its window and compressed entries,
-  pallas_kernels.compressed_attention)
+  picks, sinks, query_start_loc, positions, *, window, ratio, scale, kv_layer, entry_layer)
+  -> [T, H, D] (DeepSeek-V4's attention over its window and compressed entries, the stores
+  given as stacks over layers and the layer of each, pallas_kernels.compressed_attention; the
+  C++ kernels, cpu_kernels.compressed_attention, are loaded by the engine)
 - "lightning_indexer": indexer_topk(q, weights, keys, block_table, query_start_loc,
-  positions, *, ratio, topk, scale) -> i32[T, k] (DeepSeek-V4's picks of compressed entries,
-  pallas_kernels.lightning_indexer)
+  positions, *, ratio, topk, scale, layer) -> i32[T, k] (DeepSeek-V4's picks of compressed
+  entries, its keys a stack over layers, pallas_kernels.lightning_indexer)
 - "compressor": compress(kv, gate, bias, CompressorState, CompressorBatch, *, overlap)
   -> (entries [T, D], closes [T], state) (DeepSeek-V4's windows pooled into compressed
   entries, pallas_kernels.compressor)

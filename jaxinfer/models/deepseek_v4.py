@@ -226,7 +226,7 @@ def attention(
     kv = rope(rms_norm(x @ p["kv_proj"], p["kv_norm"], config.rms_norm_eps))  # [T, D]
     window = write_window(cache.window, layer, kv, batch.slot_mapping)
     entries, states = dict(cache.entries), dict(cache.states)
-    store = table = picks = None
+    store = table = picks = store_layer = None
     ratio = 1
     if kind != SLIDING_ATTENTION:
         key = KIND_KEYS[kind]
@@ -239,7 +239,9 @@ def attention(
         step = CompressorBatch(batch.query_start_loc, positions, batch.state_rows, batch.num_seqs)
 
         def pooled(prefix, store_key, state_key):
-            """The step's closed windows pooled, normed, RoPE'd and written to the store."""
+            """The step's closed windows pooled, normed, RoPE'd and written to the store;
+            returns the store of every layer of the kind (the kernels read layer `index` of
+            it in place)."""
             new, closes, state = kernels.compressor(
                 x @ c[prefix + "kv_proj"], x @ c[prefix + "gate_proj"],
                 c[prefix + "position_bias"], layer_state(states[state_key], index), step,
@@ -251,21 +253,22 @@ def attention(
             entries[store_key] = write_entries(
                 entries[store_key], index, new, closes, table, request, positions, ratio
             )
-            return entries[store_key][index]
+            return entries[store_key]
 
-        store = pooled("", key, key)
+        store, store_layer = pooled("", key, key), index
         if key == "csa":
             keys = pooled("index_", "index", "index")
             iq = (q_residual @ c["index_q_b_proj"]).reshape(tokens, v4.index_heads, -1)
             scores = (x @ c["index_weights_proj"]) * v4.index_heads**-0.5  # [T, Hi]
             picks = kernels.lightning_indexer(
                 rope(iq), scores, keys, table, batch.query_start_loc, positions,
-                ratio=ratio, topk=v4.index_topk, scale=v4.index_head_dim**-0.5,
+                ratio=ratio, topk=v4.index_topk, scale=v4.index_head_dim**-0.5, layer=index,
             )  # fmt: skip
     attn = kernels.compressed_attention(
-        q, window[layer], batch.block_tables, store, table, picks, p["sinks"],
+        q, window, batch.block_tables, store, table, picks, p["sinks"],
         batch.query_start_loc, positions,
         window=config.sliding_window, ratio=ratio, scale=dim**-0.5,
+        kv_layer=layer, entry_layer=store_layer,
     )  # fmt: skip
     attn = rope(attn, inverse=True)  # [T, H, D]
     grouped = attn.reshape(tokens, v4.o_groups, -1)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
+from pallas_kernels.compressed_attention.reference import layer_of
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
 from pallas_kernels.tiles import check_powers_of_two, next_power_of_two
 
@@ -108,9 +109,9 @@ def _kernel(
 
 def compressed_attention(
     q: jax.Array,  # f32[T, H, D]
-    kv: jax.Array,  # f32[NB, BS, D]
+    kv: jax.Array,  # f32[NB, BS, D] (or [L, ...] with kv_layer)
     block_table: jax.Array,  # i32[R, MB]
-    entries: jax.Array | None,  # f32[NBc, Bc, D] (None: none)
+    entries: jax.Array | None,  # f32[NBc, Bc, D] (None: none; or [Lc, ...] with entry_layer)
     entry_table: jax.Array | None,  # i32[R, MBc]
     picks: jax.Array | None,  # i32[T, k] (-1: none); None: every closed entry
     sinks: jax.Array,  # f32[H]
@@ -120,9 +121,12 @@ def compressed_attention(
     window: int,
     ratio: int,
     scale: float,
+    kv_layer: jax.Array | None = None,  # i32[]: kv's layer of a stack
+    entry_layer: jax.Array | None = None,  # i32[]: entries' layer of a stack
     interpret: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> jax.Array:  # f32[T, H, D]
+    kv, entries = layer_of(kv, kv_layer), layer_of(entries, entry_layer)
     num_tokens, heads, dim = q.shape
     check_powers_of_two("compressed-attention", head_dim=dim, block_size=kv.shape[1])
     padded = next_power_of_two(heads)

@@ -19,11 +19,17 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
 
 
+def layer_of(stack: jax.Array | None, layer: jax.Array | None) -> jax.Array | None:
+    """stack[layer] where a layer of a stack is asked for (the C++ kernels read it in place)."""
+    return stack if stack is None or layer is None else stack[layer]
+
+
 def compressed_attention(
     q: jax.Array,  # f32[T, H, D]
-    kv: jax.Array,  # f32[NB, BS, D], each position's K=V entry
+    kv: jax.Array,  # f32[NB, BS, D], each position's K=V entry (or [L, ...] with kv_layer)
     block_table: jax.Array,  # i32[R, MB]
-    entries: jax.Array | None,  # f32[NBc, Bc, D], compressed K=V entries (None: none)
+    entries: jax.Array | None,  # f32[NBc, Bc, D], compressed K=V entries (None: none; or
+    #                             [Lc, ...] with entry_layer)
     entry_table: jax.Array | None,  # i32[R, MBc]
     picks: jax.Array | None,  # i32[T, k], the indexer's (-1: none); None: every closed one
     sinks: jax.Array,  # f32[H], each head's sink logit
@@ -33,7 +39,10 @@ def compressed_attention(
     window: int,  # a query sees its own position and the window - 1 before it
     ratio: int,  # tokens per compressed entry
     scale: float,
+    kv_layer: jax.Array | None = None,  # i32[]: kv's layer of a stack
+    entry_layer: jax.Array | None = None,  # i32[]: entries' layer of a stack
 ) -> jax.Array:  # f32[T, H, D]
+    kv, entries = layer_of(kv, kv_layer), layer_of(entries, entry_layer)
     num_tokens = q.shape[0]
     block_size = kv.shape[1]
     request = token_request_index(query_start_loc, num_tokens)

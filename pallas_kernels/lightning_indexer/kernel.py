@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu_lowering
+from pallas_kernels.compressed_attention.reference import layer_of
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
 from pallas_kernels.tiles import check_powers_of_two, next_power_of_two
 
@@ -66,7 +67,7 @@ def _kernel(
 def indexer_topk(
     q: jax.Array,  # f32[T, H, Di]
     weights: jax.Array,  # f32[T, H]
-    keys: jax.Array,  # f32[NB, B, Di]
+    keys: jax.Array,  # f32[NB, B, Di] (or [L, ...] with layer)
     block_table: jax.Array,  # i32[R, MB]
     query_start_loc: jax.Array,  # i32[R + 1]
     positions: jax.Array,  # i32[T]
@@ -74,10 +75,12 @@ def indexer_topk(
     ratio: int,
     topk: int,
     scale: float,
+    layer: jax.Array | None = None,  # i32[]: keys' layer of a stack
     interpret: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> jax.Array:  # i32[T, min(k, E)]: entry indices, best first; -1 past the visible ones
     num_tokens, heads, dim = q.shape
+    keys = layer_of(keys, layer)
     per_block = keys.shape[1]
     check_powers_of_two("indexer", head_dim=dim, block_size=per_block)
     padded = next_power_of_two(heads)

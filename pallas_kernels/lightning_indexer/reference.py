@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.compressed_attention.reference import layer_of
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
 
 
@@ -32,7 +33,9 @@ def indexer_topk(
     ratio: int,  # tokens per entry
     topk: int,
     scale: float,  # Di ** -0.5
+    layer: jax.Array | None = None,  # i32[]: keys' layer of a stack
 ) -> jax.Array:  # i32[T, min(k, E)]: entry indices, best first; -1 past the visible ones
+    keys = layer_of(keys, layer)
     num_tokens = q.shape[0]
     request = token_request_index(query_start_loc, num_tokens)
     request = jnp.minimum(request, block_table.shape[0] - 1)  # (padding tokens: any row)

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from cpu_kernels.build import can_build
 from jaxinfer import SamplingParams
 from jaxinfer.config.compressed import PREFIX_CACHING_OFF
 from jaxinfer.layers.compressed_cache import allocate
+from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.model_loader.safetensors_loader import load_llama_params
 from jaxinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from jaxinfer.models.families.hf_config import config_from_dict, read_config
@@ -36,7 +38,7 @@ LENGTHS = (45, 30)  # 11 CSA entries (top 4 kept), 5 HCA windows closed
 
 
 class Harness:
-    def __init__(self, folder, hf):
+    def __init__(self, folder, hf, kernels: ModelKernels | None = None):
         self.config = read_config(folder / "config.json")
         params = load_llama_params(folder, self.config, np.float32)
         self.params = jax.tree.map(jnp.asarray, as_weights(self.config, params))
@@ -61,7 +63,10 @@ class Harness:
             ],
             np.int32,
         )
-        self.forward = jax.jit(lambda cache, batch: model.hidden_states(cache, batch))
+        kernels = kernels or ModelKernels()  # (the references)
+        self.forward = jax.jit(
+            lambda cache, batch: model.hidden_states(cache, batch, kernels=kernels)
+        )
 
     def step(self, chunks: list[tuple[int, int, int]]) -> None:
         """Runs (request, start, end) chunks as one step; checks each token's logits."""
@@ -127,19 +132,35 @@ def test_whole_prompts_in_one_step(harness_parts):
     Harness(*harness_parts).step([(0, 0, 45), (1, 0, 30)])
 
 
+# Windows that close inside a chunk, at its end and across steps; decodes of one token; a
+# request alone and beside another, in either order of the step.
+CHUNKED_STEPS = (
+    [(0, 0, 7), (1, 0, 13)],
+    [(0, 7, 8), (1, 13, 16)],
+    [(1, 16, 17), (0, 8, 9)],
+    [(0, 9, 30)],
+    [(1, 17, 29), (0, 30, 31)],
+    [(0, 31, 32), (1, 29, 30)],
+    [(0, 32, 45)],
+)
+
+
 def test_chunks_and_decodes_over_shuffled_blocks(harness_parts):
-    """Windows that close inside a chunk, at its end and across steps; decodes of one token;
-    a request alone and beside another, in either order of the step."""
     harness = Harness(*harness_parts)
-    for chunks in (
-        [(0, 0, 7), (1, 0, 13)],
-        [(0, 7, 8), (1, 13, 16)],
-        [(1, 16, 17), (0, 8, 9)],
-        [(0, 9, 30)],
-        [(1, 17, 29), (0, 30, 31)],
-        [(0, 31, 32), (1, 29, 30)],
-        [(0, 32, 45)],
-    ):
+    for chunks in CHUNKED_STEPS:
+        harness.step(chunks)
+
+
+def test_the_cpp_attention_and_indexer_give_hugging_faces_logits(harness_parts, cpu_compressed):
+    """The C++ kernels (cpu_kernels.compressed_attention) in place of the references, over
+    the same steps."""
+    native = cpu_compressed
+    kernels = ModelKernels(
+        compressed_attention=native.compressed_attention,
+        lightning_indexer=native.lightning_indexer,
+    )
+    harness = Harness(*harness_parts, kernels=kernels)
+    for chunks in CHUNKED_STEPS:
         harness.step(chunks)
 
 
@@ -207,6 +228,7 @@ def test_n_samples_each_keep_their_own_compressor_state_and_describe(served):
     resolved = described["resolved"]
     assert resolved["prefix_caching"] == {"value": False, "reason": PREFIX_CACHING_OFF}
     assert resolved["attention"]["reason"].startswith("not used")
+    assert resolved["compressed_attention"]["value"] == ("cpu" if can_build() else "reference")
 
 
 @pytest.mark.parametrize(

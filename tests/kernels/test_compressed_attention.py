@@ -22,6 +22,15 @@ IMPLEMENTATIONS = {
     "pallas": functools.partial(kernel.compressed_attention, interpret=True),
 }
 
+
+def implementation_of(name: str, request):
+    """The implementation `name`: the C++ kernel ("cpu", built once per session) or one of
+    IMPLEMENTATIONS."""
+    if name == "cpu":
+        return request.getfixturevalue("cpu_compressed").compressed_attention
+    return IMPLEMENTATIONS[name]
+
+
 HEADS, DIM, WINDOW, RATIO, BLOCK = 4, 16, 8, 4, 4
 
 
@@ -39,9 +48,9 @@ def expected_attention(q, kv, entries, picks, sinks, position, scale):
     return probs[:, :-1] @ keys
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "cpu"])
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_attention_over_the_window_and_the_compressed_entries(kind, implementation):
+def test_attention_over_the_window_and_the_compressed_entries(kind, implementation, request):
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
@@ -72,7 +81,9 @@ def test_attention_over_the_window_and_the_compressed_entries(kind, implementati
         picks = np.stack([rng.permutation(8)[:3] for _ in positions]).astype(np.int32)
         picks[0, 1] = -1  # (a query that found fewer to pick)
     scale = DIM**-0.5
-    attend = jax.jit(IMPLEMENTATIONS[implementation], static_argnames=("window", "ratio", "scale"))
+    attend = jax.jit(
+        implementation_of(implementation, request), static_argnames=("window", "ratio", "scale")
+    )
     got = attend(
         jnp.asarray(q, jnp.float32),
         jnp.asarray(kv_store, jnp.float32),

@@ -23,8 +23,16 @@ IMPLEMENTATIONS = {
 }
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_picks_are_hugging_faces_indexers(implementation):
+def implementation_of(name: str, request):
+    """The implementation `name`: the C++ kernel ("cpu", built once per session) or one of
+    IMPLEMENTATIONS."""
+    if name == "cpu":
+        return request.getfixturevalue("cpu_compressed").lightning_indexer
+    return IMPLEMENTATIONS[name]
+
+
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "cpu"])
+def test_picks_are_hugging_faces_indexers(implementation, request):
     import jax.numpy as jnp
     import torch
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
@@ -62,7 +70,9 @@ def test_picks_are_hugging_faces_indexers(implementation):
         weights_all.append(weights)
         positions_all.append(np.arange(length))
         expected += [{int(e) for e in row if e >= 0} for row in picks]
-    pick = jax.jit(IMPLEMENTATIONS[implementation], static_argnames=("ratio", "topk", "scale"))
+    pick = jax.jit(
+        implementation_of(implementation, request), static_argnames=("ratio", "topk", "scale")
+    )
     got = pick(
         jnp.asarray(np.concatenate(q_all), jnp.float32),
         jnp.asarray(np.concatenate(weights_all), jnp.float32),

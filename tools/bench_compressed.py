@@ -11,7 +11,9 @@ temporary folder and run by the engine's own loader and runner:
 - "dense": every layer attending to every position (a sliding window as long as the
   longest context; the same model otherwise).
 Each is timed on a decode step (one new token per request) whose requests hold `context`
-tokens; the cache contents are zeros (a step's cost does not depend on them). The KV bytes
+tokens, with each kernel implementation of --impls (`--impls=reference,cpu`: the pure-JAX
+references against the C++ kernels), their engines taking turns for --rounds; the cache
+contents are zeros (a step's cost does not depend on them). The KV bytes
 a request holds at each context come from the cache specs the engine allocates by
 (jaxinfer.config.cache_specs): the window's blocks, each kind's entries, the compressors'
 states.
@@ -40,7 +42,8 @@ from tools.decode import decode_batch, seconds_per_forward
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("contexts", ["1024", "8192", "65536"], "Tokens of context per request.")
-flags.DEFINE_integer("steps", 10, "Timed steps per point (after two warm-up steps).")
+flags.DEFINE_integer("steps", 30, "Timed steps per point and round (after two warm-up steps).")
+flags.DEFINE_integer("rounds", 3, "Rounds of the implementations in turn; medians reported.")
 flags.DEFINE_integer("layers", 8, "Layers of each model.")
 flags.DEFINE_integer("hidden_size", 256, "The models' hidden size.")
 flags.DEFINE_list(
@@ -111,26 +114,29 @@ def held_bytes(groups: list[dict], context: int) -> int:
     return int(total)
 
 
-def measure(folder: Path, context: int, impl: str) -> tuple[float, int]:
-    """Seconds per decode step at `context`, and the bytes the request holds. The engine is
-    sized for that context (max_model_len): the pure-JAX references' shapes, and so their
+def measure(folder: Path, context: int, impls: list[str]) -> tuple[list[float], int]:
+    """Seconds per decode step at `context` with each of `impls` (the median over --rounds,
+    the implementations' engines taking turns), and the bytes the request holds. The engine
+    is sized for that context (max_model_len): the pure-JAX references' shapes, and so their
     cost, follow the longest context a request may reach."""
     blocks = -(-context // BLOCK_SIZE)
-    options = EngineOptions(
-        model=str(folder),
-        block_size=BLOCK_SIZE,
-        num_kv_blocks=blocks + 2,
-        max_num_seqs=1,
-        max_model_len=context,
-        max_num_batched_tokens=16,
-        token_buckets=(16,),
-        enable_prefix_caching=False,
-        compressed_attention_impl=impl,
-    )
-    config, kernels = configure(options, folder)
-    partitioner = Partitioner(make_mesh(1))
-    graphdef, state, _ = load_model(folder, config, partitioner)
-    runner = ModelRunner(config, graphdef, state, kernels, partitioner, sampling=False)
+    runners = []
+    for impl in impls:
+        options = EngineOptions(
+            model=str(folder),
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=blocks + 2,
+            max_num_seqs=1,
+            max_model_len=context,
+            max_num_batched_tokens=16,
+            token_buckets=(16,),
+            enable_prefix_caching=False,
+            compressed_attention_impl=impl,
+        )
+        config, kernels = configure(options, folder)
+        partitioner = Partitioner(make_mesh(1))
+        graphdef, state, _ = load_model(folder, config, partitioner)
+        runners.append(ModelRunner(config, graphdef, state, kernels, partitioner, sampling=False))
     arch = config.model.arch
     batch = decode_batch(1, context, BLOCK_SIZE, arch.vocab_size, blocks)
     # the block-table row's entry columns: each kind's entries on blocks 1..
@@ -140,12 +146,14 @@ def measure(folder: Path, context: int, impl: str) -> tuple[float, int]:
         row[:, start:end] = 1 + np.arange(end - start)
     batch = dataclasses.replace(batch, block_tables=row, state_rows=np.zeros(1, np.int32))
     batch = jax.device_put(batch)
-    seconds = seconds_per_forward(runner, batch, FLAGS.steps)
+    times = [
+        [seconds_per_forward(r, batch, FLAGS.steps) for r in runners] for _ in range(FLAGS.rounds)
+    ]
     groups = [
         describe_spec(spec, arch, config.cache.kv_format, dict(config.cache.entry_blocks))
         for spec in config.cache.layer_specs
     ]
-    return seconds, held_bytes(groups, context)
+    return [float(np.median(t)) for t in zip(*times, strict=True)], held_bytes(groups, context)
 
 
 def layout(layers: int) -> list[str]:
@@ -164,8 +172,10 @@ def main(argv):
     with tempfile.TemporaryDirectory() as tmp:
         for name, (layer_types, window) in models.items():
             folder = write_model(Path(tmp) / name, layer_types, window, max(contexts))
-            for impl in FLAGS.impls:
-                times, held = zip(*(measure(folder, c, impl) for c in contexts), strict=True)
+            measured = [measure(folder, c, FLAGS.impls) for c in contexts]
+            for index, impl in enumerate(FLAGS.impls):
+                times = [m[0][index] for m in measured]
+                held = [m[1] for m in measured]
                 rows[f"{name}[{impl}]"] = {"step_seconds": times, "kv_bytes": held}
                 shown = ", ".join(
                     f"{c}: {t * 1e3:.2f} ms, {b / 2**20:.2f} MiB"

@@ -1,4 +1,4 @@
-// DeepSeek-V4's attention and its Lightning Indexer for XLA:CPU through the XLA FFI (AVX2 +
+// DeepSeek-V4's attention, its Lightning Indexer and its compressor (compressor.h) for XLA:CPU through the XLA FFI (AVX2 +
 // FMA), one call over a flattened mixed batch, with the semantics of their pure-JAX
 // references (pallas_kernels/compressed_attention/reference.py,
 // pallas_kernels/lightning_indexer/reference.py):
@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common.h"
+#include "compressor.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -272,6 +273,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferIndexerTopk, IndexerTopk,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // picks [T, k]
                                   .Attr<int64_t>("ratio")
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCompressor, compressor::Compress,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv [T, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate [T, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // bias [m, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // buffer_kv [L, S, m, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // buffer_gate [L, S, m, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // previous_kv [L, S, m, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // previous_gate [L, S, m, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [R + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // state_rows [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // the layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // entries [T, D]
+                                  .Ret<ffi::Buffer<ffi::PRED>>()  // closes [T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // buffer_kv (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // buffer_gate (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // previous_kv (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // previous_gate (aliased)
+                                  .Attr<bool>("overlap"));
 
 extern "C" int jaxinfer_compressed_attention_supported() {
   __builtin_cpu_init();

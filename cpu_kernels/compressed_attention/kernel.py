@@ -1,21 +1,25 @@
-"""DeepSeek-V4's attention and Lightning Indexer on XLA:CPU through the C++ kernels in
-kernel.cc (float32), with the signatures of their pure-JAX references
-(pallas_kernels.compressed_attention.reference.compressed_attention and
-pallas_kernels.lightning_indexer.reference.indexer_topk):
+"""DeepSeek-V4's attention, Lightning Indexer and compressor on XLA:CPU through the C++
+kernels in kernel.cc and compressor.h (float32), with the signatures of their pure-JAX
+references (pallas_kernels.compressed_attention.reference.compressed_attention,
+pallas_kernels.lightning_indexer.reference.indexer_topk,
+pallas_kernels.compressor.reference.compress):
 
     kernels = load_compressed_attention(build_dir)   # compiles kernel.cc once, registers it
+    new, closes, state = kernels.compressor(kv, gate, bias, state, batch, overlap=...)
     picks = kernels.lightning_indexer(q, weights, keys, table, query_start_loc, positions, ...)
     out = kernels.compressed_attention(q, kv, block_table, entries, table, picks, sinks, ...)
 
-The stores may come as stacks over layers with the layer to read (`kv_layer`, `entry_layer`,
-`layer`), which the kernels read in place: a layer sliced out of the cache would be copied for
-the call. Each reads only what a real token sees (its window's positions, its closed entries or its
-picks), where the references gather every token's whole window and store; padding tokens
-(past query_start_loc[R]) get zeros and no picks. The compressor stays the reference's.
+The stores and the compressors' states may come as stacks over layers with the layer to read
+(`kv_layer`, `entry_layer`, `layer`): the kernels read them in place (a layer sliced out of the
+cache would be copied for the call), and the compressor updates its layer's rows in place (its
+outputs alias the state). Each reads only what a real token sees (its window's positions, its
+closed entries or its picks), where the references gather every token's whole window and
+store; padding tokens (past query_start_loc[R]) get zeros and no picks.
 
 T: tokens, R: requests, H: heads, D: head dim, NB / BS: the window's blocks and tokens per
 block, MB: its blocks per request, NBc / Bc / MBc: the same for the compressed entries, k:
-picks, Di: the indexer's head dim.
+picks, Di: the indexer's head dim, S: state slots, m: tokens per entry, F: the compressor's
+features (D, or 2D for CSA's two series).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels.build import KernelBuildError, build, load, register
+from pallas_kernels.compressor.reference import CompressorBatch, CompressorState
 
 SOURCE = Path(__file__).with_name("kernel.cc")
 ATTENTION_TARGET = "jaxinfer_compressed_attention"
 INDEXER_TARGET = "jaxinfer_indexer_topk"
+COMPRESSOR_TARGET = "jaxinfer_compressor"
 WINDOW_ONLY, EVERY_ENTRY, PICKED_ENTRIES = 0, 1, 2  # the attention's modes
 
 
@@ -116,6 +122,48 @@ def indexer_topk(
     )
 
 
+def compress(
+    kv: jax.Array,  # f32[T, F], the step's tokens projected (kv_proj)
+    gate: jax.Array,  # f32[T, F] (gate_proj)
+    bias: jax.Array,  # f32[m, F], position_bias
+    state: CompressorState,  # each [S, m, *] (or [L, S, m, *] with layer)
+    batch: CompressorBatch,
+    *,
+    overlap: bool,  # CSA's two series (F = 2D); else HCA (F = D)
+    layer: jax.Array | None = None,  # i32[]: the state's layer of a stack, updated in place
+) -> tuple[jax.Array, jax.Array, CompressorState]:
+    """(entries f32[T, D], closes bool[T], the state after the step: the whole stack with
+    `layer`), as pallas_kernels.compressor.reference.compress."""
+    check_float32("compressor", kv=kv, gate=gate, bias=bias, **state._asdict())
+    single = layer is None
+    if single:
+        state, layer = CompressorState(*(a[None] for a in state)), jnp.zeros((), jnp.int32)
+    num_tokens, features = kv.shape
+    dim = features // 2 if overlap else features
+    shapes = (
+        jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens,), jnp.bool_),
+        *(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in state),
+    )
+    i32 = jnp.int32
+    entries, closes, *new = jax.ffi.ffi_call(
+        COMPRESSOR_TARGET, shapes, input_output_aliases={3: 2, 4: 3, 5: 4, 6: 5}
+    )(
+        kv,
+        gate,
+        bias,
+        *state,
+        batch.query_start_loc.astype(i32),
+        batch.positions.astype(i32),
+        batch.state_rows.astype(i32),
+        jnp.asarray(batch.num_seqs, i32).reshape(1),
+        jnp.asarray(layer, i32),
+        overlap=overlap,
+    )
+    new = CompressorState(*(a[0] for a in new) if single else new)
+    return entries, closes, new
+
+
 def stacked(array: jax.Array, layer: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """(a stack over layers, the layer to read as i32[]): a single layer as a stack of one."""
     if layer is None:
@@ -132,6 +180,7 @@ def check_float32(name: str, **arrays) -> None:
 class CompressedKernels(NamedTuple):
     compressed_attention: object  # compressed_attention above
     lightning_indexer: object  # indexer_topk above
+    compressor: object  # compress above
 
 
 def load_compressed_attention(build_dir: Path) -> CompressedKernels:
@@ -143,4 +192,5 @@ def load_compressed_attention(build_dir: Path) -> CompressedKernels:
         raise KernelBuildError("the CPU compressed attention kernels need AVX2 and FMA")
     register(library, "JaxinferCompressedAttention", ATTENTION_TARGET)
     register(library, "JaxinferIndexerTopk", INDEXER_TARGET)
-    return CompressedKernels(compressed_attention, indexer_topk)
+    register(library, "JaxinferCompressor", COMPRESSOR_TARGET)
+    return CompressedKernels(compressed_attention, indexer_topk, compress)

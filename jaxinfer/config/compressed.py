@@ -63,9 +63,9 @@ def compressed_attention_kernel(
     reasons: dict[str, str],
 ) -> tuple[str | None, dict[str, Callable]]:
     """(the kernels' name, the callables by kind: its attention, its Lightning Indexer and its
-    compressors' pooling), or (None, {}) for another model: the C++ attention and indexer on
-    XLA:CPU where they run (cpu_kernels.compressed_attention; the compressor the
-    reference's), the Pallas kernels on a GPU, else the references."""
+    compressors' pooling), or (None, {}) for another model: the C++ kernels on XLA:CPU where
+    they run (cpu_kernels.compressed_attention), the Pallas kernels on a GPU, else the
+    references."""
     name = options.compressed_attention_impl
     if arch.compressed is None:
         if name != "auto":
@@ -80,14 +80,8 @@ def compressed_attention_kernel(
         )
         if native is not None:
             if name == "auto":
-                reasons["compressed_attention"] = (
-                    "the C++ attention and indexer run here (the compressor: the reference)"
-                )
-            return "cpu", {
-                "compressed_attention": native.compressed_attention,
-                "lightning_indexer": native.lightning_indexer,
-                "compressor": registry.get("compressor", "reference"),
-            }
+                reasons["compressed_attention"] = "the C++ kernels run here"
+            return "cpu", native._asdict()
         if name == "auto":
             name = "reference" if cpu else "pallas"
             reasons["compressed_attention"] = (

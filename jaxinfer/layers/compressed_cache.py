@@ -115,14 +115,6 @@ def _state(layers: int, slots: int, ratio: int, dim: int, series: int, zeros) ->
     return CompressorState(*(zeros(s, jnp.float32) for s in (buffer, buffer, previous, previous)))
 
 
-def layer_state(state: CompressorState, index: int) -> CompressorState:
-    return CompressorState(*(a[index] for a in state))
-
-
-def with_layer_state(state: CompressorState, index: int, new: CompressorState) -> CompressorState:
-    return CompressorState(*(a.at[index].set(b) for a, b in zip(state, new, strict=True)))
-
-
 def write_entries(
     store: jax.Array,  # [Lk, NBk, B, Dk], the kind's stores
     layer: int,  # the layer's index among the kind's

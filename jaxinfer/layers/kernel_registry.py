@@ -24,9 +24,9 @@ The kinds, each with the signature of its pure-JAX reference:
 - "lightning_indexer": indexer_topk(q, weights, keys, block_table, query_start_loc,
   positions, *, ratio, topk, scale, layer) -> i32[T, k] (DeepSeek-V4's picks of compressed
   entries, its keys a stack over layers, pallas_kernels.lightning_indexer)
-- "compressor": compress(kv, gate, bias, CompressorState, CompressorBatch, *, overlap)
+- "compressor": compress(kv, gate, bias, CompressorState, CompressorBatch, *, overlap, layer)
   -> (entries [T, D], closes [T], state) (DeepSeek-V4's windows pooled into compressed
-  entries, pallas_kernels.compressor)
+  entries, the state a stack over layers and the layer to update, pallas_kernels.compressor)
 
 Built in: "reference" (pure JAX), "pallas" (the Pallas kernels, lowered for the GPU),
 "pallas_interpret" (the same kernels through Pallas' interpreter: slow, for tests on CPU) and,
@@ -110,8 +110,8 @@ class ModelKernels:
     compressed_attention: Callable = compressed_attention_reference
     # Its Lightning Indexer's picks: indexer_topk_reference(q, weights, keys, ...) -> i32[T, k].
     lightning_indexer: Callable = indexer_topk_reference
-    # Its compressors' pooling: compress_reference(kv, gate, bias, state, batch, *, overlap)
-    # -> (entries [T, D], closes [T], state).
+    # Its compressors' pooling: compress_reference(kv, gate, bias, state, batch, *, overlap,
+    # layer) -> (entries [T, D], closes [T], state).
     compressor: Callable = compress_reference
     # Every reduction of the step in an order fixed per row (EngineOptions.batch_invariant):
     # the final norm through `add_rms_norm`, the sampler's sums as trees (layers.invariant).

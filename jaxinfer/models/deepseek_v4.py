@@ -37,8 +37,6 @@ from jaxinfer.arch_config import (
 from jaxinfer.layers.compressed_cache import (
     KIND_KEYS,
     CompressedCache,
-    layer_state,
-    with_layer_state,
     write_entries,
     write_window,
 )
@@ -242,12 +240,11 @@ def attention(
             """The step's closed windows pooled, normed, RoPE'd and written to the store;
             returns the store of every layer of the kind (the kernels read layer `index` of
             it in place)."""
-            new, closes, state = kernels.compressor(
+            new, closes, states[state_key] = kernels.compressor(
                 x @ c[prefix + "kv_proj"], x @ c[prefix + "gate_proj"],
-                c[prefix + "position_bias"], layer_state(states[state_key], index), step,
-                overlap=key == "csa",
+                c[prefix + "position_bias"], states[state_key], step,
+                overlap=key == "csa", layer=index,
             )  # fmt: skip
-            states[state_key] = with_layer_state(states[state_key], index, state)
             new = rms_norm(new, c[prefix + "kv_norm"], config.rms_norm_eps)
             new = rope(new, at=((positions + 1) // ratio - 1) * ratio)  # the window's start
             entries[store_key] = write_entries(

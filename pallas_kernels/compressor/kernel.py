@@ -29,8 +29,10 @@ from pallas_kernels import gpu_lowering
 from pallas_kernels.compressor.reference import (
     CompressorBatch,
     CompressorState,
+    layer_state,
     next_state,
     token_fields,
+    with_layer_state,
 )
 from pallas_kernels.tiles import check_powers_of_two
 
@@ -99,11 +101,19 @@ def compress(
     batch: CompressorBatch,
     *,
     overlap: bool,  # CSA's two series (F = 2D); else HCA (F = D)
+    layer: jax.Array | None = None,  # i32[]: the state's layer of a stack ([L, S, m, *])
     interpret: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> tuple[jax.Array, jax.Array, CompressorState]:
     """Returns (entries f32[T, D]: the pooled entry of the window each token closes, zeros
-    for the others; closes bool[T]; the state after the step), as the reference."""
+    for the others; closes bool[T]; the state after the step: with `layer`, the whole
+    stack), as the reference."""
+    if layer is not None:
+        entries, closes, new = compress(
+            kv, gate, bias, layer_state(state, layer), batch, overlap=overlap,
+            interpret=interpret, launch=launch,
+        )  # fmt: skip
+        return entries, closes, with_layer_state(state, layer, new)
     num_tokens, features = kv.shape
     ratio = bias.shape[0]
     dim = features // 2 if overlap else features

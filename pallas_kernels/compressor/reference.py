@@ -49,9 +49,16 @@ def compress(
     batch: CompressorBatch,
     *,
     overlap: bool,  # CSA's two series (F = 2D); else HCA (F = D)
+    layer: jax.Array | None = None,  # i32[]: the state's layer of a stack ([L, S, m, *])
 ) -> tuple[jax.Array, jax.Array, CompressorState]:
     """Returns (entries f32[T, D]: the pooled entry of the window each token closes, zeros
-    for the others; closes bool[T]; the state after the step)."""
+    for the others; closes bool[T]; the state after the step: with `layer`, the whole stack
+    with that layer's updated)."""
+    if layer is not None:
+        entries, closes, new = compress(
+            kv, gate, bias, layer_state(state, layer), batch, overlap=overlap
+        )
+        return entries, closes, with_layer_state(state, layer, new)
     num_tokens, features = kv.shape
     ratio = bias.shape[0]
     dim = features // 2 if overlap else features
@@ -98,6 +105,16 @@ def compress(
     return entries, closes, next_state(kv, gate, state, batch, request, valid, row, first, overlap)
 
 
+def layer_state(state: CompressorState, layer) -> CompressorState:
+    """One layer's state of a stack."""
+    return CompressorState(*(a[layer] for a in state))
+
+
+def with_layer_state(state: CompressorState, layer, new: CompressorState) -> CompressorState:
+    """The stack with one layer's state replaced."""
+    return CompressorState(*(a.at[layer].set(b) for a, b in zip(state, new, strict=True)))
+
+
 def token_fields(
     batch: CompressorBatch, num_tokens: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -122,8 +139,9 @@ def next_state(kv, gate, state, batch, request, valid, row, first, overlap) -> C
     end = batch.positions[jnp.clip(last, 0, num_tokens - 1)] + 1  # [R], its next position
     open_after = end // ratio  # [R], the window open after the step
     in_open = valid & (pos >= open_after[request] * ratio)  # tokens the buffer keeps
-    slot = jnp.where(in_open, row * ratio + pos % ratio, -1)
     flat = (state.buffer_kv.shape[0] * ratio, features)
+    # (the others at an index past the end, which "drop" leaves out: -1 would wrap around)
+    slot = jnp.where(in_open, row * ratio + pos % ratio, flat[0])
     buffer_kv = (
         state.buffer_kv.reshape(flat).at[slot].set(kv, mode="drop").reshape(state.buffer_kv.shape)
     )

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.compressed_attention.reference import compressed_attention
+from pallas_kernels.compressor.reference import compress
 from pallas_kernels.lightning_indexer.reference import indexer_topk
 
 BLOCK, DIM, HEADS, INDEX_HEADS, INDEX_DIM, RATIO = 4, 24, 3, 4, 12, 4
@@ -21,6 +22,10 @@ STEPS = [(40, 9), (70, 1), (2, 1)]  # (position after the step, tokens in it) pe
 PAD = 5  # padding tokens after the real ones
 INDEXER_STATIC = ("ratio", "topk", "scale")
 ATTENTION_STATIC = ("window", "ratio", "scale")
+# the references, compiled (op by op they take seconds)
+reference_picks = jax.jit(indexer_topk, static_argnames=INDEXER_STATIC)
+reference_attention = jax.jit(compressed_attention, static_argnames=ATTENTION_STATIC)
+reference_compress = jax.jit(compress, static_argnames="overlap")
 
 
 def batch(rng):
@@ -42,7 +47,7 @@ def real_tokens() -> int:
     return sum(n for _, n in STEPS)
 
 
-@pytest.mark.parametrize("topk", [3, 8, 100])
+@pytest.mark.parametrize("topk", [3, 100])
 def test_picks_equal_the_references(cpu_compressed, topk):
     rng = np.random.default_rng(topk)
     _, entry_table, starts, positions = batch(rng)
@@ -52,7 +57,7 @@ def test_picks_equal_the_references(cpu_compressed, topk):
     weights = jnp.asarray(rng.normal(size=(tokens, INDEX_HEADS)), jnp.float32)
     args = (q, weights, keys, entry_table, starts, positions)
     options = dict(ratio=RATIO, topk=topk, scale=INDEX_DIM**-0.5)
-    want = np.asarray(indexer_topk(*args, **options))
+    want = np.asarray(reference_picks(*args, **options))
     got = np.asarray(
         jax.jit(cpu_compressed.lightning_indexer, static_argnames=INDEXER_STATIC)(*args, **options)
     )
@@ -77,12 +82,12 @@ def test_equal_scores_pick_the_lower_entries_first(cpu_compressed):
     got = np.asarray(cpu_compressed.lightning_indexer(*args, **options))
     np.testing.assert_array_equal(got[0], np.arange(5))  # position 31: 8 entries closed
     np.testing.assert_array_equal(
-        got[: real_tokens()], np.asarray(indexer_topk(*args, **options))[: real_tokens()]
+        got[: real_tokens()], np.asarray(reference_picks(*args, **options))[: real_tokens()]
     )
 
 
-@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-@pytest.mark.parametrize("window", [6, 1000])  # (1000: more than a request's blocks hold)
+# (a window of 1000: more than a request's blocks hold)
+@pytest.mark.parametrize(("kind", "window"), [("sliding", 1000), ("hca", 6), ("csa", 6)])
 def test_attention_equals_the_reference(cpu_compressed, kind, window):
     rng = np.random.default_rng(window)
     table, entry_table, starts, positions = batch(rng)
@@ -99,7 +104,7 @@ def test_attention_equals_the_reference(cpu_compressed, kind, window):
         None if kind == "sliding" else entry_table, picks, sinks, starts, positions,
     )  # fmt: skip
     options = dict(window=window, ratio=RATIO, scale=DIM**-0.5)
-    want = np.asarray(compressed_attention(*args, **options))
+    want = np.asarray(reference_attention(*args, **options))
     got = np.asarray(
         jax.jit(cpu_compressed.compressed_attention, static_argnames=ATTENTION_STATIC)(
             *args, **options
@@ -158,11 +163,11 @@ def test_a_layer_of_a_stack_is_read_in_place(cpu_compressed):
     real = real_tokens()
     for layer, entry_layer in [(2, 1), (0, 0)]:
         picks, out = native(jnp.int32(layer), jnp.int32(entry_layer))
-        want_picks = indexer_topk(
+        want_picks = reference_picks(
             iq, weights, keys[entry_layer], entry_table, starts, positions,
             ratio=RATIO, topk=5, scale=0.5,
         )  # fmt: skip
-        want = compressed_attention(
+        want = reference_attention(
             q, kv[layer], table, entries[entry_layer], entry_table, want_picks, sinks, starts,
             positions, window=6, ratio=RATIO, scale=0.25,
         )  # fmt: skip
@@ -172,3 +177,40 @@ def test_a_layer_of_a_stack_is_read_in_place(cpu_compressed):
         )
     with pytest.raises(Exception, match="layer out of range"):
         native(jnp.int32(3), jnp.int32(0))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["hca", "csa"])
+def test_the_compressor_updates_its_layer_of_the_stack_as_the_reference(cpu_compressed, overlap):
+    """A step of a prefill chunk closing windows, decodes (one closing, one inside a window)
+    and padding, on layer 1 of a stack of 3 holding random state: the same entries, and the
+    same stack after the step (the other layers and slots untouched), as the reference."""
+    from pallas_kernels.compressor.reference import CompressorBatch, CompressorState
+
+    ratio = RATIO if overlap else 8
+    features = 2 * DIM if overlap else DIM
+    rng = np.random.default_rng(2)
+    starts = np.asarray([0, 11, 12, 13, 13], np.int32)  # 3 requests, one padded
+    positions = np.concatenate([np.arange(5, 16), [23], [17], np.zeros(PAD)]).astype(np.int32)
+    batch = CompressorBatch(
+        jnp.asarray(starts), jnp.asarray(positions), jnp.asarray([2, 0, 3, 4], jnp.int32),
+        jnp.asarray([3], jnp.int32),
+    )  # fmt: skip
+    tokens = len(positions)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    state = CompressorState(
+        normal(3, 5, ratio, features), normal(3, 5, ratio, features),
+        normal(3, 5, ratio if overlap else 0, DIM), normal(3, 5, ratio if overlap else 0, DIM),
+    )  # fmt: skip
+    args = (normal(tokens, features), normal(tokens, features), normal(ratio, features))
+    want = reference_compress(*args, state, batch, overlap=overlap, layer=jnp.int32(1))
+    got = jax.jit(cpu_compressed.compressor, static_argnames="overlap")(
+        *args, state, batch, overlap=overlap, layer=jnp.int32(1)
+    )
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert np.asarray(got[1]).sum() >= 2  # (windows close in the chunk and in a decode)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(CompressorState._fields, got[2], want[2], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

@@ -151,15 +151,10 @@ def test_chunks_and_decodes_over_shuffled_blocks(harness_parts):
         harness.step(chunks)
 
 
-def test_the_cpp_attention_and_indexer_give_hugging_faces_logits(harness_parts, cpu_compressed):
-    """The C++ kernels (cpu_kernels.compressed_attention) in place of the references, over
-    the same steps."""
-    native = cpu_compressed
-    kernels = ModelKernels(
-        compressed_attention=native.compressed_attention,
-        lightning_indexer=native.lightning_indexer,
-    )
-    harness = Harness(*harness_parts, kernels=kernels)
+def test_the_cpp_kernels_give_hugging_faces_logits(harness_parts, cpu_compressed):
+    """The C++ attention, indexer and compressor (cpu_kernels.compressed_attention) in place
+    of the references, over the same steps."""
+    harness = Harness(*harness_parts, kernels=ModelKernels(**cpu_compressed._asdict()))
     for chunks in CHUNKED_STEPS:
         harness.step(chunks)
 

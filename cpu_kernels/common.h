@@ -1,5 +1,5 @@
-// Helpers shared by the C++ kernels: a horizontal sum, a vectorized exp, and a parallel loop
-// over XLA's intra-op thread pool.
+// Helpers shared by the C++ kernels: a horizontal sum, a dot product, a vectorized exp, and a
+// parallel loop over XLA's intra-op thread pool.
 #ifndef JAXINFER_CPU_KERNELS_COMMON_H_
 #define JAXINFER_CPU_KERNELS_COMMON_H_
 
@@ -20,6 +20,18 @@ inline float Sum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// sum_i a[i] * b[i].
+inline float Dot(const float* a, const float* b, int64_t count) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  float s = Sum(acc);
+  for (; i < count; ++i) s += a[i] * b[i];
+  return s;
 }
 
 // e^x for 8 floats (relative error about 2e-7 over the float range); 0 below about -87.3.

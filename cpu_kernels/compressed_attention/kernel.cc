@@ -37,16 +37,7 @@ namespace {
 
 constexpr int64_t kScoreChunk = 512;  // entries a scoring item takes
 
-float Dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  }
-  float sum = jaxinfer::Sum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
+using jaxinfer::Dot;
 
 // y += a * x over n floats.
 void Axpy(float a, const float* x, float* y, int64_t n) {

@@ -184,7 +184,7 @@ class CompressedKernels(NamedTuple):
 
 
 def load_compressed_attention(build_dir: Path) -> CompressedKernels:
-    """The two kernels, ready to call: builds kernel.cc into `build_dir` if needed and
+    """The three kernels, ready to call: builds kernel.cc into `build_dir` if needed and
     registers them. KernelBuildError without a C++ compiler, or on a CPU without AVX2 and
     FMA."""
     library = build(SOURCE, build_dir)

@@ -218,17 +218,7 @@ __attribute__((always_inline)) inline void Dequantize32(const uint8_t* run, __m2
   v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), s, b);
 }
 
-// sum_g a[g] * b[g].
-inline float Dot(const float* a, const float* b, int64_t count) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  }
-  float s = jaxinfer::Sum(acc);
-  for (; i < count; ++i) s += a[i] * b[i];
-  return s;
-}
+using jaxinfer::Dot;  // sum_g a[g] * b[g]
 
 // Rows [m0, m0 + MR) of x (float32) times int4 weight row `col`: each run of 32 weights
 // dequantized exactly in registers (never to memory), FMAs into Q accumulators per row.

@@ -19,7 +19,7 @@ from cpu_kernels.matmul.kernel import load_matmul
 from cpu_kernels.paged_attention.kernel import load_paged_attention
 
 # The C++ kernels for XLA:CPU by name: each loader builds its kernel once into a folder and
-# returns it ready to call (compressed_attention: a pair of them, CompressedKernels), or
+# returns it ready to call (compressed_attention: three of them, CompressedKernels), or
 # raises cpu_kernels.build.KernelBuildError.
 NATIVE_LOADERS: dict[str, Callable[[Path], Any]] = {
     "matmul": load_matmul,

@@ -124,13 +124,17 @@ def test_bench_compressed_reports_steps_and_kv_bytes_beside_dense(tmp_path):
         "--layers=4",
         "--hidden_size=64",
         "--steps=1",
+        "--rounds=1",
+        "--impls=reference,cpu",
         f"--output_json={output}",
     )
     report = json.loads(output.read_text())
     assert report["contexts"] == [256, 512]
     for name in ("compressed", "dense"):
-        assert min(report[name]["step_seconds"]) > 0
-    compressed, dense = report["compressed"]["kv_bytes"], report["dense"]["kv_bytes"]
+        for impl in ("reference", "cpu"):
+            assert min(report[f"{name}[{impl}]"]["step_seconds"]) > 0
+    compressed = report["compressed[cpu]"]["kv_bytes"]
+    dense = report["dense[cpu]"]["kv_bytes"]
     # the dense model's bytes about double with the context; the compressed one's grow by
     # its entries alone (its window's blocks and compressor states stay)
     assert dense[1] > 1.9 * dense[0]

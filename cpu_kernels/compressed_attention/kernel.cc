@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -198,7 +199,8 @@ ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (request[t] >= 0) visible[t] = std::clamp<int64_t>((pos[t] + 1) / ratio, 0, capacity);
   }
   const int64_t chunks = (capacity + kScoreChunk - 1) / kScoreChunk;
-  std::vector<float> scores(tokens * capacity);
+  // (uninitialized: a token reads only the visible entries it wrote)
+  const std::unique_ptr<float[]> scores(new float[tokens * capacity]);
   jaxinfer::ParallelFor(pool, tokens * chunks, [&](int64_t item) {
     const int64_t t = item / chunks, begin = item % chunks * kScoreChunk;
     const int64_t end = std::min(begin + kScoreChunk, visible[t]);
@@ -218,7 +220,7 @@ ffi::Error IndexerTopk(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     const int64_t count = std::min(topk, visible[t]);
     std::vector<int32_t> order(visible[t]);
     std::iota(order.begin(), order.end(), 0);
-    const float* score = scores.data() + t * capacity;
+    const float* score = scores.get() + t * capacity;
     std::partial_sort(order.begin(), order.begin() + count, order.end(),
                       [score](int32_t a, int32_t b) {
                         return score[a] > score[b] || (score[a] == score[b] && a < b);

@@ -45,9 +45,44 @@ def brute_force_proposal(tokens: list[int], count: int, min_n: int, max_n: int) 
 def test_ngram_proposals_match_brute_force(tokens, more, count, lengths):
     min_n, max_n = lengths[0], lengths[0] + lengths[1]
     index = NgramIndex(min_n, max_n)
-    index.propose(tokens, 1)  # indexed incrementally: first the prefix, then the rest
+    index.extend(tokens)  # indexed incrementally: first the prefix, then the rest
     full = tokens + more
     assert index.propose(full, count) == brute_force_proposal(full, count, min_n, max_n)
+
+
+def test_ngram_realigns_a_copy_after_an_edit():
+    """Where no n-gram matches after a step that took a copy's proposals but replaced one of
+    its tokens, the next proposal goes on with the copy: after the token the edit replaced,
+    or after the one it chose where that token comes a few later (it left some out). Only a
+    copy that has had REALIGN_AFTER tokens accepted goes on so (a chance match does not)."""
+    text = list(range(10, 40))
+    tokens = [*text, 10, 11, 12, 13]
+
+    def copying() -> tuple[NgramIndex, list[int]]:  # a copy with 5 tokens accepted
+        index = NgramIndex(3, 5)
+        assert index.propose(tokens, 4) == [14, 15, 16, 17]
+        accepted = [*tokens, 14, 15, 16, 17, 18]
+        assert index.propose(accepted, 4) == [19, 20, 21, 22]
+        return index, accepted
+
+    cases = {  # the step's new tokens: the next proposal
+        (19, 20, 99): [22, 23, 24, 25],  # 99 in place of 21
+        (19, 20, 23): [24, 25, 26, 27],  # 21 and 22 left out
+        (99,): [20, 21, 22, 23],  # 99 in place of 19
+        (19, 50, 60): [],  # it left the copy before its last token: no guess
+    }
+    for new, expected in cases.items():
+        index, accepted = copying()
+        assert index.propose([*accepted, *new], 4) == expected, new
+    # a guess that is itself edited goes on from where it was
+    index, accepted = copying()
+    assert index.propose([*accepted, 19, 20, 99], 4) == [22, 23, 24, 25]
+    assert index.propose([*accepted, 19, 20, 99, 22, 98], 4) == [24, 25, 26, 27]
+    # a copy with fewer accepted (2 here) is not gone on with; nor is there one at first
+    index = NgramIndex(3, 5)
+    index.propose(tokens, 4)
+    assert index.propose([*tokens, 14, 15, 99], 4) == []
+    assert NgramIndex(3, 5).propose([*tokens, 99], 4) == []
 
 
 def test_ngram_continues_a_loop_past_its_period():

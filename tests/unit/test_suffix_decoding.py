@@ -8,6 +8,7 @@ import random
 import pytest
 
 from jaxinfer.config import SpeculativeConfig
+from jaxinfer.engine.speculation.ngram import NgramIndex
 from jaxinfer.engine.speculation.suffix import RequestSuffix, SuffixProposer, SuffixTree
 
 
@@ -59,7 +60,7 @@ def test_tree_counts_every_substring(seed):
 def test_request_tree_grows_as_tokens_arrive():
     rng = random.Random(0)
     tokens = random_tokens(rng, 60)
-    grown = RequestSuffix(SuffixTree(6))
+    grown = RequestSuffix(SuffixTree(6), NgramIndex(3, 5))
     for end in (1, 7, 8, 30, 60):  # tokens arrive a few at a time
         grown.extend(tokens[:end])
     whole = SuffixTree(6)
@@ -136,3 +137,19 @@ def test_own_tokens_win_over_the_server_tree_when_they_score_higher():
     tokens = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]  # own history says 4, twice
     assert proposer.propose(state, tokens, room=1) == [4]
     assert proposer.propose(state, tokens, room=0) == []
+
+
+def test_a_copy_goes_on_past_an_edit_where_the_trees_propose_nothing():
+    """The trees' proposal copies the request's text; after a step whose last token replaced
+    one of it (a token they never saw, so they propose nothing), the copy goes on after the
+    replaced token (NgramIndex.realign), as n-gram proposals do."""
+    proposer = SuffixProposer(config(prompt_lookup_min=3, prompt_lookup_max=5))
+    state = proposer.new_state(4)
+    tokens = [*range(10, 40), *range(10, 20)]  # a text, then the start of its copy
+    assert proposer.propose(state, tokens, room=8) == [20, 21, 22, 23]
+    tokens += [20, 21, 22, 23, 24]  # all accepted
+    assert proposer.propose(state, tokens, room=8) == [25, 26, 27, 28]
+    edited = [*tokens, 25, 99]  # 25 accepted, 99 in place of 26
+    assert proposer.propose(state, edited, room=8) == [27, 28, 29, 30]
+    fresh = proposer.new_state(4)  # (no copy before it: nothing to go on with)
+    assert proposer.propose(fresh, edited, room=8) == []

@@ -15,6 +15,9 @@ from __future__ import annotations
 from jaxinfer.config import SpeculativeConfig
 from jaxinfer.engine.speculation.state import SpecState
 
+REALIGN_SPAN = 8  # tokens of a copy searched for the token an edit chose (NgramIndex.realign)
+REALIGN_AFTER = 4  # tokens a copy must have had accepted before realign goes on with it
+
 
 class NgramIndex:
     """Where each n-gram of a token sequence (n in [min_n, max_n]) last occurred, extended as
@@ -25,6 +28,11 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end index of its last
         self.num_indexed = 0  # n-grams ending before this index are in the table
+        # The last proposal's copy: where in the tokens it began, and how many tokens there
+        # were then (realign).
+        self.copied_from: int | None = None
+        self.proposed_at = 0
+        self.copy_run = 0  # its tokens accepted, in a row but for edits realign went past
 
     def extend(self, tokens: list[int]) -> None:
         """Indexes the n-grams that end before the last token (each has a successor)."""
@@ -38,10 +46,59 @@ class NgramIndex:
         of `tokens` found (of at least `min_n` tokens, default the index's), copied as LZ77
         copies a match that overlaps its own output: where the copy reaches the end of
         `tokens` it goes on over the tokens it proposed (a loop of period p, found p tokens
-        back, is proposed for `count` tokens, not p)."""
+        back, is proposed for `count` tokens, not p). Where no suffix matches, the last
+        proposal's copy goes on past an edit (realign)."""
         if count <= 0:
             return []
-        return self.follow(tokens, self.match(tokens, min_n), count)
+        end = self.match(tokens, min_n)
+        if end is None:
+            return self._copy(tokens, self.realign(tokens), count, realigned=True)
+        return self._copy(tokens, end, count, realigned=False)
+
+    def realigned(self, tokens: list[int], count: int) -> list[int]:
+        """The last proposal's copy past an edit alone (realign), as `propose` makes it."""
+        return self._copy(tokens, self.realign(tokens), count, realigned=True) if count else []
+
+    def note(self, tokens: list[int], proposed: list[int]) -> None:
+        """Another proposer proposed `proposed` after `tokens`: kept as a copy (for realign)
+        where it is what followed the latest occurrence of their longest suffix found."""
+        end = self.match(tokens) if proposed else None
+        copies = end is not None and self.follow(tokens, end, len(proposed)) == proposed
+        self._copy(tokens, end if copies else None, 0, realigned=False)
+
+    def _copy(self, tokens: list[int], end: int | None, count: int, realigned: bool) -> list[int]:
+        """The proposal after the match that ends at `end`, kept as the copy realign goes on
+        with; copy_run grows where it goes on with the last one's (past an edit, or where
+        every token since followed it), else starts again."""
+        start, since = self.copied_from, len(tokens) - self.proposed_at
+        if end is not None and realigned:
+            self.copy_run += since - 1
+        elif end is not None and start is not None and end + 1 == start + since:
+            self.copy_run += since
+        else:
+            self.copy_run = 0
+        self.copied_from = None if end is None else end + 1
+        self.proposed_at = len(tokens)
+        return self.follow(tokens, end, count)
+
+    def realign(self, tokens: list[int]) -> int | None:
+        """Where a copy the last proposal made likely goes on when no n-gram matches: an
+        edit. The tokens since then followed the copy but the last, which the model chose
+        in place of the copy's next token: if that token is in the copy's next REALIGN_SPAN
+        tokens, the copy resumes after it (the model left some out), else after the token
+        it replaced. The end of that match (as `match`), or None: no copy, one that has had
+        fewer than REALIGN_AFTER tokens accepted (a chance match, as chat's often are), or
+        the tokens since then left it before their last."""
+        start, since = self.copied_from, len(tokens) - self.proposed_at
+        if start is None or since < 1 or self.copy_run + since - 1 < REALIGN_AFTER:
+            return None
+        replaced = start + since - 1  # the copy's token the last one stands in place of
+        if replaced >= self.proposed_at or tokens[start:replaced] != tokens[self.proposed_at : -1]:
+            return None
+        window = tokens[replaced : min(replaced + REALIGN_SPAN, self.proposed_at)]
+        if tokens[-1] in window:
+            return replaced + window.index(tokens[-1])
+        return replaced
 
     @staticmethod
     def follow(tokens: list[int], end: int | None, count: int) -> list[int]:

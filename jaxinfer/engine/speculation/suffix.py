@@ -24,6 +24,7 @@ import collections
 import dataclasses
 
 from jaxinfer.config import SpeculativeConfig
+from jaxinfer.engine.speculation.ngram import NgramIndex
 from jaxinfer.engine.speculation.state import SpecState
 
 
@@ -157,9 +158,11 @@ def _size(node: Node) -> int:
 
 @dataclasses.dataclass
 class RequestSuffix:
-    """A request's own tree, grown as its tokens arrive."""
+    """A request's own tree, grown as its tokens arrive, and its n-gram index, which goes on
+    with a copy past an edit where the trees propose nothing (NgramIndex.realign)."""
 
     tree: SuffixTree
+    lookup: NgramIndex
     active: list[Node] = dataclasses.field(default_factory=list)
     num_added: int = 0
 
@@ -179,7 +182,11 @@ class SuffixProposer:
         self.cached_tokens = 0
 
     def new_state(self, limit: int) -> SpecState:
-        return SpecState(limit=limit, index=RequestSuffix(SuffixTree(self.config.suffix_max_depth)))
+        config = self.config
+        lookup = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        return SpecState(
+            limit=limit, index=RequestSuffix(SuffixTree(config.suffix_max_depth), lookup)
+        )
 
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`) after `tokens`, unless
@@ -192,7 +199,12 @@ class SuffixProposer:
         args = (tokens, count, config.suffix_min_token_prob, config.suffix_max_spec_factor)
         own, own_score = state.index.tree.speculate(*args)
         cached, cached_score = self.cache.speculate(*args)
-        return own if own_score >= cached_score else cached
+        proposed = own if own_score >= cached_score else cached
+        lookup = state.index.lookup
+        if not proposed:
+            return lookup.realigned(tokens, count)
+        lookup.note(tokens, proposed)
+        return proposed
 
     def finished(self, output_token_ids: list[int]) -> None:
         """Adds a finished request's output to the server's tree, evicting the oldest outputs

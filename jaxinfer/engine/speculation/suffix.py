@@ -11,7 +11,8 @@ that always went the same way proposes far, a short or ambiguous one little. Two
 asked, the request's own (its prompt and output, grown as tokens arrive) and the server's
 (the outputs of recently finished requests, at most `cache_max_tokens` tokens of them, oldest
 evicted first), and the proposal with the larger score (the sum of its tokens' path
-probabilities) wins.
+probabilities) wins. Where neither proposes anything, a copy of the request's own text that
+the last proposal made goes on past an edit (jaxinfer.engine.speculation.ngram's realign).
 
 Proposals are verified like n-gram proposals (jaxinfer.engine.speculation.ngram), so outputs
 are exactly those of decoding without them. The server's tree is shared by every request:

@@ -274,7 +274,7 @@ def report(method, llm, runs, rates, before, proposing: float) -> None:
             if control is not None
             else ""
         )
-        + (f"; suffix tree {llm.engine.speculation.host.memory()}" if method == "suffix" else ""),
+        + (f"; suffix index {llm.engine.speculation.host.memory()}" if method == "suffix" else ""),
         flush=True,
     )
 

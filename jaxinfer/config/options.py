@@ -233,13 +233,13 @@ class EngineOptions:
     prompt_lookup_max: int = option(5, "ngram: the longest suffix looked up.")
     suffix_max_depth: int = option(
         32,
-        "suffix: the longest substring the trees hold (matches use up to half of it, the "
-        "rest is for the proposal).",
+        "suffix: the longest match plus proposal (matches use up to half of it, the rest "
+        "is for the proposal).",
     )
     suffix_cache_max_tokens: int = option(
         16384,
-        "suffix: output tokens of finished requests the server's tree holds (oldest "
-        "evicted first); its nodes are at most this times suffix_max_depth.",
+        "suffix: output tokens of finished requests the server's index holds (oldest "
+        "evicted first); its entries are at most 4 per token.",
     )
     suffix_min_token_prob: float = option(
         0.1,

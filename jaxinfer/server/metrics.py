@@ -100,9 +100,9 @@ class ServerMetrics:
                 ["method"],
                 registry=self.registry,
             ).labels(method=engine.config.speculative.method).set(1)
-            self.suffix_nodes = gauge(
-                "spec_decode_suffix_tree_nodes",
-                "Nodes of suffix decoding's server tree of recent outputs (0: another method).",
+            self.suffix_entries = gauge(
+                "spec_decode_suffix_cache_entries",
+                "Entries of suffix decoding's server index of recent outputs (0: another method).",
             )
             self.spec_per_position = prom.Counter(
                 "jaxinfer:spec_decode_num_accepted_tokens_per_pos",
@@ -163,7 +163,7 @@ class ServerMetrics:
         ]:
             self.spec[key].inc(value - self._last.get("spec_" + key, 0))
             self._last["spec_" + key] = value
-        self.suffix_nodes.set(spec.suffix_tree_nodes)
+        self.suffix_entries.set(spec.suffix_cache_entries)
         seen = self._last_per_position
         for position, value in enumerate(spec.accepted_per_position):
             before = seen[position] if position < len(seen) else 0

@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.scheduling.scheduler import Scheduler
+from jaxinfer.engine.speculation.suffix import KEY
 from tests.support.checks import check_logprobs_close
 from tests.support.speculative import (
     BIAS,
@@ -124,7 +125,7 @@ def test_aborts_free_everything(speculative, cases, expected):
 def test_suffix_decoding_with_adaptive_plans_is_bit_identical(make_llm, cases, expected):
     """Suffix decoding, its proposals planned by measured step times: the same tokens as
     decoding without speculation; a second pass over the same prompts finds the first
-    pass's outputs in the server's tree, which stays within its bound."""
+    pass's outputs in the server's index, which stays within its bound."""
     prompts, params = cases
     llm = make_llm(
         "served",
@@ -147,7 +148,7 @@ def test_suffix_decoding_with_adaptive_plans_is_bit_identical(make_llm, cases, e
         )
     assert spec.num_accepted_tokens - before.num_accepted_tokens > 50
     memory = engine.speculation.host.memory()
-    assert 0 < memory["cached_tokens"] <= 600 and memory["nodes"] <= 600 * 32 + 1
+    assert 0 < memory["cached_tokens"] <= 600 and memory["entries"] <= 600 * KEY
 
 
 def test_adaptive_plans_follow_the_step_times(make_llm):

@@ -213,12 +213,12 @@ def test_prometheus_counters():
     stats.spec = spec.snapshot()
     text = metrics.render().decode()
     spec.record(1, 1)
-    spec.proposing_seconds, spec.suffix_tree_nodes = 0.25, 40
+    spec.proposing_seconds, spec.suffix_cache_entries = 0.25, 40
     stats.spec = spec.snapshot()
     text = metrics.render().decode()
     assert 'jaxinfer:spec_decode_method{method="ngram"} 1.0' in text
     assert "jaxinfer:spec_decode_proposing_seconds_total 0.25" in text
-    assert "jaxinfer:spec_decode_suffix_tree_nodes 40.0" in text
+    assert "jaxinfer:spec_decode_suffix_cache_entries 40.0" in text
     assert "jaxinfer:spec_decode_num_drafts_total 3.0" in text
     assert 'jaxinfer:kv_cache_capacity_tokens{kv_cache_dtype="auto"} 128.0' in text
     assert "jaxinfer:spec_decode_num_draft_tokens_total 9.0" in text

@@ -33,7 +33,7 @@ class SpecStats:
     num_accepted_tokens: int = 0  # of which accepted
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # by index
     proposing_seconds: float = 0.0  # host lookups or the draft's steps (set by the engine)
-    suffix_tree_nodes: int = 0  # suffix decoding's server tree (set by the engine)
+    suffix_cache_entries: int = 0  # suffix decoding's server index (set by the engine)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -1,5 +1,5 @@
 """Each step's proposals: which running requests propose (caught up to their last token, with
-room left), and what they propose, by n-grams, suffix trees or the draft model."""
+room left), and what they propose, by n-grams, suffix indexes or the draft model."""
 
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ class Speculation:
         tree's size."""
         stats.proposing_seconds = self.seconds
         if isinstance(self.host, SuffixProposer):
-            stats.suffix_tree_nodes = self.host.cache.num_nodes
+            stats.suffix_cache_entries = self.host.cache.num_entries
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """A step took `seconds`, the draft's proposing in it included (taken out: the plan

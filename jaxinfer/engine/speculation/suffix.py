@@ -1,26 +1,35 @@
-"""Suffix decoding (after Arctic Inference's SuffixDecoding): proposals from suffix trees over
-the request's own tokens and over recent requests' outputs.
+"""Suffix decoding (after Arctic Inference's SuffixDecoding): proposals from the request's own
+tokens and from recent requests' outputs.
 
-A SuffixTree holds every substring of up to `depth` tokens of the sequences added to it, as
-paths from its root, each node counting the occurrences of its substring. To propose after a
-request's tokens, the longest suffix of them found in a tree (a binary search: every suffix of
-a substring is one too, and so continues wherever it does) is followed by its most frequent continuation, token by token, while
-the product of the continuation's frequencies (child count / parent count) stays at or above
-`min_token_prob`, for at most `max_spec_factor` x the match's length tokens: a long match
-that always went the same way proposes far, a short or ambiguous one little. Two trees are
-asked, the request's own (its prompt and output, grown as tokens arrive) and the server's
-(the outputs of recently finished requests, at most `cache_max_tokens` tokens of them, oldest
-evicted first), and the proposal with the larger score (the sum of its tokens' path
-probabilities) wins. Where neither proposes anything, a copy of the request's own text that
-the last proposal made goes on past an edit (jaxinfer.engine.speculation.ngram's realign).
+A SuffixIndex holds sequences of tokens and, for each n-gram of up to KEY tokens, where its
+latest RECENT occurrences end. To propose after a request's tokens, the longest suffix of
+them (at most half of `suffix_max_depth` tokens) that occurs with a continuation is found: the
+longest n-gram suffix indexed, then each of its occurrences extended backwards token by
+token. Its occurrences are followed by their most frequent continuation, token by token
+(a tie goes to the latest occurrence), while the product of the continuation's frequencies
+(the occurrences that go on with the token / those that go on at all) stays at or above
+`min_token_prob`, for at most `max_spec_factor` x the match's length tokens (and to the
+depth): a long match that always went the same way proposes far, a short or ambiguous one
+little. These are the proposals of a suffix tree of depth `suffix_max_depth` over the same
+sequences, with each n-gram's counts taken over its latest RECENT occurrences; the index costs
+KEY entries per token where a tree makes up to the depth's nodes, so a long prompt is indexed
+in a fraction of a millisecond.
+
+Two indexes are asked, the request's own (its prompt and output, grown as tokens arrive) and
+the server's (the outputs of recently finished requests, at most `cache_max_tokens` tokens of
+them, oldest evicted first), and the proposal with the larger score (the sum of its tokens'
+path probabilities) wins. Where neither proposes anything, a copy of the request's own text
+that the last proposal made goes on past an edit (jaxinfer.engine.speculation.ngram's
+realign).
 
 Proposals are verified like n-gram proposals (jaxinfer.engine.speculation.ngram), so outputs
-are exactly those of decoding without them. The server's tree is shared by every request:
+are exactly those of decoding without them. The server's index is shared by every request:
 what it holds changes only how fast another request's tokens come, never which.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
@@ -28,165 +37,175 @@ from jaxinfer.config import SpeculativeConfig
 from jaxinfer.engine.speculation.ngram import NgramIndex
 from jaxinfer.engine.speculation.state import SpecState
 
-
-class Node:
-    """A substring: its count, its continuations (children by token), the sum of their
-    counts and the most frequent one (kept as counts change, so a proposal's step costs
-    the same however many continuations a node has)."""
-
-    __slots__ = ("best", "children", "count", "total")
-
-    def __init__(self):
-        self.children: dict[int, Node] | None = None
-        self.count = 0
-        self.total = 0  # the children's counts
-        self.best = -1  # the token of the child with the largest count (-1: none)
-
-    def child(self, token: int) -> Node:
-        """The child for `token`, made if missing (counted by the caller)."""
-        if self.children is None:
-            self.children = {}
-        node = self.children.get(token)
-        if node is None:
-            node = self.children[token] = Node()
-        return node
-
-    def counted(self, token: int, child: Node) -> None:
-        """`child` (for `token`) was counted once more."""
-        self.total += 1
-        if self.best < 0 or child.count > self.children[self.best].count:
-            self.best = token
-
-    def uncounted(self, token: int) -> None:
-        """The child for `token` was counted once less (and deleted at 0)."""
-        self.total -= 1
-        if token == self.best:
-            self.best = max(self.children, key=lambda t: self.children[t].count, default=-1)
+KEY = 4  # the longest n-gram indexed (a longer match extends a KEY-gram's occurrences)
+RECENT = 64  # occurrences kept per n-gram, the latest
+SEPARATOR = -1  # ends each sequence in the store (no token: a match or proposal stops there)
 
 
-class SuffixTree:
-    """Every substring of up to `depth` tokens of the sequences added, with its count."""
+class SuffixIndex:
+    """Sequences of tokens in one store (each followed by SEPARATOR but the one still
+    growing), and where the latest RECENT occurrences of each of their n-grams (n <= KEY,
+    within a sequence) end, as positions that count from the first token ever stored: the
+    oldest sequences are evicted from the front (drop_oldest)."""
 
     def __init__(self, depth: int):
         self.depth = depth
-        self.root = Node()
-        self.num_nodes = 1
+        self.store: list[int] = []
+        self.offset = 0  # the position of store[0]
+        self.begin = 0  # the position where the sequence still growing began
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its latest ends, ascending
+        self.num_entries = 0  # positions held in `ends`
 
-    def grow(self, active: list[Node], token: int) -> list[Node]:
-        """Extends by `token` the substrings ending at a sequence's last token (`active`: their
-        nodes, longest first, at most depth - 1 of them) and counts each new substring;
-        returns the nodes of the substrings that now end at `token`, longest first."""
-        grown = []
-        for node in [*active, self.root]:
-            before = node.children is not None and token in node.children
-            child = node.child(token)
-            self.num_nodes += not before
-            child.count += 1
-            node.counted(token, child)
-            grown.append(child)
-        return grown[-(self.depth - 1) :] if self.depth > 1 else []
+    @property
+    def stop(self) -> int:
+        """One past the last position stored."""
+        return self.offset + len(self.store)
+
+    def token(self, position: int) -> int:
+        """The token at `position`, SEPARATOR past the store either way."""
+        index = position - self.offset
+        return self.store[index] if 0 <= index < len(self.store) else SEPARATOR
+
+    def extend(self, tokens: list[int]) -> None:
+        """Appends `tokens` to the sequence still growing, indexing their n-grams."""
+        store, ends, offset = self.store, self.ends, self.offset
+        for token in tokens:
+            store.append(token)
+            end = len(store) - 1
+            for start in range(max(self.begin - offset, end - KEY + 1), end + 1):
+                key = tuple(store[start : end + 1])
+                occurrences = ends.get(key)
+                if occurrences is None:
+                    ends[key] = [end + offset]
+                    self.num_entries += 1
+                    continue
+                occurrences.append(end + offset)
+                if len(occurrences) > RECENT:
+                    del occurrences[0]
+                else:
+                    self.num_entries += 1
+
+    def close(self) -> None:
+        """Ends the sequence still growing: the next tokens start another."""
+        self.store.append(SEPARATOR)
+        self.begin = self.stop
 
     def add(self, tokens: list[int]) -> None:
-        active: list[Node] = []
-        for token in tokens:
-            active = self.grow(active, token)
+        self.extend(tokens)
+        self.close()
 
-    def remove(self, tokens: list[int]) -> None:
-        """Takes back a sequence add() counted (its substrings' counts; nodes left at 0
-        are deleted)."""
-        for start in range(len(tokens)):
-            node = self.root
-            for token in tokens[start : start + self.depth]:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[token]
-                    self.num_nodes -= _size(child)
-                node.uncounted(token)
-                if child.count == 0:
-                    break
-                node = child
-
-    def find(self, pattern: list[int]) -> Node | None:
-        node = self.root
-        for token in pattern:
-            if node.children is None or (node := node.children.get(token)) is None:
-                return None
-        return node
-
-    def match(self, tokens: list[int], longest: int) -> tuple[Node, int]:
-        """The node of the longest suffix of `tokens` (at most `longest`) that occurs in the
-        tree with a continuation (not only at the end of a sequence, as the request's own
-        current suffix does), and its length (0: the root)."""
-        low, high, best = 1, min(longest, len(tokens)), (self.root, 0)
-        while low <= high:
-            middle = (low + high) // 2
-            node = self.find(tokens[len(tokens) - middle :])
-            if node is None or not node.children:
-                high = middle - 1
+    def drop_oldest(self, count: int) -> None:
+        """Evicts the oldest `count` stored positions (whole sequences with their separators)
+        and their n-grams' occurrences."""
+        cut = self.offset + count
+        keys = {
+            tuple(self.store[start : end + 1])
+            for end in range(count)
+            for start in range(max(0, end - KEY + 1), end + 1)
+            if SEPARATOR not in self.store[start : end + 1]
+        }
+        for key in keys:
+            occurrences = self.ends.get(key)
+            stale = bisect.bisect_left(occurrences, cut)
+            self.num_entries -= stale
+            if stale == len(occurrences):
+                del self.ends[key]
             else:
-                best, low = (node, middle), middle + 1
-        return best
+                del occurrences[:stale]
+        del self.store[:count]
+        self.offset = cut
+
+    def match(self, tokens: list[int], longest: int) -> tuple[list[int], int]:
+        """(ends, length): the longest suffix of `tokens` (at most `longest`) that occurs with
+        a continuation, its length (0: none) and where in the store its occurrences end
+        (among its KEY-gram suffix's latest RECENT), latest first."""
+        store, size, offset = self.store, len(self.store), self.offset
+        longest = min(longest, len(tokens))
+        for n in range(min(KEY, longest), 0, -1):
+            occurrences = self.ends.get(tuple(tokens[len(tokens) - n :]))
+            if occurrences:
+                ends = [
+                    i
+                    for end in reversed(occurrences)
+                    if (i := end - offset) + 1 < size and store[i + 1] != SEPARATOR
+                ]
+                if ends:
+                    break
+        else:
+            return [], 0
+        if n < KEY or longest == KEY:
+            return ends, n
+        best, kept = n, []
+        for i in ends:
+            length = n
+            while length < longest and i >= length and store[i - length] == tokens[-1 - length]:
+                length += 1
+            if length > best:
+                best, kept = length, [i]
+            elif length == best:
+                kept.append(i)
+        return kept, best
 
     def speculate(
         self, tokens: list[int], most: int, min_token_prob: float, max_spec_factor: float
     ) -> tuple[list[int], float]:
         """(proposal, score): the most frequent continuation of the longest suffix found."""
-        node, length = self.match(tokens, self.depth // 2)
-        most = min(most, int(max_spec_factor * length + 0.5))
+        ends, length = self.match(tokens, self.depth // 2)
+        most = min(most, int(max_spec_factor * length + 0.5), self.depth - length)
+        store, size = self.store, len(self.store)
         proposal, probability, score = [], 1.0, 0.0
-        while len(proposal) < most and node.children:
-            token = node.best
-            child = node.children[token]
-            probability *= child.count / node.total
+        while len(proposal) < most:
+            ahead = len(proposal) + 1
+            if len(ends) == 1:  # (it goes on as its one occurrence did, to the separator)
+                rest = store[ends[0] + ahead : ends[0] + 1 + most]
+                if SEPARATOR in rest:
+                    rest = rest[: rest.index(SEPARATOR)]
+                proposal += rest
+                score += probability * len(rest)
+                break
+            nexts = [store[i + ahead] if i + ahead < size else SEPARATOR for i in ends]
+            counts: dict[int, int] = {}
+            for token in nexts:  # (latest first: a tie goes to the latest)
+                if token != SEPARATOR:
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            token = max(counts, key=counts.__getitem__)
+            probability *= counts[token] / sum(counts.values())
             if probability < min_token_prob:
                 break
             proposal.append(token)
             score += probability
-            node = child
+            ends = [i for i, following in zip(ends, nexts, strict=True) if following == token]
         return proposal, score
-
-
-def _size(node: Node) -> int:
-    stack, size = [node], 0
-    while stack:
-        node = stack.pop()
-        size += 1
-        if node.children:
-            stack.extend(node.children.values())
-    return size
 
 
 @dataclasses.dataclass
 class RequestSuffix:
-    """A request's own tree, grown as its tokens arrive, and its n-gram index, which goes on
-    with a copy past an edit where the trees propose nothing (NgramIndex.realign)."""
+    """A request's own index, grown as its tokens arrive, and its n-gram index, which goes
+    on with a copy past an edit where the indexes propose nothing (NgramIndex.realign)."""
 
-    tree: SuffixTree
+    own: SuffixIndex
     lookup: NgramIndex
-    active: list[Node] = dataclasses.field(default_factory=list)
-    num_added: int = 0
 
     def extend(self, tokens: list[int]) -> None:
-        for token in tokens[self.num_added :]:
-            self.active = self.tree.grow(self.active, token)
-        self.num_added = len(tokens)
+        self.own.extend(tokens[self.own.stop :])
 
 
 class SuffixProposer:
-    """Suffix decoding's proposals (see the module docstring) and the server's tree."""
+    """Suffix decoding's proposals (see the module docstring) and the server's index."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.cache = SuffixTree(config.suffix_max_depth)
-        self.cached: collections.deque[list[int]] = collections.deque()  # oldest first
+        self.cache = SuffixIndex(config.suffix_max_depth)
+        self.cached: collections.deque[int] = collections.deque()  # lengths, oldest first
         self.cached_tokens = 0
 
     def new_state(self, limit: int) -> SpecState:
         config = self.config
         lookup = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
         return SpecState(
-            limit=limit, index=RequestSuffix(SuffixTree(config.suffix_max_depth), lookup)
+            limit=limit, index=RequestSuffix(SuffixIndex(config.suffix_max_depth), lookup)
         )
 
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
@@ -198,7 +217,7 @@ class SuffixProposer:
             return []
         config = self.config
         args = (tokens, count, config.suffix_min_token_prob, config.suffix_max_spec_factor)
-        own, own_score = state.index.tree.speculate(*args)
+        own, own_score = state.index.own.speculate(*args)
         cached, cached_score = self.cache.speculate(*args)
         proposed = own if own_score >= cached_score else cached
         lookup = state.index.lookup
@@ -208,23 +227,24 @@ class SuffixProposer:
         return proposed
 
     def finished(self, output_token_ids: list[int]) -> None:
-        """Adds a finished request's output to the server's tree, evicting the oldest outputs
-        past suffix_cache_max_tokens."""
+        """Adds a finished request's output to the server's index, evicting the oldest
+        outputs past suffix_cache_max_tokens."""
         limit = self.config.suffix_cache_max_tokens
         if not output_token_ids or len(output_token_ids) > limit:
             return
         self.cache.add(output_token_ids)
-        self.cached.append(list(output_token_ids))
+        self.cached.append(len(output_token_ids))
         self.cached_tokens += len(output_token_ids)
         while self.cached_tokens > limit:
             oldest = self.cached.popleft()
-            self.cache.remove(oldest)
-            self.cached_tokens -= len(oldest)
+            self.cache.drop_oldest(oldest + 1)  # (and its separator)
+            self.cached_tokens -= oldest
 
     def memory(self) -> dict[str, int]:
-        """The server's tree: outputs and tokens held, and its nodes."""
+        """The server's index: outputs and tokens held, and its entries (n-gram
+        occurrences)."""
         return {
             "cached_outputs": len(self.cached),
             "cached_tokens": self.cached_tokens,
-            "nodes": self.cache.num_nodes,
+            "entries": self.cache.num_entries,
         }

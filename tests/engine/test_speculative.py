@@ -171,6 +171,31 @@ def test_adaptive_plans_follow_the_step_times(make_llm):
         assert max(max(counts) for counts in seen) == most
 
 
+def test_a_host_proposer_proposes_only_where_the_plan_takes_proposals(make_llm):
+    """Planned by step times, n-gram lookups run only in steps whose plan (every request at
+    its limit, proposing's time paid) takes some: none where a lookup costs more than the
+    tokens it can gain (free verifying, slow proposing), and the outputs are the same."""
+    llm = make_llm("tiny", **(SPEC | {"speculative_adaptive": True}))
+    speculation = llm.engine.speculation
+    control = speculation.control
+    control.observe_step = lambda *args: None  # the times below, not measured ones
+    control.observe_host = lambda *args: None
+    calls = []
+    propose = speculation.host.propose
+    speculation.host.propose = lambda *args: calls.append(args) or propose(*args)
+    prompt = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    buckets = llm.engine.config.scheduler.token_buckets
+    control.costs(1).seconds = dict.fromkeys(buckets, 0.01)  # (one request)
+    outputs = []
+    for per_request, proposes in ((1.0, False), (0.0, True)):
+        control.host.seconds = {1: per_request}
+        calls.clear()
+        outputs.append(completions(llm.generate(prompt, greedy, use_tqdm=False)))
+        assert bool(calls) == proposes
+    assert outputs[0] == outputs[1]
+
+
 def test_logprob_close_without_batch_invariance(make_llm, cases):
     prompts, params = cases
     greedy = [

@@ -140,3 +140,16 @@ def test_acceptance_follows_recent_steps():
     for _ in range(20):
         state.record(5, 0)
     assert state.acceptance < 0.1
+
+
+def test_a_host_proposers_time_is_paid_by_the_plan_before_it_proposes():
+    """32 decodes, the next bucket 1.5x: 32 proposals at 0.95 pay for 0.45 s more, so
+    proposing for 32 requests at 10 ms each still pays, at 20 ms each not; once proposed
+    (host_rows=0: its time is spent) the same plan takes them."""
+    high = [Candidate(0.95, 5) for _ in range(32)]
+    for per_request, taken in ((None, 32), (0.01, 32), (0.02, 0)):
+        control = control_with({32: 1.0, 64: 1.5}, num_sampling=32)
+        if per_request is not None:
+            control.observe_host(32, 32 * per_request)
+        assert sum(control.plan(32, 32, high, free_room=0, most=32, host_rows=32)) == taken
+        assert sum(control.plan(32, 32, high, free_room=0, most=32)) == 32

@@ -201,12 +201,13 @@ class Scheduler:
         return budget
 
     def plan_proposals(
-        self, used: int, num_sampling: int, wanted: list[tuple[Request, int]], draft_rows: int = 0
+        self, used: int, num_sampling: int, wanted: list[tuple[Request, int]], **proposer: int
     ) -> list[int]:
         """Proposals to take of each (request, most it could verify) in a step of `used`
-        tokens of which `num_sampling` requests sample (jaxinfer.engine.speculation.control)."""
+        tokens of which `num_sampling` requests sample; `proposer`: the proposer's rows still
+        to pay for (draft_rows, host_rows; jaxinfer.engine.speculation.control)."""
         candidates = [(r.spec.acceptance if r.spec else 0.0, count) for r, count in wanted]
-        return plan_proposals(self.config, self.control, used, num_sampling, candidates, draft_rows)
+        return plan_proposals(self.config, self.control, used, num_sampling, candidates, **proposer)
 
     def proposal_room(self) -> tuple[int, int]:
         """(tokens, sampling requests) of the next step if it scheduled the running

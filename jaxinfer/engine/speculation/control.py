@@ -15,7 +15,9 @@ are its sampling requests plus those gains, and the plan is the total number of 
 
 P = 0 when nothing pays: a large batch (no bucket has room for free), a low acceptance (the
 gains are small) or a slow verify step (the bucket's time grows with its tokens, as on a
-CPU). A step whose own bucket has not been measured takes no proposal (and so measures it);
+CPU). A host proposer (n-gram, suffix) is planned for before it proposes, each candidate at
+its limit, and pays its measured time per request proposed for (SpecControl.host): where
+that plan takes nothing, nothing is proposed. A step whose own bucket has not been measured takes no proposal (and so measures it);
 buckets it could grow into that have not been measured (nor lie between measured ones) are
 left out, but one plan in EXPLORE_EVERY takes proposals into the next of them, which
 measures it. Until the draft model's step has been measured, the scheduler's rule of thumb
@@ -75,6 +77,7 @@ class SpecControl:
     # too), then by token bucket.
     target: dict[int, StepCosts] = dataclasses.field(default_factory=dict)
     draft: StepCosts = dataclasses.field(default_factory=StepCosts)  # a draft step, by rows
+    host: StepCosts = dataclasses.field(default_factory=StepCosts)  # host proposing, per request
     planned: int = 0  # steps planned by measured times (not by the rule of thumb)
     declined: int = 0  # of which chose no proposal where the rule of thumb would have some
     explored: int = 0  # of which took proposals into a bucket not measured yet
@@ -97,6 +100,11 @@ class SpecControl:
         if num_steps > 0:
             self.draft.observe(num_rows, seconds / num_steps)
 
+    def observe_host(self, num_requests: int, seconds: float) -> None:
+        """A host proposer proposed for `num_requests` requests in `seconds`."""
+        if num_requests > 0:
+            self.host.observe(1, seconds / num_requests)
+
     def plan(
         self,
         used: int,
@@ -105,12 +113,15 @@ class SpecControl:
         free_room: int,
         most: int,
         draft_rows: int = 0,
+        host_rows: int = 0,
     ) -> list[int]:
         """Proposals per candidate for a step of `used` tokens of which `num_sampling`
         requests sample. `free_room`: what the rule of thumb would take (used where times
         are not known yet); `most`: the most proposals the step may take in all (the budget,
         the sample rows). `draft_rows`: with a draft model, the rows it proposes for (its
-        steps are paid per proposal depth, for every row at once)."""
+        steps are paid per proposal depth, for every row at once). `host_rows`: with a host
+        proposer that has not proposed yet, the requests it would propose for (paid once
+        the plan takes any proposal)."""
         gains = sorted(
             (
                 (c.acceptance ** (depth + 1), index)
@@ -135,6 +146,7 @@ class SpecControl:
             bucket = self.bucket(used + unknown[0])
             last = max(p for p in unknown if self.bucket(used + p) == bucket)
             return self._take(candidates, gains[:last])
+        proposing = (self.host.estimate(1) or 0.0) * host_rows
         best, best_rate, expected, depths = 0, num_sampling / base, float(num_sampling), {}
         for p in range(1, total + 1):
             gain, index = gains[p - 1]
@@ -142,7 +154,7 @@ class SpecControl:
             depths[index] = depths.get(index, 0) + 1
             if costs[p] is None:
                 continue
-            rate = expected / (costs[p] + draft_step * max(depths.values()))
+            rate = expected / (costs[p] + draft_step * max(depths.values()) + proposing)
             if rate > best_rate:
                 best, best_rate = p, rate
         if best == 0 and min(total, free_room) > 0:
@@ -173,6 +185,7 @@ def plan_proposals(
     num_sampling: int,
     wanted: list[tuple[float, int]],
     draft_rows: int = 0,
+    host_rows: int = 0,
 ) -> list[int]:
     """Proposals to take of each (acceptance, most it could verify) in a step of `used`
     tokens of which `num_sampling` requests sample: SpecControl's plan where there is one,
@@ -181,7 +194,7 @@ def plan_proposals(
     most = min(config.max_num_batched_tokens - used, config.spec_free_tokens)
     if control is not None:
         candidates = [Candidate(acceptance, min(count, most)) for acceptance, count in wanted]
-        return control.plan(used, num_sampling, candidates, room, most, draft_rows)
+        return control.plan(used, num_sampling, candidates, room, most, draft_rows, host_rows)
     counts = []
     for _, count in wanted:
         counts.append(min(count, max(room, 0)))

@@ -133,6 +133,10 @@ class NgramProposer:
         index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
         return SpecState(limit=limit, index=index)
 
+    def index(self, state: SpecState, tokens: list[int]) -> None:
+        """Indexes the request's tokens not indexed yet."""
+        state.index.extend(tokens)
+
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`: what max_tokens and
         max_model_len leave) after `tokens`, unless it rests; the scheduler takes as many as

@@ -4,6 +4,7 @@ room left), and what they propose, by n-grams, suffix indexes or the draft model
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -62,9 +63,36 @@ def proposal_candidates(
         yield request, room
 
 
-def propose_on_host(proposer: HostProposer, running: list[Request], max_model_len: int) -> None:
-    for request, room in proposal_candidates(running, max_model_len):
+def propose_on_host(
+    proposer: HostProposer, scheduler: Scheduler, control: SpecControl | None
+) -> None:
+    """The host proposer's proposals for each running request caught up to its last token.
+    Each indexes its new tokens (every token once, whether it proposes or not); with
+    SpecControl's plans, only those a plan with every candidate at its limit takes
+    proposals of look up proposals, the lookups' time paid (control.observe_host), and the
+    others' rests are counted down."""
+    candidates = list(proposal_candidates(scheduler.running, scheduler.config.max_model_len))
+    for request, _ in candidates:
+        proposer.index(request.spec, request.all_token_ids)
+    if control is not None and candidates:
+        wanted = [
+            (request, max(min(at_most(request.spec), room), 0)) for request, room in candidates
+        ]
+        used, num_sampling = scheduler.proposal_room()
+        counts = scheduler.plan_proposals(used, num_sampling, wanted, host_rows=len(wanted))
+        for request, _ in itertools.compress(candidates, [not count for count in counts]):
+            request.spec.wanted()  # (a resting request's step)
+        candidates = list(itertools.compress(candidates, counts))
+    start = time.perf_counter()
+    for request, room in candidates:
         request.spec_token_ids = proposer.propose(request.spec, request.all_token_ids, room)
+    if control is not None:
+        control.observe_host(len(candidates), time.perf_counter() - start)
+
+
+def at_most(spec: SpecState) -> int:
+    """The most proposals a request's host proposer makes now (none while it rests)."""
+    return spec.limit if spec.length else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +244,7 @@ class Speculation:
         """Sets the proposals of each running request caught up to its last token."""
         start = time.perf_counter()
         if self.draft is None:
-            propose_on_host(self.host, scheduler.running, scheduler.config.max_model_len)
+            propose_on_host(self.host, scheduler, self.control)
         else:
             block_size = self.config.cache.block_size
             run = propose_with_draft(self.draft, scheduler, block_size, rows, runner)
@@ -265,7 +293,7 @@ class Speculation:
 
     def add_stats(self, stats: SpecStats) -> None:
         """Fills in what the scheduler does not know: the time spent proposing, the suffix
-        tree's size."""
+        index's size."""
         stats.proposing_seconds = self.seconds
         if isinstance(self.host, SuffixProposer):
             stats.suffix_cache_entries = self.host.cache.num_entries

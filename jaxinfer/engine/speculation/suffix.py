@@ -208,11 +208,16 @@ class SuffixProposer:
             limit=limit, index=RequestSuffix(SuffixIndex(config.suffix_max_depth), lookup)
         )
 
+    def index(self, state: SpecState, tokens: list[int]) -> None:
+        """Indexes the request's tokens not indexed yet (its own index and its n-grams)."""
+        state.index.extend(tokens)
+        state.index.lookup.extend(tokens)
+
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`) after `tokens`, unless
         it rests (SpecState)."""
         count = state.proposals(room)
-        state.index.extend(tokens)
+        self.index(state, tokens)
         if count <= 0:
             return []
         config = self.config

@@ -38,7 +38,8 @@ LENGTHS = (45, 30)  # 11 CSA entries (top 4 kept), 5 HCA windows closed
 
 
 class Harness:
-    def __init__(self, folder, hf, kernels: ModelKernels | None = None):
+    def __init__(self, folder, hf, kernels: ModelKernels | None = None, atol: float = 1e-5):
+        self.atol = atol  # of the logits' largest magnitude
         self.config = read_config(folder / "config.json")
         params = load_llama_params(folder, self.config, np.float32)
         self.params = jax.tree.map(jnp.asarray, as_weights(self.config, params))
@@ -96,7 +97,7 @@ class Harness:
         for i, (r, start, end) in enumerate(chunks):
             want = self.expected[r][start:end]
             got = logits[starts[i] : starts[i + 1]]
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=self.atol * np.abs(want).max())
 
 
 # YaRN on the compressed layers' RoPE (as V4's checkpoints have it): factor 4 over an original
@@ -153,8 +154,11 @@ def test_chunks_and_decodes_over_shuffled_blocks(harness_parts):
 
 def test_the_cpp_kernels_give_hugging_faces_logits(harness_parts, cpu_compressed):
     """The C++ attention, indexer and compressor (cpu_kernels.compressed_attention) in place
-    of the references, over the same steps."""
-    harness = Harness(*harness_parts, kernels=ModelKernels(**cpu_compressed._asdict()))
+    of the references, over the same steps: within 2e-5 of the logits' range, where the
+    references are within 1e-5 (built for the CPU at hand, the kernels' sums run in another
+    order on AVX2 than on AVX-512: one logit of 64 was 1.2e-5 of the range off on AVX2)."""
+    kernels = ModelKernels(**cpu_compressed._asdict())
+    harness = Harness(*harness_parts, kernels=kernels, atol=2e-5)
     for chunks in CHUNKED_STEPS:
         harness.step(chunks)
 

@@ -15,12 +15,12 @@ are its sampling requests plus those gains, and the plan is the total number of 
 
 P = 0 when nothing pays: a large batch (no bucket has room for free), a low acceptance (the
 gains are small) or a slow verify step (the bucket's time grows with its tokens, as on a
-CPU). A host proposer (n-gram, suffix) is planned for before it proposes, each candidate at
-its limit, and pays its measured time per request proposed for (SpecControl.host): where
-that plan takes nothing, nothing is proposed. A step whose own bucket has not been measured takes no proposal (and so measures it);
-buckets it could grow into that have not been measured (nor lie between measured ones) are
-left out, but one plan in EXPLORE_EVERY takes proposals into the next of them, which
-measures it. Until the draft model's step has been measured, the scheduler's rule of thumb
+CPU). A host proposer (n-gram, suffix) is planned for before it looks up proposals, each
+candidate at its limit, and pays its lookups' measured time per request (SpecControl.host):
+where that plan takes nothing, nothing is looked up. A step whose own bucket has not been
+measured takes no proposal (and so measures it); buckets it could grow into that have not
+been measured (nor lie between measured ones) are left out, but one plan in EXPLORE_EVERY
+takes proposals into the next of them, which measures it. Until the draft model's step has been measured, the scheduler's rule of thumb
 decides (proposals only where they cost nothing, SchedulerConfig.spec_free_tokens).
 """
 
@@ -77,7 +77,7 @@ class SpecControl:
     # too), then by token bucket.
     target: dict[int, StepCosts] = dataclasses.field(default_factory=dict)
     draft: StepCosts = dataclasses.field(default_factory=StepCosts)  # a draft step, by rows
-    host: StepCosts = dataclasses.field(default_factory=StepCosts)  # host proposing, per request
+    host: StepCosts = dataclasses.field(default_factory=StepCosts)  # host lookups, per request
     planned: int = 0  # steps planned by measured times (not by the rule of thumb)
     declined: int = 0  # of which chose no proposal where the rule of thumb would have some
     explored: int = 0  # of which took proposals into a bucket not measured yet
@@ -101,7 +101,7 @@ class SpecControl:
             self.draft.observe(num_rows, seconds / num_steps)
 
     def observe_host(self, num_requests: int, seconds: float) -> None:
-        """A host proposer proposed for `num_requests` requests in `seconds`."""
+        """A host proposer looked up proposals for `num_requests` requests in `seconds`."""
         if num_requests > 0:
             self.host.observe(1, seconds / num_requests)
 

@@ -4,7 +4,6 @@ room left), and what they propose, by n-grams, suffix indexes or the draft model
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Iterator
 
@@ -68,9 +67,10 @@ def propose_on_host(
 ) -> None:
     """The host proposer's proposals for each running request caught up to its last token.
     Each indexes its new tokens (every token once, whether it proposes or not); with
-    SpecControl's plans, only those a plan with every candidate at its limit takes
-    proposals of look up proposals, the lookups' time paid (control.observe_host), and the
-    others' rests are counted down."""
+    SpecControl's plans, they look up proposals only where a plan with every candidate at
+    its limit, the lookups' time paid (control.observe_host), takes some (which requests'
+    lookups find proposals is not known before: all look up, and the scheduler plans over
+    what they found); else only their rests are counted down."""
     candidates = list(proposal_candidates(scheduler.running, scheduler.config.max_model_len))
     for request, _ in candidates:
         proposer.index(request.spec, request.all_token_ids)
@@ -79,10 +79,10 @@ def propose_on_host(
             (request, max(min(at_most(request.spec), room), 0)) for request, room in candidates
         ]
         used, num_sampling = scheduler.proposal_room()
-        counts = scheduler.plan_proposals(used, num_sampling, wanted, host_rows=len(wanted))
-        for request, _ in itertools.compress(candidates, [not count for count in counts]):
-            request.spec.wanted()  # (a resting request's step)
-        candidates = list(itertools.compress(candidates, counts))
+        if not any(scheduler.plan_proposals(used, num_sampling, wanted, host_rows=len(wanted))):
+            for request, _ in candidates:
+                request.spec.wanted()  # (a resting request's step)
+            candidates = []
     start = time.perf_counter()
     for request, room in candidates:
         request.spec_token_ids = proposer.propose(request.spec, request.all_token_ids, room)

@@ -12,8 +12,7 @@ token. Its occurrences are followed by their most frequent continuation, token b
 depth): a long match that always went the same way proposes far, a short or ambiguous one
 little. These are the proposals of a suffix tree of depth `suffix_max_depth` over the same
 sequences, with each n-gram's counts taken over its latest RECENT occurrences; the index costs
-KEY entries per token where a tree makes up to the depth's nodes, so a long prompt is indexed
-in a fraction of a millisecond.
+KEY entries per token where a tree makes up to the depth's nodes, a Python object each.
 
 Two indexes are asked, the request's own (its prompt and output, grown as tokens arrive) and
 the server's (the outputs of recently finished requests, at most `cache_max_tokens` tokens of

@@ -15,7 +15,8 @@ first pass (every shape compiled, the step times measured), greedy:
 - agent: the same tool-call shapes over and over (an agent's loop), in turns: each batch of
   requests runs after the previous one, so recent outputs can propose;
 - chat: chat prompts with ignore_eos, output lengths spread over [--min_output_len,
-  --max_output_len] (tools/bench_throughput.py's workload).
+  --max_output_len] (tools/bench_throughput.py's workload), at least 8 requests a run (in
+  turns where the batch is smaller).
 
 Reports per workload, batch size and method: output tokens per second (median over rounds),
 the ratio to none, the acceptance rate (accepted / proposed tokens), the mean acceptance
@@ -47,6 +48,7 @@ flags.DEFINE_integer("write_max_tokens", 256, "Most output tokens of a write req
 flags.DEFINE_integer("agent_max_tokens", 160, "Most output tokens of an agent request.")
 flags.DEFINE_integer("min_output_len", 32, "Shortest chat output (tokens).")
 flags.DEFINE_integer("max_output_len", 160, "Longest chat output (tokens).")
+CHAT_REQUESTS = 8  # the fewest chat requests a run makes (in turns of the batch size)
 
 define_engine_flags()
 
@@ -186,12 +188,15 @@ def run_agent(llm: LLM, batch: int) -> Run:
 
 
 def run_chat(llm: LLM, batch: int) -> Run:
+    """`batch` requests at once, at least CHAT_REQUESTS in all (in turns): one request of 32
+    tokens is a run too short to time."""
+    count = -(-max(batch, CHAT_REQUESTS) // batch) * batch
     rng = np.random.default_rng(0)
     prompts = [
         chat_prompt(llm, f"Explain {TOPICS[i % len(TOPICS)]} to a {10 + i}-year-old.")
-        for i in range(batch)
+        for i in range(count)
     ]
-    lengths = np.linspace(FLAGS.min_output_len, FLAGS.max_output_len, batch)
+    lengths = np.linspace(FLAGS.min_output_len, FLAGS.max_output_len, count)
     lengths = rng.permutation(np.round(lengths).astype(int)).tolist()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     return in_turns(llm, prompts, params, batch)

@@ -251,11 +251,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix (for benchmarks, or after changing weights). Only when
-        no request is unfinished; returns whether it did."""
+        """Forgets every cached prefix, and the outputs suffix decoding proposes from (for
+        benchmarks, or after changing weights). Only when no request is unfinished; returns
+        whether it did."""
         if self.scheduler.has_unfinished():
             return False
         self._in_flight = None
+        self.speculation.forget()
         return self.kv_cache_manager.reset_prefix_cache()
 
     def describe(self) -> dict:

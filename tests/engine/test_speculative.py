@@ -151,6 +151,15 @@ def test_suffix_decoding_with_adaptive_plans_is_bit_identical(make_llm, cases, e
     assert 0 < memory["cached_tokens"] <= 600 and memory["entries"] <= 600 * KEY
 
 
+def set_step_times(control, buckets, seconds) -> None:
+    """One request's step times as a device that runs each token bucket's padded shape gives
+    them: every count of scheduled tokens its bucket's `seconds(bucket)`."""
+    control.target.pop(1, None)
+    costs = control.costs(1)
+    for tokens in range(1, buckets[-1] + 1):
+        costs.observe(tokens, seconds(next(b for b in buckets if b >= tokens)))
+
+
 def test_adaptive_plans_follow_the_step_times(make_llm):
     """With the step times fixed: where a step's time grows with its tokens, only the
     padding of the smallest bucket (2 tokens: one proposal) is taken; free verifying takes
@@ -162,7 +171,7 @@ def test_adaptive_plans_follow_the_step_times(make_llm):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     buckets = llm.engine.config.scheduler.token_buckets
     for seconds, most in ((lambda b: 0.01 * b, 1), (lambda b: 0.01, 8)):
-        control.costs(1).seconds = {b: seconds(b) for b in buckets}  # (one request)
+        set_step_times(control, buckets, seconds)
         seen = record_draft_counts(llm)
         llm.generate(prompt, greedy, use_tqdm=False)
         llm.engine.scheduler.schedule = type(llm.engine.scheduler).schedule.__get__(
@@ -186,7 +195,7 @@ def test_a_host_proposer_proposes_only_where_the_plan_takes_proposals(make_llm):
     prompt = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     buckets = llm.engine.config.scheduler.token_buckets
-    control.costs(1).seconds = dict.fromkeys(buckets, 0.01)  # (one request)
+    set_step_times(control, buckets, lambda bucket: 0.01)
     outputs = []
     for per_request, proposes in ((1.0, False), (0.0, True)):
         control.host.seconds = {1: per_request}

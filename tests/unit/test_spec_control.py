@@ -8,6 +8,7 @@ import pytest
 
 from jaxinfer.engine.speculation.control import (
     EXPLORE_EVERY,
+    MARGIN,
     Candidate,
     SpecControl,
     StepCosts,
@@ -26,8 +27,10 @@ def control_with(costs: dict[int, float], num_sampling: int = 1) -> SpecControl:
 
 
 def brute_force(control, used, num_sampling, candidates, most, draft_rows=0):
-    """The best allocation over every way of giving each candidate 0..most proposals."""
-    best_rate = -1.0
+    """The best allocation over every way of giving each candidate 0..most proposals (none
+    unless one gains MARGIN over none)."""
+    none = num_sampling / control.costs(2).estimate(used)
+    best_rate = none
     for counts in itertools.product(*(range(c.most + 1) for c in candidates)):
         total = sum(counts)
         if total > most:
@@ -37,11 +40,12 @@ def brute_force(control, used, num_sampling, candidates, most, draft_rows=0):
             for c, k in zip(candidates, counts, strict=True)
             for d in range(k)
         )
-        seconds = control.costs(2).estimate(control.bucket(used + total))
+        seconds = control.costs(2).estimate(used + total)
         if draft_rows and max(counts):
             seconds += control.draft.estimate(draft_rows) * max(counts)
         rate = (num_sampling + gain) / seconds
-        best_rate = max(best_rate, rate)
+        if rate >= MARGIN * none:
+            best_rate = max(best_rate, rate)
     return best_rate
 
 
@@ -49,7 +53,7 @@ def rate_of(control, used, num_sampling, candidates, counts, draft_rows=0):
     gain = sum(
         c.acceptance ** (d + 1) for c, k in zip(candidates, counts, strict=True) for d in range(k)
     )
-    seconds = control.costs(2).estimate(control.bucket(used + sum(counts)))
+    seconds = control.costs(2).estimate(used + sum(counts))
     if draft_rows and max(counts):
         seconds += control.draft.estimate(draft_rows) * max(counts)
     return (num_sampling + gain) / seconds
@@ -72,6 +76,14 @@ def test_free_verification_takes_every_proposal():
     assert control.plan(1, 1, candidates, free_room=0, most=7) == [5]
 
 
+def test_a_plan_gains_its_margin_or_takes_none():
+    """Free verification: 4 % more tokens a second is within the times' noise, 8 % is not."""
+    assert MARGIN == 1.05
+    control = control_with({1: 0.010, 2: 0.010})
+    assert control.plan(1, 1, [Candidate(0.04, 1)], free_room=1, most=1) == [0]
+    assert control.plan(1, 1, [Candidate(0.08, 1)], free_room=1, most=1) == [1]
+
+
 def test_costly_verification_or_low_acceptance_takes_none():
     """A step's time grows with its tokens (a CPU bound by compute): low acceptance never
     pays, high acceptance pays for a few."""
@@ -91,6 +103,17 @@ def test_a_full_bucket_takes_proposals_only_where_they_pay():
     assert sum(control.plan(32, 32, low, free_room=0, most=8)) == 0
     high = [Candidate(0.95, 5) for _ in range(32)]
     assert sum(control.plan(32, 32, high, free_room=0, most=32)) == 32
+
+
+def test_a_buckets_padding_is_free_only_where_the_times_say_so():
+    """20 decodes in bucket 24: where the device runs the padded shape, 20 and 24 tokens
+    measure alike and 4 proposals at 0.4 ride free; where its kernels skip the padding (the
+    CPU's), each token costs its share and they do not pay."""
+    candidates = [Candidate(0.4, 5) for _ in range(20)]
+    padded = control_with({20: 0.060, 24: 0.060, 32: 0.080}, num_sampling=20)
+    assert sum(padded.plan(20, 20, candidates, free_room=4, most=8)) == 4
+    per_token = control_with({20: 0.060, 24: 0.072, 32: 0.096}, num_sampling=20)
+    assert sum(per_token.plan(20, 20, candidates, free_room=4, most=8)) == 0
 
 
 def test_unmeasured_buckets_are_measured_first():

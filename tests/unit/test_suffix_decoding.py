@@ -181,6 +181,11 @@ def test_server_index_proposes_what_recent_outputs_said_and_stays_bounded():
     }
     tokens = kept[-1][:5]
     assert proposer.cache.speculate(tokens, 8, 0.1, 2) == fresh.speculate(tokens, 8, 0.1, 2)
+    proposer.forget()  # (LLMEngine.reset_prefix_cache)
+    assert proposer.memory() == {"cached_outputs": 0, "cached_tokens": 0, "entries": 0}
+    assert proposer.cache.speculate(tokens, 8, 0.1, 2) == ([], 0.0)
+    proposer.finished([1, *call])  # and it learns again
+    assert proposer.propose(proposer.new_state(8), prompt, room=8) == [9, 10, 11, 12]
 
 
 def test_own_tokens_win_over_the_server_index_when_they_score_higher():

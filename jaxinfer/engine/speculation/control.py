@@ -2,26 +2,31 @@
 the expected tokens per second, from the step times the engine measures and each request's
 acceptance.
 
-A step of T scheduled tokens runs as its token bucket, whose time the engine measures on every
-step it runs (StepCosts, a moving average per bucket, kept apart by the number of requests
-that sample: a prompt chunk of a bucket's size costs another time than decodes of it). Proposals grow the step into a later
-bucket, and, with a draft model, cost the draft's one-token steps too. A request that accepts
-each proposal with probability p (its history, SpecState.acceptance) gains p + p^2 + ... +
-p^k tokens from k proposals (the first rejection ends them), so the step's expected tokens
-are its sampling requests plus those gains, and the plan is the total number of proposals P
-(the largest gains first) that maximizes
+The engine measures the time of every step it runs by its T scheduled tokens (StepCosts, a
+moving average per T, linear between measured counts, kept apart by the number of requests
+that sample: a prompt chunk costs another time than as many decodes). Not by T's token
+bucket: where the device runs the bucket's padded shape, the counts in one bucket measure
+alike, but the CPU's kernels skip the padding, and there a proposal in a bucket's padding
+costs about what a decode does. Proposals grow the step to T + P tokens, and, with a draft
+model, cost the draft's one-token steps too. A request that accepts each proposal with
+probability p (its history, SpecState.acceptance) gains p + p^2 + ... + p^k tokens from k
+proposals (the first rejection ends them), so the step's expected tokens are its sampling
+requests plus those gains, and the plan is the total number of proposals P (the largest
+gains first) that maximizes
 
-    (sampling requests + gains of the P proposals) / (time of bucket(T + P) + draft steps)
+    (sampling requests + gains of the P proposals) / (time of T + P tokens + draft steps)
 
-P = 0 when nothing pays: a large batch (no bucket has room for free), a low acceptance (the
-gains are small) or a slow verify step (the bucket's time grows with its tokens, as on a
-CPU). A host proposer (n-gram, suffix) is planned for before it looks up proposals, each
-candidate at its limit, and pays its lookups' measured time per request (SpecControl.host):
-where that plan takes nothing, nothing is looked up. A step whose own bucket has not been
-measured takes no proposal (and so measures it); buckets it could grow into that have not
-been measured (nor lie between measured ones) are left out, but one plan in EXPLORE_EVERY
-takes proposals into the next of them, which measures it. Until the draft model's step has been measured, the scheduler's rule of thumb
-decides (proposals only where they cost nothing, SchedulerConfig.spec_free_tokens).
+where that is at least MARGIN times the rate without proposals. P = 0 when nothing pays: a
+low acceptance (the gains are small) or a slow verify step (the time grows with the tokens:
+a large batch, or any batch on a CPU bound by compute). A host proposer (n-gram, suffix) is
+planned for before it looks up proposals, each candidate at its limit, and pays its lookups'
+measured time per request (SpecControl.host): where that plan takes nothing, nothing is
+looked up. A step whose own token count has no time (measured, or
+between measured counts) takes no proposal (and so measures it); counts it could grow to
+that have none are left out, but one plan in EXPLORE_EVERY takes proposals up to the end of
+the next token bucket, which measures it. Until the draft model's step has been measured,
+the scheduler's rule of thumb decides (proposals only where they cost nothing,
+SchedulerConfig.spec_free_tokens).
 """
 
 from __future__ import annotations
@@ -31,19 +36,25 @@ import dataclasses
 
 from jaxinfer.config import SchedulerConfig
 
-EMA_WEIGHT = 0.2  # weight of the newest step time in a bucket's average
-EXPLORE_EVERY = 32  # a plan in this many tries a bucket not measured yet (if one would do)
+EMA_WEIGHT = 0.2  # weight of the newest step time in a key's average
+# A plan takes proposals only where it expects this many times the tokens per second of none:
+# the step times are noisy averages, and a smaller gain is as likely a loss.
+MARGIN = 1.05
+EXPLORE_EVERY = 32  # a plan in this many tries token counts not measured yet (if any would do)
 
 
 class StepCosts:
-    """Seconds per step, by key (a token bucket, or a draft's request bucket): a moving
-    average of what the engine measured; between measured keys, linear in the key."""
+    """Seconds per step, by key (scheduled tokens, or a draft's rows): a moving average of
+    what the engine measured; between measured keys, linear in the key."""
 
     def __init__(self):
         self.seconds: dict[int, float] = {}
+        self.keys: list[int] = []  # the measured keys, ascending
 
     def observe(self, key: int, seconds: float) -> None:
         old = self.seconds.get(key)
+        if old is None:
+            bisect.insort(self.keys, key)
         self.seconds[key] = seconds if old is None else old + EMA_WEIGHT * (seconds - old)
 
     def estimate(self, key: int) -> float | None:
@@ -51,7 +62,7 @@ class StepCosts:
         either side; None past the measured ones (not known)."""
         if key in self.seconds:
             return self.seconds[key]
-        keys = sorted(self.seconds)
+        keys = self.keys
         index = bisect.bisect_left(keys, key)
         if index == 0 or index == len(keys):
             return None
@@ -72,9 +83,9 @@ class Candidate:
 class SpecControl:
     """Plans each step's proposals from measured times (see the module docstring)."""
 
-    buckets: tuple[int, ...]  # the token buckets, ascending
+    buckets: tuple[int, ...]  # the token buckets, ascending (what exploring measures)
     # Step times by sampling requests (a power of two: their sample rows and attention cost
-    # too), then by token bucket.
+    # too), then by scheduled tokens.
     target: dict[int, StepCosts] = dataclasses.field(default_factory=dict)
     draft: StepCosts = dataclasses.field(default_factory=StepCosts)  # a draft step, by rows
     host: StepCosts = dataclasses.field(default_factory=StepCosts)  # host lookups, per request
@@ -93,7 +104,7 @@ class SpecControl:
     def observe_step(self, num_tokens: int, num_sampling: int, seconds: float) -> None:
         """A step of `num_tokens` scheduled tokens, `num_sampling` requests sampling, took
         `seconds` (host and device, without proposing the next step's tokens)."""
-        self.costs(num_sampling).observe(self.bucket(num_tokens), seconds)
+        self.costs(num_sampling).observe(num_tokens, seconds)
 
     def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
         """The draft proposed for `num_rows` requests in `num_steps` one-token steps."""
@@ -132,13 +143,13 @@ class SpecControl:
         )
         total = min(len(gains), most)
         table = self.costs(num_sampling)
-        base = table.estimate(self.bucket(used))
+        base = table.estimate(used)
         if base is None:  # this step measures it
             return [0] * len(candidates)
         draft_step = self.draft.estimate(draft_rows) if draft_rows else 0.0
         if draft_step is None:  # (the rule of thumb runs the draft, which measures it)
             return self._take(candidates, gains[: min(total, free_room)])
-        costs = [table.estimate(self.bucket(used + p)) for p in range(total + 1)]
+        costs = [table.estimate(used + p) for p in range(total + 1)]
         self.planned += 1
         unknown = [p for p in range(1, total + 1) if costs[p] is None]
         if unknown and self.planned % EXPLORE_EVERY == 0:  # measure the next bucket up
@@ -147,7 +158,8 @@ class SpecControl:
             last = max(p for p in unknown if self.bucket(used + p) == bucket)
             return self._take(candidates, gains[:last])
         proposing = (self.host.estimate(1) or 0.0) * host_rows
-        best, best_rate, expected, depths = 0, num_sampling / base, float(num_sampling), {}
+        best, expected, depths = 0, float(num_sampling), {}
+        best_rate = MARGIN * num_sampling / base
         for p in range(1, total + 1):
             gain, index = gains[p - 1]
             expected += gain

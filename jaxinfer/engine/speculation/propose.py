@@ -291,6 +291,11 @@ class Speculation:
         if isinstance(self.host, SuffixProposer):
             self.host.finished(request.output_token_ids)
 
+    def forget(self) -> None:
+        """Forgets the finished outputs suffix decoding proposes from."""
+        if isinstance(self.host, SuffixProposer):
+            self.host.forget()
+
     def add_stats(self, stats: SpecStats) -> None:
         """Fills in what the scheduler does not know: the time spent proposing, the suffix
         index's size."""

@@ -244,6 +244,12 @@ class SuffixProposer:
             self.cache.drop_oldest(oldest + 1)  # (and its separator)
             self.cached_tokens -= oldest
 
+    def forget(self) -> None:
+        """Empties the server's index (LLMEngine.reset_prefix_cache)."""
+        self.cache = SuffixIndex(self.config.suffix_max_depth)
+        self.cached.clear()
+        self.cached_tokens = 0
+
     def memory(self) -> dict[str, int]:
         """The server's index: outputs and tokens held, and its entries (n-gram
         occurrences)."""

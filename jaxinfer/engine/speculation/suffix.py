@@ -196,9 +196,7 @@ class SuffixProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.cache = SuffixIndex(config.suffix_max_depth)
-        self.cached: collections.deque[int] = collections.deque()  # lengths, oldest first
-        self.cached_tokens = 0
+        self.forget()
 
     def new_state(self, limit: int) -> SpecState:
         config = self.config
@@ -247,7 +245,7 @@ class SuffixProposer:
     def forget(self) -> None:
         """Empties the server's index (LLMEngine.reset_prefix_cache)."""
         self.cache = SuffixIndex(self.config.suffix_max_depth)
-        self.cached.clear()
+        self.cached: collections.deque[int] = collections.deque()  # lengths, oldest first
         self.cached_tokens = 0
 
     def memory(self) -> dict[str, int]:

@@ -25,6 +25,7 @@ from tests.support.kernels import (
     many_decodes,
     mixed_lengths,
 )
+from tests.support.lanes import sweep
 
 pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
@@ -163,7 +164,7 @@ def attention(cpu_attention):
     return cpu_attention
 
 
-@pytest.mark.parametrize("block_size,group,head_dim", ATTENTION_CASES)
+@pytest.mark.parametrize("block_size,group,head_dim", sweep(cases=ATTENTION_CASES))
 def test_attention_matches_reference(attention, block_size, group, head_dim):
     q_lens, context_lens = mixed_lengths(block_size)
     args = attention_batch(

@@ -160,6 +160,7 @@ def test_causal_conv1d_continues_each_request_from_its_state():
     np.testing.assert_array_equal(new_states[slots[5:]], states[slots[5:]])  # padding requests
 
 
+@pytest.mark.slow  # the entry's test below interprets it too, over two decodes
 def test_pallas_recurrent_kernel_interpreted_matches_the_reference():
     from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as pallas_recurrent
 

@@ -72,7 +72,10 @@ def _batch(lengths, slots, fresh) -> StateBatch:
     )
 
 
-@pytest.mark.parametrize("form", ["chunked", "recurrent", "auto"])
+# The fast lane takes "auto" (chunked for the prefill, recurrent for the decodes).
+@pytest.mark.parametrize(
+    "form", [pytest.param(f, marks=pytest.mark.slow) for f in ("chunked", "recurrent")] + ["auto"]
+)
 def test_layer_matches_hf_in_one_step_and_across_steps(hf_layer, form):
     rng = np.random.default_rng(1)
     prompt = rng.standard_normal((23, E)).astype(np.float32)

@@ -24,6 +24,7 @@ from cpu_kernels.gguf_matmul.reference import (
     pack_layers,
     random_rows,
 )
+from tests.support.lanes import sweep
 
 pytestmark = pytest.mark.skipif(
     not can_build(), reason="no C++ compiler, or a CPU without AVX2/FMA"
@@ -77,9 +78,10 @@ def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, 
     assert np.array_equal(rows.view(np.uint32), theirs.view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt", LAYOUTS)
-@pytest.mark.parametrize("mode", MODE_PARAMS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 12, 21, 277])
+# The fast lane: every pair of format, mode and row count.
+@pytest.mark.parametrize(
+    "fmt,mode,rows", sweep(LAYOUTS, MODE_PARAMS, [1, 3, 4, 5, 7, 8, 12, 21, 277], strength=2)
+)
 def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, mode, rows):
     """Few rows stream the weight row with every accumulator in registers (int8: 1-4 rows,
     1-8 on AVX-512 VNNI; exact: 1-3); more take the many-row paths (int8: chunks of 16 rows,

@@ -20,6 +20,7 @@ from pallas_kernels.gguf_matmul.reference import (
     gguf_matmul_reference,
     to_planes,
 )
+from tests.support.lanes import sweep
 
 K = 512  # two k-quant superblocks
 
@@ -51,8 +52,7 @@ def test_reference_matches_numpy(fmt):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt,dtype", sweep(list(FORMATS), [jnp.float32, jnp.bfloat16]))
 def test_pallas_kernel_matches_reference(fmt, dtype):
     _, arrays = planes(fmt, 64, seed=4)
     arrays = tuple(map(jnp.asarray, arrays))

@@ -147,6 +147,7 @@ def test_pallas_kernel_interpret(case):
     np.testing.assert_allclose(y, numpy_grouped(x, w, sizes), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_pallas_kernel_int8_and_bfloat16_interpret():
     x, w, sizes = _case(40, 6, 32, 48, [5, 0, 17, 0, 3, 10])
     q = np.clip(np.rint(w * 40), -127, 127).astype(np.int8)

@@ -31,7 +31,9 @@ def test_the_pallas_kernels_pass_interpreted(kind):
     assert probe_kernel(kind, kernel, ARCH, "float32", 16) is None
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)]
+)
 def test_attention_is_probed_over_the_engines_cache_format(kv_cache_dtype):
     kernel = functools.partial(ragged_paged_attention, interpret=True)
     kv_format = KVCacheFormat.resolve(kv_cache_dtype, "float32")

@@ -29,6 +29,7 @@ from tests.support.kernels import (
     mixed_lengths,
     reference,
 )
+from tests.support.lanes import sweep
 
 
 def test_attention_cases_cover_every_pair_of_values():
@@ -38,7 +39,7 @@ def test_attention_cases_cover_every_pair_of_values():
         assert pairs == set(itertools.product(values[a], values[b])), (a, b)
 
 
-@pytest.mark.parametrize("block_size,group,head_dim,dtype", PAIRWISE_CASES)
+@pytest.mark.parametrize("block_size,group,head_dim,dtype", sweep(cases=PAIRWISE_CASES))
 def test_attention_matches_reference(block_size, group, head_dim, dtype):
     q_lens, context_lens = mixed_lengths(block_size)
     args = attention_batch(
@@ -52,8 +53,7 @@ def test_attention_matches_reference(block_size, group, head_dim, dtype):
     assert not np.asarray(out[sum(q_lens) :], np.float32).any()  # padding tokens: zeros
 
 
-@pytest.mark.parametrize("num_kv_splits", [2, 5])
-@pytest.mark.parametrize("sliding_window", [None, 20])
+@pytest.mark.parametrize("num_kv_splits,sliding_window", sweep([2, 5], [None, 20]))
 def test_attention_kv_splits_and_sliding_window(num_kv_splits, sliding_window):
     """Flash-Decoding (kv splits merged by log-sum-exp) and a sliding window, on long
     contexts where some splits are empty for some requests."""
@@ -127,8 +127,10 @@ def test_fused_ffn_refuses_shapes_it_cannot_tile():
         fused_ffn(x, jnp.zeros((60, 2, 112)), jnp.zeros((112, 60)), interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (19, 64), (5, 4096)])
+@pytest.mark.parametrize(
+    "num_tokens,hidden,dtype",
+    sweep(cases=[(*s, d) for s in [(1, 576), (19, 64), (5, 4096)] for d in [F32, BF16]]),
+)
 def test_add_rms_norm_matches_reference(num_tokens, hidden, dtype):
     rng = np.random.default_rng(2)
     x, residual = (jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype) for _ in "ab")

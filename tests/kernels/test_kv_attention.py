@@ -35,6 +35,7 @@ from tests.support.kernels import (
     mixed_lengths,
     reference,
 )
+from tests.support.lanes import sweep
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 # How far the quantized result may be from the unquantized one on these N(0, 1) caches: a
@@ -69,10 +70,11 @@ def check(kernel, args, kind, dtype, kernel_options=None, **static):
 PALLAS = functools.partial(ragged_paged_attention, interpret=INTERPRET)
 
 
-# Each of the Pallas kernel's pairwise cases, in one of the formats (cycled over them).
+# Each of the Pallas kernel's pairwise cases, in one of the formats (cycled over them); the
+# fast lane takes a few that hold every value.
 @pytest.mark.parametrize(
     "block_size,group,head_dim,dtype,kind",
-    [(*case, FORMATS[i % 3]) for i, case in enumerate(PAIRWISE_CASES)],
+    sweep(cases=[(*case, FORMATS[i % 3]) for i, case in enumerate(PAIRWISE_CASES)]),
 )
 @pytest.mark.parametrize("kernel", ["reference", "pallas"])
 def test_mixed_batches(kernel, block_size, group, head_dim, dtype, kind):
@@ -88,8 +90,10 @@ def test_mixed_batches(kernel, block_size, group, head_dim, dtype, kind):
 LONG = dict(q_lens=[1, 1, 3, 9], context_lens=[150, 17, 96, 200])
 
 
-@pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("num_kv_splits,sliding_window", [(1, 20), (5, None)])
+@pytest.mark.parametrize(
+    "kind,num_kv_splits,sliding_window",
+    sweep(cases=[(kind, *case) for kind in FORMATS for case in [(1, 20), (5, None)]]),
+)
 def test_pallas_kv_splits_and_sliding_window(kind, num_kv_splits, sliding_window):
     args = attention_batch(
         LONG["q_lens"], LONG["context_lens"], group=3, head_dim=64, block_size=16, dtype=F32
@@ -105,8 +109,7 @@ def test_pallas_kv_splits_and_sliding_window(kind, num_kv_splits, sliding_window
     )
 
 
-@pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("kernel", ["reference", "pallas", "cpu"])
+@pytest.mark.parametrize("kernel,kind", sweep(["reference", "pallas", "cpu"], FORMATS))
 def test_one_layer_of_a_stacked_cache(kernel, kind, request):
     if kernel == "cpu" and not can_build():
         pytest.skip("no C++ compiler, or a CPU without AVX2/FMA")
@@ -132,7 +135,7 @@ needs_cpp = pytest.mark.skipif(not can_build(), reason="no C++ compiler, or no A
 @needs_cpp
 @pytest.mark.parametrize(
     "block_size,group,head_dim,kind",
-    [(*case, FORMATS[i % 3]) for i, case in enumerate(ATTENTION_CASES)],
+    sweep(cases=[(*case, FORMATS[i % 3]) for i, case in enumerate(ATTENTION_CASES)]),
 )
 def test_cpu_mixed_batches(cpu_attention, block_size, group, head_dim, kind):
     q_lens, context_lens = mixed_lengths(block_size)
@@ -154,8 +157,10 @@ def test_cpu_long_contexts_and_sliding_window(cpu_attention, kind, sliding_windo
 
 
 @needs_cpp
-@pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize(("group", "num_kv_heads"), [(3, 3), (8, 16)], ids=["smollm2", "split"])
+@pytest.mark.parametrize(
+    "kind,group,num_kv_heads",  # SmolLM2's heads (3 a kv head), and kv heads split in pairs
+    sweep(cases=[(kind, *heads) for kind in FORMATS for heads in [(3, 3), (8, 16)]]),
+)
 def test_cpu_many_decodes(cpu_attention, kind, group, num_kv_heads):
     """Decodes that take all their kv heads in one item, several heads' rows in pairs."""
     check(cpu_attention, many_decodes(group, num_kv_heads), kind, F32, sm_scale=0.125)

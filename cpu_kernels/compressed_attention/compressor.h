@@ -1,18 +1,17 @@
 // DeepSeek-V4's compressor (pallas_kernels/compressor/reference.py) for XLA:CPU, included by
 // kernel.cc: every `ratio` tokens of a request pooled into one compressed entry, over the
-// flattened batch of a step, and each request's state (its open window's tokens; CSA: the
-// last closed window's first series) carried into the next step.
+// flattened batch of a step, and each request's state (a ring of its last W tokens, token p
+// at p % W) carried into the next step.
 //
 // A token that closes a window (position + 1 a multiple of m) gets
 //   entry[d] = sum_j softmax_j(gate_j[d] + bias_j[d]) * kv_j[d]
 // over the window's m slots (HCA, its one series), or (CSA) over 2m slots: window w - 1's
 // first series (none for window 0) and window w's second. A slot's token comes from the step
-// where the step holds it, else from the open window's buffer, else (CSA's window before the
-// open one) from `previous`.
+// where the step holds it, else from the request's ring.
 //
 // The state comes as stacks over the kind's layers with the layer to update; the outputs alias
 // them, so the layer's rows are updated in place: the entries are computed first from the
-// state before the step, then each request's rows are written.
+// state before the step, then each request's last W tokens are written.
 #ifndef JAXINFER_CPU_KERNELS_COMPRESSOR_H_
 #define JAXINFER_CPU_KERNELS_COMPRESSOR_H_
 
@@ -31,8 +30,8 @@ namespace ffi = xla::ffi;
 
 struct Step {
   const float *kv, *gate, *bias;  // [T, F], [T, F], [m, F]
-  const float *buffer_kv, *buffer_gate, *previous_kv, *previous_gate;  // the layer's, [S, m, *]
-  int64_t features, dim, ratio;
+  const float *buffer_kv, *buffer_gate;  // the layer's rings, [S, W, F]
+  int64_t features, dim, ratio, ring;
   bool overlap;
 };
 
@@ -40,16 +39,12 @@ struct Step {
 // the step is at `first`, series columns from `column`: (kv, gate) pointers, D floats each.
 inline void Slot(const Step& s, int64_t t, int64_t position, int64_t first, int64_t row,
                  int64_t at, int64_t column, const float** kv, const float** gate) {
-  const int64_t m = s.ratio;
   if (at >= first) {
     const int64_t index = (t + at - position) * s.features + column;
     *kv = s.kv + index, *gate = s.gate + index;
-  } else if (at / m == first / m) {  // the window open before the step
-    const int64_t index = (row * m + at % m) * s.features + column;
+  } else {
+    const int64_t index = (row * s.ring + at % s.ring) * s.features + column;
     *kv = s.buffer_kv + index, *gate = s.buffer_gate + index;
-  } else {  // CSA: the last window closed before the step, its first series
-    const int64_t index = (row * m + at % m) * s.dim;
-    *kv = s.previous_kv + index, *gate = s.previous_gate + index;
   }
 }
 
@@ -86,31 +81,25 @@ inline void Pool(const Step& s, int64_t t, int64_t position, int64_t first, int6
 inline ffi::Error Compress(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> kv,
                            ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> bias,
                            ffi::Buffer<ffi::F32> buffer_kv, ffi::Buffer<ffi::F32> buffer_gate,
-                           ffi::Buffer<ffi::F32> previous_kv,
-                           ffi::Buffer<ffi::F32> previous_gate,
                            ffi::Buffer<ffi::S32> query_start_loc,
                            ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> state_rows,
                            ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer_index,
                            ffi::ResultBuffer<ffi::F32> entries,
                            ffi::ResultBuffer<ffi::PRED> closes,
                            ffi::ResultBuffer<ffi::F32> out_buffer_kv,
-                           ffi::ResultBuffer<ffi::F32> out_buffer_gate,
-                           ffi::ResultBuffer<ffi::F32> out_previous_kv,
-                           ffi::ResultBuffer<ffi::F32> out_previous_gate, bool overlap) {
-  const auto kd = kv.dimensions(), bd = buffer_kv.dimensions(), pd = previous_kv.dimensions();
-  if (kd.size() != 2 || bd.size() != 4 || pd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        "compressor: kv [T, F], buffers [L, S, m, F], previous [L, S, m or 0, D]");
+                           ffi::ResultBuffer<ffi::F32> out_buffer_gate, bool overlap) {
+  const auto kd = kv.dimensions(), bd = buffer_kv.dimensions();
+  if (kd.size() != 2 || bd.size() != 4) {
+    return ffi::Error::InvalidArgument("compressor: kv [T, F], rings [L, S, W, F]");
   }
-  const int64_t tokens = kd[0], features = kd[1], layers = bd[0], slots = bd[1], m = bd[2];
+  const int64_t tokens = kd[0], features = kd[1], layers = bd[0], slots = bd[1], ring = bd[2];
+  const int64_t m = features ? bias.element_count() / features : 0;
   const int64_t dim = overlap ? features / 2 : features, requests = state_rows.element_count();
   const int64_t layer = layer_index.typed_data()[0];
-  if (gate.element_count() != tokens * features || bias.element_count() != m * features ||
+  if (m < 1 || gate.element_count() != tokens * features || bias.element_count() != m * features ||
       bd[3] != features || buffer_gate.element_count() != buffer_kv.element_count() ||
-      pd[0] != layers || pd[1] != slots || pd[2] != (overlap ? m : 0) || pd[3] != dim ||
-      previous_gate.element_count() != previous_kv.element_count() ||
-      positions.element_count() != tokens || query_start_loc.element_count() != requests + 1 ||
-      (overlap && features % 2) || m < 1) {
+      ring < (overlap ? 2 * m : m) || ring % m || positions.element_count() != tokens ||
+      query_start_loc.element_count() != requests + 1 || (overlap && features % 2)) {
     return ffi::Error::InvalidArgument("compressor: shapes disagree");
   }
   if (layer < 0 || layer >= layers) {
@@ -127,16 +116,13 @@ inline ffi::Error Compress(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> kv,
       return ffi::Error::InvalidArgument("compressor: state row out of range");
     }
   }
-  const int64_t buffer_size = slots * m * features, previous_size = slots * pd[2] * dim;
+  const int64_t buffer_size = slots * ring * features;
   float *new_buffer_kv = out_buffer_kv->typed_data() + layer * buffer_size;
   float *new_buffer_gate = out_buffer_gate->typed_data() + layer * buffer_size;
-  float *new_previous_kv = out_previous_kv->typed_data() + layer * previous_size;
-  float *new_previous_gate = out_previous_gate->typed_data() + layer * previous_size;
   // The outputs alias the state's stacks (updated in place); where XLA copied them instead,
   // the copies are the state before the step too: read it from the outputs either way.
   const Step s{kv.typed_data(), gate.typed_data(), bias.typed_data(), new_buffer_kv,
-               new_buffer_gate, new_previous_kv, new_previous_gate, features, dim, m,
-               overlap};
+               new_buffer_gate, features, dim, m, ring, overlap};
   float* out = entries->typed_data();
   bool* closing = closes->typed_data();
   std::fill(out, out + tokens * dim, 0.0f);
@@ -148,20 +134,12 @@ inline ffi::Error Compress(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> kv,
       Pool(s, t, pos[t], pos[qsl[r]], rows[r], out + t * dim);
     }
   });
-  jaxinfer::ParallelFor(pool, live, [&](int64_t r) {  // then each request's state
+  jaxinfer::ParallelFor(pool, live, [&](int64_t r) {  // then each request's last W tokens
     if (qsl[r + 1] == qsl[r]) return;
-    const int64_t row = rows[r], first = pos[qsl[r]], open = (pos[qsl[r + 1] - 1] + 1) / m;
-    if (overlap && open > first / m) {  // the last window it closed: its first series
-      for (int64_t i = 0; i < m; ++i) {
-        const float *kv_in, *gate_in;
-        Slot(s, qsl[r], first, first, row, (open - 1) * m + i, 0, &kv_in, &gate_in);
-        std::copy(kv_in, kv_in + dim, new_previous_kv + (row * m + i) * dim);
-        std::copy(gate_in, gate_in + dim, new_previous_gate + (row * m + i) * dim);
-      }
-    }
-    for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t) {  // its open window's tokens
-      if (pos[t] < open * m) continue;
-      const int64_t at = (row * m + pos[t] % m) * features;
+    const int64_t row = rows[r], end = pos[qsl[r + 1] - 1] + 1;
+    for (int64_t t = qsl[r]; t < qsl[r + 1]; ++t) {
+      if (pos[t] < end - ring) continue;
+      const int64_t at = (row * ring + pos[t] % ring) * features;
       std::copy(s.kv + t * features, s.kv + (t + 1) * features, new_buffer_kv + at);
       std::copy(s.gate + t * features, s.gate + (t + 1) * features, new_buffer_gate + at);
     }

@@ -273,10 +273,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCompressor, compressor::Compress,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // kv [T, F]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate [T, F]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // bias [m, F]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // buffer_kv [L, S, m, F]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // buffer_gate [L, S, m, F]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // previous_kv [L, S, m, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // previous_gate [L, S, m, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // buffer_kv [L, S, W, F]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // buffer_gate [L, S, W, F]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [R + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // state_rows [R]
@@ -286,8 +284,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferCompressor, compressor::Compress,
                                   .Ret<ffi::Buffer<ffi::PRED>>()  // closes [T]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // buffer_kv (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // buffer_gate (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // previous_kv (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // previous_gate (aliased)
                                   .Attr<bool>("overlap"));
 
 extern "C" int jaxinfer_compressed_attention_supported() {

@@ -126,7 +126,7 @@ def compress(
     kv: jax.Array,  # f32[T, F], the step's tokens projected (kv_proj)
     gate: jax.Array,  # f32[T, F] (gate_proj)
     bias: jax.Array,  # f32[m, F], position_bias
-    state: CompressorState,  # each [S, m, *] (or [L, S, m, *] with layer)
+    state: CompressorState,  # rings, each [S, W, F] (or [L, S, W, F] with layer)
     batch: CompressorBatch,
     *,
     overlap: bool,  # CSA's two series (F = 2D); else HCA (F = D)
@@ -147,7 +147,7 @@ def compress(
     )
     i32 = jnp.int32
     entries, closes, *new = jax.ffi.ffi_call(
-        COMPRESSOR_TARGET, shapes, input_output_aliases={3: 2, 4: 3, 5: 4, 6: 5}
+        COMPRESSOR_TARGET, shapes, input_output_aliases={3: 2, 4: 3}
     )(
         kv,
         gate,

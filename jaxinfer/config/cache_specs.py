@@ -57,11 +57,12 @@ class CompressedSpec:
 CacheSpec = AttentionSpec | StateSpec | CompressedSpec
 
 
-def layer_specs(arch: LlamaConfig, dtype) -> tuple[CacheSpec, ...]:
+def layer_specs(arch: LlamaConfig, dtype, num_speculative_tokens: int = 0) -> tuple[CacheSpec, ...]:
     """The model's layer groups, each with its spec, in the order their first layers come
-    (`dtype`: the model's, which a hybrid's convolution states keep)."""
+    (`dtype`: the model's, which a hybrid's convolution states keep; DeepSeek-V4's compressor
+    rings hold room for the most proposals a step verifies)."""
     if arch.compressed is not None:
-        return compressed_specs(arch, dtype)
+        return compressed_specs(arch, dtype, num_speculative_tokens)
     groups: dict[tuple, list[int]] = {}
     for layer in range(arch.num_hidden_layers):
         if arch.hybrid is not None and arch.hybrid.layer_types[layer] == LINEAR_ATTENTION:
@@ -81,7 +82,9 @@ def layer_specs(arch: LlamaConfig, dtype) -> tuple[CacheSpec, ...]:
     )
 
 
-def compressed_specs(arch: LlamaConfig, dtype) -> tuple[CacheSpec, ...]:
+def compressed_specs(
+    arch: LlamaConfig, dtype, num_speculative_tokens: int = 0
+) -> tuple[CacheSpec, ...]:
     """DeepSeek-V4's: every layer's shared K=V entries in the sliding window, each compressed
     kind's entries, and the compressed layers' compressor states."""
     v4, itemsize = arch.compressed, jnp.dtype(dtype).itemsize
@@ -95,7 +98,7 @@ def compressed_specs(arch: LlamaConfig, dtype) -> tuple[CacheSpec, ...]:
             specs.append(CompressedSpec(layers, key, v4.ratio(kind), len(layers) * dim * itemsize))
     layers = tuple(i for i, t in enumerate(v4.layer_types) if t in KIND_KEYS)
     if layers:
-        specs.append(StateSpec(layers, compressor_bytes_per_slot(arch)))
+        specs.append(StateSpec(layers, compressor_bytes_per_slot(arch, num_speculative_tokens)))
     return tuple(specs)
 
 

@@ -10,7 +10,10 @@ its one K=V head, its compressors and its indexer run whole on every device.
 Its compressed layers keep entries pooled from whole windows and, per request, the open
 window's tokens (the compressor's state), so a cached prefix would need both at its end:
 prefix caching is off for it, with that reason, rather than ever giving a wrong answer. Its
-layers take their weights as the checkpoint lays them out ("in_out"), float.
+compressors keep their state as a function of positions alone (a ring of each request's last
+tokens with room for a step's proposals), so speculative decoding needs no rollback there:
+n-gram and suffix proposals run; a draft model is refused. Its layers take their weights as
+the checkpoint lays them out ("in_out"), float.
 
 The cache: the sliding window's pool holds what the running requests' windows need (their
 blocks behind the window go back to it); each compressed kind's pool (one entry per `ratio`
@@ -41,7 +44,8 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
     if arch.compressed is None:
         return
     refused = {
-        "speculative_method": options.speculative_method != "none",
+        # (a draft model's KV cache is not in this cache's budget yet)
+        "speculative_method": options.speculative_method == "draft",
         "enable_lora": options.enable_lora,
         "kv_cache_dtype": options.kv_cache_dtype != "auto",
         "layer_execution": options.layer_execution == "per_layer",

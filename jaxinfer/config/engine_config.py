@@ -230,7 +230,8 @@ def build_engine_config(
             f"({arch.max_position_embeddings})"
         )
     kv_format = KVCacheFormat.resolve(options.kv_cache_dtype, dtype)
-    specs = layer_specs(arch, dtype)
+    num_speculative = options.num_speculative_tokens if options.speculative_method != "none" else 0
+    specs = layer_specs(arch, dtype, num_speculative)
     bytes_per_block = 0  # on each device: the caches are split by KV heads
     cached_models = [arch] + ([read_config(draft_path / "config.json")] if draft_path else [])
     for cached in cached_models if arch.compressed is None else []:
@@ -258,7 +259,6 @@ def build_engine_config(
         num_blocks = options.num_kv_blocks or options.max_num_seqs * blocks_per_request + 1
     else:
         num_blocks = options.num_kv_blocks or max(2, budget // bytes_per_block)
-    num_speculative = options.num_speculative_tokens if options.speculative_method != "none" else 0
     return EngineConfig(
         model=ModelConfig(
             path=model_path,

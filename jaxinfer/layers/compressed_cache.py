@@ -9,9 +9,10 @@
   kind's own block table (entry e of a request lives in block table[e // B], offset e % B).
   CSA's indexer keys share CSA's table. The kinds' tables are columns of the batch's block
   tables after the window's (`entry_columns`), so they travel as block-table rows do.
-- `states`: each compressed layer's compressor state (the open window's tokens, CSA's last
-  closed window's Ca series; pallas_kernels.compressor.reference.CompressorState), in state
-  slots by request row (batch.state_rows), as a hybrid's recurrent state is.
+- `states`: each compressed layer's compressor state (a ring of the request's last tokens'
+  projections, sized for the proposals a step verifies: pallas_kernels.compressor.reference
+  .CompressorState, .ring_size), in state slots by request row (batch.state_rows), as a
+  hybrid's recurrent state is.
 
 L: layers, NB / BS: window blocks and positions per block, Lc / Lh: CSA / HCA layers,
 NBk / B: a store's blocks and entries per block, D: head dim, Di: the indexer's, S: slots,
@@ -31,7 +32,7 @@ from jaxinfer.arch_config import (
     HEAVILY_COMPRESSED_ATTENTION,
     LlamaConfig,
 )
-from pallas_kernels.compressor.reference import CompressorState
+from pallas_kernels.compressor.reference import CompressorState, ring_size
 
 # the stores' and states' names, by layer kind
 KIND_KEYS = {COMPRESSED_SPARSE_ATTENTION: "csa", HEAVILY_COMPRESSED_ATTENTION: "hca"}
@@ -46,7 +47,7 @@ KIND_KEYS = {COMPRESSED_SPARSE_ATTENTION: "csa", HEAVILY_COMPRESSED_ATTENTION: "
 class CompressedCache:
     window: jax.Array  # [L, NB, BS, D]
     entries: dict  # "csa" / "hca": [Lk, NBk, B, D]; "index": [Lc, NBc, B, Di]
-    states: dict  # "csa" / "hca" / "index": CompressorState, stacked [Lk, S, ...]
+    states: dict  # "csa" / "hca" / "index": CompressorState, stacked [Lk, S, W, F]
     # (key, first column, end column): each kind's table in the block tables' columns
     entry_columns: tuple[tuple[str, int, int], ...]
 
@@ -80,6 +81,7 @@ def allocate(
     max_model_len: int,
     dtype=jnp.float32,
     zeros=jnp.zeros,  # (shape, dtype) -> array: where the arrays are made (a mesh's)
+    num_speculative_tokens: int = 0,  # the most proposals a step verifies (the rings' spare)
 ) -> CompressedCache:
     """A zeroed cache: `entry_blocks[key]` blocks of `block_size` entries per compressed
     store, `num_slots` compressor states per compressed layer."""
@@ -92,27 +94,31 @@ def allocate(
             continue
         ratio, series = v4.ratio(kind), 2 if key == "csa" else 1
         entries[key] = zeros((layers, entry_blocks[key], block_size, d), dtype)
-        states[key] = _state(layers, num_slots, ratio, d, series, zeros)
+        ring = ring_size(ratio, series == 2, num_speculative_tokens)
+        states[key] = _state(layers, num_slots, ring, d * series, zeros)
         if key == "csa":
             di = v4.index_head_dim
             entries["index"] = zeros((layers, entry_blocks[key], block_size, di), dtype)
-            states["index"] = _state(layers, num_slots, ratio, di, series, zeros)
+            states["index"] = _state(layers, num_slots, ring, di * series, zeros)
     return CompressedCache(
         window, entries, states, entry_columns(config, block_size, max_model_len)
     )
 
 
-def compressor_bytes_per_slot(config: LlamaConfig) -> int:
+def compressor_bytes_per_slot(config: LlamaConfig, num_speculative_tokens: int = 0) -> int:
     """Bytes one request's compressor states take over all compressed layers (float32)."""
-    cache = jax.eval_shape(lambda: allocate(config, 1, 1, {"csa": 1, "hca": 1}, 1, 1))
+    cache = jax.eval_shape(
+        lambda: allocate(
+            config, 1, 1, {"csa": 1, "hca": 1}, 1, 1, num_speculative_tokens=num_speculative_tokens
+        )
+    )
     return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache.states))
 
 
-def _state(layers: int, slots: int, ratio: int, dim: int, series: int, zeros) -> CompressorState:
+def _state(layers: int, slots: int, ring: int, features: int, zeros) -> CompressorState:
     """Float32 throughout (the pooling's softmax runs in float32, as HF's does)."""
-    buffer = (layers, slots, ratio, series * dim)
-    previous = (layers, slots, ratio if series == 2 else 0, dim)
-    return CompressorState(*(zeros(s, jnp.float32) for s in (buffer, buffer, previous, previous)))
+    shape = (layers, slots, ring, features)
+    return CompressorState(zeros(shape, jnp.float32), zeros(shape, jnp.float32))
 
 
 def write_entries(

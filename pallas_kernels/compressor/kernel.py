@@ -1,20 +1,21 @@
 """DeepSeek-V4's compressor as a Pallas kernel (the reference's signature and entries,
 pallas_kernels/compressor/reference.py): one program per token pools the window the token
 closes, its `ratio` slots (CSA: and the window before's, from the other series) each read
-from the step where the step holds it, else from the request's state slot; the softmax over
-the slots runs per channel, sum_j e_j kv_j / sum_j e_j with e_j = exp(gate_j + bias_j - max).
-A token that closes no window writes zeros. The state after the step (the open windows'
-buffers, CSA's last closed window) is the reference's scatter (reference.next_state).
+from the step where the step holds it, else from the request's ring; the softmax over the
+slots runs per channel, sum_j e_j kv_j / sum_j e_j with e_j = exp(gate_j + bias_j - max).
+A token that closes no window writes zeros. The rings after the step are the reference's
+scatter (reference.next_state).
 
 A window's slots are a run of the step's rows ending at the closing token (its earlier tokens
-in the step, in order), and a run of the state slot's rows (a slot's row is the position
-modulo ratio), so each program reads two tiles of `ratio` rows per series; the step's rows
+in the step, in order), and a run of the ring's rows (a position's row is it modulo W, a
+multiple of ratio: a window's rows are contiguous), so each program reads two tiles of
+`ratio` rows per series; the step's rows
 are padded in front so that a run before a request's first token still lies in the array
 (those rows are masked). Float32; `ratio` and the entry dim must be powers of two (Triton's
 tiles).
 
-T: tokens in the step, R: requests, S: state slots, m: ratio, D: entry dim, F: S' * D with
-S' series (1 for HCA, 2 for CSA).
+T: tokens in the step, R: requests, S: state slots, m: ratio, W: ring size, D: entry dim, F:
+S' * D with S' series (1 for HCA, 2 for CSA).
 """
 
 from __future__ import annotations
@@ -47,41 +48,37 @@ def _kernel(
     kv_ref,  # f32[P + T, F], the step's rows after P padding rows
     gate_ref,  # f32[P + T, F]
     bias_ref,  # f32[m, F]
-    buffer_kv_ref,  # f32[S * m, F], each slot's open window by offset
-    buffer_gate_ref,  # f32[S * m, F]
-    *rest,  # CSA: previous_kv_ref, previous_gate_ref f32[S * m, D]; then entries_ref f32[T, D]
+    buffer_kv_ref,  # f32[S * W, F], each slot's ring
+    buffer_gate_ref,  # f32[S * W, F]
+    entries_ref,  # f32[T, D]
+    *,
     ratio: int,
+    ring: int,
     dim: int,
     overlap: bool,
 ):
-    entries_ref = rest[-1]
     t = pl.program_id(0)
     position, first, row = position_ref[t], first_ref[t], row_ref[t]
     pad = 2 * ratio
     window = (position + 1) // ratio - 1
     offsets = jnp.arange(ratio)[:, None]  # [m, 1]
-    slots = pl.ds(row * ratio, ratio)
 
-    def series(columns: int, back: int, in_buffer, previous=None):
+    def series(columns: int, back: int):
         """(kv, gate + bias) [m, D] of the window `back` windows before the token's, from the
         series at `columns`."""
-        starts = window * ratio - back * ratio  # its first position
+        starts = window * ratio - back * ratio  # its first position (< 0: none, masked)
         in_step = starts + offsets >= first  # [m, 1]
         rows = pl.ds(t + pad - (back + 1) * ratio + 1, ratio)
         cols = pl.ds(columns, dim)
-        kv_state, gate_state = buffer_kv_ref[slots, cols], buffer_gate_ref[slots, cols]
-        if previous is not None:  # (CSA's Ca of the window before the open one)
-            kv_state = jnp.where(in_buffer, kv_state, previous[0][slots, :])
-            gate_state = jnp.where(in_buffer, gate_state, previous[1][slots, :])
-        kv = jnp.where(in_step, kv_ref[rows, cols], kv_state)
-        gate = jnp.where(in_step, gate_ref[rows, cols], gate_state) + bias_ref[:, cols]
-        return kv, gate
+        slots = pl.ds(row * ring + jnp.maximum(starts, 0) % ring, ratio)
+        kv = jnp.where(in_step, kv_ref[rows, cols], buffer_kv_ref[slots, cols])
+        gate = jnp.where(in_step, gate_ref[rows, cols], buffer_gate_ref[slots, cols])
+        return kv, gate + bias_ref[:, cols]
 
-    own_kv, own_gate = series(dim if overlap else 0, 0, True)
+    own_kv, own_gate = series(dim if overlap else 0, 0)
     peak = own_gate.max(axis=0)  # [D]
     if overlap:
-        in_buffer = window - 1 == first // ratio
-        before_kv, before_gate = series(0, 1, in_buffer, rest[:2])
+        before_kv, before_gate = series(0, 1)
         before_gate = jnp.where(window > 0, before_gate, MASK_VALUE)
         before_kv = jnp.where(window > 0, before_kv, 0.0)
         peak = jnp.maximum(peak, before_gate.max(axis=0))
@@ -101,7 +98,7 @@ def compress(
     batch: CompressorBatch,
     *,
     overlap: bool,  # CSA's two series (F = 2D); else HCA (F = D)
-    layer: jax.Array | None = None,  # i32[]: the state's layer of a stack ([L, S, m, *])
+    layer: jax.Array | None = None,  # i32[]: the state's layer of a stack ([L, S, W, F])
     interpret: bool = False,
     launch: gpu_lowering.LaunchConfig = gpu_lowering.LaunchConfig(),  # noqa: B008 (frozen)
 ) -> tuple[jax.Array, jax.Array, CompressorState]:
@@ -120,18 +117,12 @@ def compress(
     check_powers_of_two("compressor", ratio=ratio, dim=dim)
     request, valid, row, first = token_fields(batch, num_tokens)
     closes = valid & ((batch.positions + 1) % ratio == 0)
-    slots = state.buffer_kv.shape[0]
+    slots, ring = state.buffer_kv.shape[:2]
+    if ring % ratio:
+        raise ValueError(f"compressor: the ring's {ring} rows are not whole windows of {ratio}")
     kv, gate = kv.astype(jnp.float32), gate.astype(jnp.float32)
     padding = ((2 * ratio, 0), (0, 0))
-    previous = (
-        (
-            state.previous_kv.reshape(slots * ratio, dim).astype(jnp.float32),
-            state.previous_gate.reshape(slots * ratio, dim).astype(jnp.float32),
-        )
-        if overlap
-        else ()
-    )
-    kernel = functools.partial(_kernel, ratio=ratio, dim=dim, overlap=overlap)
+    kernel = functools.partial(_kernel, ratio=ratio, ring=ring, dim=dim, overlap=overlap)
     entries = gpu_lowering.call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_tokens, dim), jnp.float32),
@@ -147,9 +138,8 @@ def compress(
         jnp.pad(kv, padding),
         jnp.pad(gate, padding),
         bias.astype(jnp.float32),
-        state.buffer_kv.reshape(slots * ratio, features).astype(jnp.float32),
-        state.buffer_gate.reshape(slots * ratio, features).astype(jnp.float32),
-        *previous,
+        state.buffer_kv.reshape(slots * ring, features).astype(jnp.float32),
+        state.buffer_gate.reshape(slots * ring, features).astype(jnp.float32),
     )
-    new_state = next_state(kv, gate, state, batch, request, valid, row, first, overlap)
+    new_state = next_state(kv, gate, state, batch, request, valid, row)
     return entries, closes, new_state

@@ -8,13 +8,16 @@ previous one). Entry w = sum_j softmax_j(gate_j + bias_j) * kv_j, per channel, w
 indexed by the token's offset in its own window (the softmax runs over the slots).
 
 A window spans steps (a decode adds one token a step), so each request carries, in its state
-slot, the tokens of its open window seen so far (`buffer`) and, for CSA, the last closed
-window's Ca (`previous`). A step's token that closes a window (position + 1 a multiple of
-ratio) gets that window's pooled entry; the RMSNorm and RoPE after the pooling and the
-entry's place in the paged store are the layer's.
+slot, a ring of its last W tokens' projections (token p at p % W; W = `ring_size`: a multiple
+of ratio, two windows for CSA, one for HCA, plus the most proposals a step verifies). A step's
+token that closes a window (position + 1 a multiple of ratio) gets that window's pooled entry;
+the RMSNorm and RoPE after the pooling and the entry's place in the paged store are the
+layer's. The state is a function of positions alone: a speculative step's rejected tokens
+overwrite only positions older than any window still to close reads, and the real tokens at
+their positions are written again later, so nothing needs rolling back.
 
-T: tokens in the step, R: requests, S: state slots, m: ratio, D: entry dim, F: S' * D with S'
-series (1 for HCA, 2 for CSA).
+T: tokens in the step, R: requests, S: state slots, m: ratio, W: ring size, D: entry dim, F:
+S' * D with S' series (1 for HCA, 2 for CSA).
 """
 
 from __future__ import annotations
@@ -35,10 +38,17 @@ class CompressorBatch(NamedTuple):
 
 
 class CompressorState(NamedTuple):
-    buffer_kv: jax.Array  # f32[S, m, F], the open window's tokens, by offset in the window
-    buffer_gate: jax.Array  # f32[S, m, F]
-    previous_kv: jax.Array  # f32[S, m, D], the last closed window's Ca (CSA; else [S, 0, D])
-    previous_gate: jax.Array  # f32[S, m, D]
+    buffer_kv: jax.Array  # f32[S, W, F], each slot's last W tokens, token p at p % W
+    buffer_gate: jax.Array  # f32[S, W, F]
+
+
+def ring_size(ratio: int, overlap: bool, spare: int = 0) -> int:
+    """W: the windows a closing token reads (CSA: its own and the one before), and room for
+    `spare` proposals past the accepted tokens, in whole windows. A step that verifies k <=
+    spare proposals writes positions up to L + k (L: the first it may reject), overwriting
+    p - W <= L + k - W; a window still to close reads positions from L - 2m + 1 (CSA) or
+    L - m + 1 (HCA) on, so those stay intact."""
+    return ratio * ((2 if overlap else 1) + -(-spare // ratio))
 
 
 def compress(
@@ -60,7 +70,7 @@ def compress(
         )
         return entries, closes, with_layer_state(state, layer, new)
     num_tokens, features = kv.shape
-    ratio = bias.shape[0]
+    ratio, ring = bias.shape[0], state.buffer_kv.shape[1]
     dim = features // 2 if overlap else features
     request, valid, row, first = token_fields(batch, num_tokens)
     pos = batch.positions
@@ -70,28 +80,19 @@ def compress(
 
     def gather(positions, series):  # positions i32[T, m] -> kv, gate f32[T, m, D]
         """The tokens at `positions` of each token's request: from the step where the step
-        holds them, else from the open window's buffer, else (CSA's Ca of the window
-        before the open one) from `previous`."""
+        holds them, else from the request's ring."""
         columns = slice(0, dim) if series == 0 else slice(features - dim, features)
         in_step = positions >= first[:, None]
         index = jnp.clip(
             jnp.arange(num_tokens)[:, None] + positions - pos[:, None], 0, num_tokens - 1
         )
         step_kv, step_gate = kv[index, columns], gate[index, columns]
-        slot = positions % ratio
-        buffer_kv = state.buffer_kv[row[:, None], slot, columns]
-        buffer_gate = state.buffer_gate[row[:, None], slot, columns]
-        in_buffer = (positions // ratio) == (first // ratio)[:, None]
-        if overlap:
-            buffer_kv = jnp.where(
-                in_buffer[..., None], buffer_kv, state.previous_kv[row[:, None], slot]
-            )
-            buffer_gate = jnp.where(
-                in_buffer[..., None], buffer_gate, state.previous_gate[row[:, None], slot]
-            )
-        kv_out = jnp.where(in_step[..., None], step_kv, buffer_kv)
-        gate_out = jnp.where(in_step[..., None], step_gate, buffer_gate) + bias[slot, columns]
-        return kv_out, gate_out
+        slot = positions % ring
+        ring_kv = state.buffer_kv[row[:, None], slot, columns]
+        ring_gate = state.buffer_gate[row[:, None], slot, columns]
+        kv_out = jnp.where(in_step[..., None], step_kv, ring_kv)
+        gate_out = jnp.where(in_step[..., None], step_gate, ring_gate)
+        return kv_out, gate_out + bias[positions % ratio, columns]
 
     own = window[:, None] * ratio + offsets  # [T, m]
     slots_kv, slots_gate = gather(own, 1 if overlap else 0)
@@ -102,7 +103,7 @@ def compress(
         slots_gate = jnp.concatenate([before_gate, slots_gate], axis=1)
     weights = jax.nn.softmax(slots_gate, axis=1)
     entries = jnp.where(closes[:, None], (weights * slots_kv).sum(axis=1), 0.0)
-    return entries, closes, next_state(kv, gate, state, batch, request, valid, row, first, overlap)
+    return entries, closes, next_state(kv, gate, state, batch, request, valid, row)
 
 
 def layer_state(state: CompressorState, layer) -> CompressorState:
@@ -127,48 +128,19 @@ def token_fields(
     return request, valid, batch.state_rows[request], first
 
 
-def next_state(kv, gate, state, batch, request, valid, row, first, overlap) -> CompressorState:
-    """Each request's open window after the step in its buffer, and (CSA) the Ca of the last
-    window the step closed, if it closed one."""
+def next_state(kv, gate, state, batch, request, valid, row) -> CompressorState:
+    """Each request's ring after the step: its last W tokens written at their positions
+    modulo W (one write per slot)."""
     num_tokens, features = kv.shape
-    ratio = state.buffer_kv.shape[1]
-    pos = batch.positions
+    slots, ring = state.buffer_kv.shape[:2]
     last = batch.query_start_loc[1:] - 1  # [R], each request's last token in the step
-    num_reqs = last.shape[0]
-    live = jnp.arange(num_reqs) < batch.num_seqs[0]
     end = batch.positions[jnp.clip(last, 0, num_tokens - 1)] + 1  # [R], its next position
-    open_after = end // ratio  # [R], the window open after the step
-    in_open = valid & (pos >= open_after[request] * ratio)  # tokens the buffer keeps
-    flat = (state.buffer_kv.shape[0] * ratio, features)
+    keep = valid & (batch.positions >= end[request] - ring)
+    flat = (slots * ring, features)
     # (the others at an index past the end, which "drop" leaves out: -1 would wrap around)
-    slot = jnp.where(in_open, row * ratio + pos % ratio, flat[0])
-    buffer_kv = (
-        state.buffer_kv.reshape(flat).at[slot].set(kv, mode="drop").reshape(state.buffer_kv.shape)
+    slot = jnp.where(keep, row * ring + batch.positions % ring, flat[0])
+    buffer_kv, buffer_gate = (
+        buffer.reshape(flat).at[slot].set(values, mode="drop").reshape(buffer.shape)
+        for buffer, values in ((state.buffer_kv, kv), (state.buffer_gate, gate))
     )
-    buffer_gate = (
-        state.buffer_gate.reshape(flat)
-        .at[slot]
-        .set(gate, mode="drop")
-        .reshape(state.buffer_gate.shape)
-    )
-    if not overlap:
-        return CompressorState(buffer_kv, buffer_gate, state.previous_kv, state.previous_gate)
-    dim = features // 2
-    rows = batch.state_rows  # [R]
-    starts = batch.query_start_loc[:-1]
-    firsts = batch.positions[jnp.clip(starts, 0, num_tokens - 1)]
-    closed = live & (open_after > firsts // ratio)  # the step closed a window
-    positions = (open_after - 1)[:, None] * ratio + jnp.arange(ratio)  # [R, m]
-    in_step = positions >= firsts[:, None]
-    index = jnp.clip(starts[:, None] + positions - firsts[:, None], 0, num_tokens - 1)
-    slot = positions % ratio
-    ca_kv = jnp.where(
-        in_step[..., None], kv[index, :dim], state.buffer_kv[rows[:, None], slot, :dim]
-    )
-    ca_gate = jnp.where(
-        in_step[..., None], gate[index, :dim], state.buffer_gate[rows[:, None], slot, :dim]
-    )
-    target = jnp.where(closed, rows, state.previous_kv.shape[0])  # (dropped: out of range)
-    previous_kv = state.previous_kv.at[target].set(ca_kv, mode="drop")
-    previous_gate = state.previous_gate.at[target].set(ca_gate, mode="drop")
-    return CompressorState(buffer_kv, buffer_gate, previous_kv, previous_gate)
+    return CompressorState(buffer_kv, buffer_gate)

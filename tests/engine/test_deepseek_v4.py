@@ -233,7 +233,7 @@ def test_n_samples_each_keep_their_own_compressor_state_and_describe(served):
 @pytest.mark.parametrize(
     "option",
     [
-        {"speculative_method": "ngram"},
+        {"speculative_method": "draft"},  # (drafting with itself)
         {"kv_cache_dtype": "int8"},
         {"quantization": "int8"},
         {"batch_invariant": True},
@@ -243,8 +243,39 @@ def test_n_samples_each_keep_their_own_compressor_state_and_describe(served):
     ids=lambda option: next(iter(option)),
 )
 def test_options_deepseek_v4_cannot_run_with_are_refused(served, option):
+    if option.get("speculative_method") == "draft":
+        option = option | {"draft_model": str(served[0])}
     with pytest.raises(ValueError, match="is not supported on DeepSeek-V4"):
         build_llm(served[0], "tiny", **option)
+
+
+def test_speculation_through_the_compressors_gives_hugging_faces_tokens(served):
+    """n-gram proposals (prompts that repeat a phrase, so that proposals come; most of them
+    rejected, across window ends of both kinds): the compressors' rings need no rollback, and
+    the tokens are HF's greedy ones, here with preemption too."""
+    folder, _ = served
+    rng = np.random.default_rng(5)
+    prompts = [list(np.tile(rng.integers(3, 320, size=n), 5)) for n in (3, 4, 5, 7)]
+    expected = hf_greedy(folder, prompts, 24)
+    llm = build_llm(
+        folder,
+        "tiny",
+        num_kv_blocks=9,
+        speculative_method="ngram",
+        num_speculative_tokens=6,
+        speculative_adaptive=False,
+        prompt_lookup_min=1,
+    )
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    before = llm.engine.stats().spec
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    spec = llm.engine.stats().spec
+    accepted = spec.num_accepted_tokens - before.num_accepted_tokens
+    proposed = spec.num_draft_tokens - before.num_draft_tokens
+    print(f"proposed {proposed}, accepted {accepted}")
+    assert proposed > 2 * accepted and proposed > 40  # many proposals, most rejected
+    assert llm.engine.stats().num_preemptions > 0
 
 
 @pytest.mark.parametrize("tp,expert_parallel", [(2, False), (4, True)], ids=["tp2", "ep4"])

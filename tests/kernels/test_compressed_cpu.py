@@ -184,7 +184,7 @@ def test_the_compressor_updates_its_layer_of_the_stack_as_the_reference(cpu_comp
     """A step of a prefill chunk closing windows, decodes (one closing, one inside a window)
     and padding, on layer 1 of a stack of 3 holding random state: the same entries, and the
     same stack after the step (the other layers and slots untouched), as the reference."""
-    from pallas_kernels.compressor.reference import CompressorBatch, CompressorState
+    from pallas_kernels.compressor.reference import CompressorBatch, CompressorState, ring_size
 
     ratio = RATIO if overlap else 8
     features = 2 * DIM if overlap else DIM
@@ -200,10 +200,8 @@ def test_the_compressor_updates_its_layer_of_the_stack_as_the_reference(cpu_comp
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), jnp.float32)
 
-    state = CompressorState(
-        normal(3, 5, ratio, features), normal(3, 5, ratio, features),
-        normal(3, 5, ratio if overlap else 0, DIM), normal(3, 5, ratio if overlap else 0, DIM),
-    )  # fmt: skip
+    ring = ring_size(ratio, overlap, spare=3)  # (a ring with room for proposals)
+    state = CompressorState(normal(3, 5, ring, features), normal(3, 5, ring, features))
     args = (normal(tokens, features), normal(tokens, features), normal(ratio, features))
     want = reference_compress(*args, state, batch, overlap=overlap, layer=jnp.int32(1))
     got = jax.jit(cpu_compressed.compressor, static_argnames="overlap")(

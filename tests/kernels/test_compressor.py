@@ -16,7 +16,12 @@ import pytest
 
 from pallas_kernels import gpu_lowering
 from pallas_kernels.compressor import kernel
-from pallas_kernels.compressor.reference import CompressorBatch, CompressorState, compress
+from pallas_kernels.compressor.reference import (
+    CompressorBatch,
+    CompressorState,
+    compress,
+    ring_size,
+)
 from tests.support.deepseek_v4 import DIM, HIDDEN, ROPE, hf_config, norm_and_rope, pool_sequence
 
 
@@ -63,7 +68,9 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(
 ):
     """Three requests (37, 23 and 9 tokens) in steps of mixed chunks and decodes, each in its
     own state slot: every token that closes a window gets numpy's entry for that window, the
-    others zeros."""
+    others zeros. Some steps run rejected proposals past a request's tokens (other values at
+    the next positions, across window ends), as a speculative step's verify does: the next
+    step goes on from the accepted tokens, and the entries are still the whole sequence's."""
     import jax.numpy as jnp
 
     overlap = kind == "csa"
@@ -75,21 +82,21 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(
     kv = {r: rng.normal(size=(n, features)) for r, n in lengths.items()}
     gate = {r: rng.normal(size=(n, features)) for r, n in lengths.items()}
     bias = rng.normal(size=(ratio, features))
-    # Each step: (request, tokens) in batch order; chunks end mid-window and across windows.
+    # Each step: (request, tokens[, rejected proposals after them]) in batch order; chunks
+    # end mid-window and across windows, and so do the rejected proposals.
     steps = [
-        [(0, 6), (1, 3)],
-        [(1, 13), (0, 1), (2, 5)],
-        [(0, 11), (2, 1)],
-        [(2, 1), (1, 1), (0, 17)],
-        [(0, 1), (1, 5), (2, 2)],
+        [(0, 6), (1, 3, 4)],
+        [(1, 13), (0, 1, 5), (2, 5)],
+        [(0, 11), (2, 1, 3)],
+        [(2, 1), (1, 1, 2), (0, 17)],
+        [(0, 1, 5), (1, 5), (2, 2)],
         [(0, 1), (1, 1)],
     ]
     num_tokens, num_reqs, num_slots = 32, 4, 5
+    ring = ring_size(ratio, overlap, spare=5)
     state = CompressorState(
-        buffer_kv=jnp.full((num_slots, ratio, features), 7.0),  # (never read unwritten)
-        buffer_gate=jnp.full((num_slots, ratio, features), 7.0),
-        previous_kv=jnp.full((num_slots, ratio if overlap else 0, DIM), 7.0),
-        previous_gate=jnp.full((num_slots, ratio if overlap else 0, DIM), 7.0),
+        buffer_kv=jnp.full((num_slots, ring, features), 7.0),  # (never read unwritten)
+        buffer_gate=jnp.full((num_slots, ring, features), 7.0),
     )
     done = dict.fromkeys(lengths, 0)
     found = {r: {} for r in lengths}  # window -> entry
@@ -105,13 +112,16 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(
         state_rows = np.full(num_reqs, num_slots - 1, np.int32)  # (padding: the last slot)
         owners = []
         cursor = 0
-        for index, (r, count) in enumerate(step):
+        for index, (r, count, *rejected) in enumerate(step):
             span = slice(done[r], done[r] + count)
             step_kv[cursor : cursor + count] = kv[r][span]
             step_gate[cursor : cursor + count] = gate[r][span]
-            positions[cursor : cursor + count] = np.arange(done[r], done[r] + count)
-            owners += [r] * count
-            cursor += count
+            extra = rejected[0] if rejected else 0  # other values at the next positions
+            step_kv[cursor + count : cursor + count + extra] = rng.normal(size=(extra, features))
+            step_gate[cursor + count : cursor + count + extra] = rng.normal(size=(extra, features))
+            positions[cursor : cursor + count + extra] = np.arange(done[r], done[r] + count + extra)
+            owners += [r] * count + [None] * extra
+            cursor += count + extra
             starts[index + 1] = cursor
             state_rows[index] = rows[r]
             done[r] += count
@@ -126,7 +136,8 @@ def test_windows_carried_across_steps_give_the_whole_sequences_entries(
             overlap=overlap,
         )
         for t in np.flatnonzero(np.asarray(closes)):
-            found[owners[t]][(positions[t] + 1) // ratio - 1] = np.asarray(entries[t])
+            if owners[t] is not None:  # (a rejected proposal's entry is dropped)
+                found[owners[t]][(positions[t] + 1) // ratio - 1] = np.asarray(entries[t])
         assert not np.asarray(entries)[~np.asarray(closes)].any()
     assert done == lengths
     for r in lengths:
@@ -143,12 +154,8 @@ def test_pallas_kernel_lowers_for_cuda(kind):
     overlap = kind == "csa"
     ratio, slots, tokens = (4 if overlap else 128), 3, 6
     features = 2 * DIM if overlap else DIM
-    state = CompressorState(
-        jnp.zeros((slots, ratio, features)),
-        jnp.zeros((slots, ratio, features)),
-        jnp.zeros((slots, ratio if overlap else 0, DIM)),
-        jnp.zeros((slots, ratio if overlap else 0, DIM)),
-    )
+    ring = ring_size(ratio, overlap, spare=8)
+    state = CompressorState(jnp.zeros((slots, ring, features)), jnp.zeros((slots, ring, features)))
     batch = CompressorBatch(
         jnp.asarray([0, 5, 6], jnp.int32),
         jnp.zeros(tokens, jnp.int32),

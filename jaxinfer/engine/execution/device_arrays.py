@@ -35,6 +35,7 @@ def allocate_kv_cache(
             config.model.max_model_len,
             config.model.dtype,
             zeros=partitioner.zeros,  # whole on every device
+            num_speculative_tokens=config.scheduler.num_speculative_tokens,
         )
     shape = (
         arch.num_kv_layers,

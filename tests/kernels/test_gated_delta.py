@@ -160,7 +160,7 @@ def test_causal_conv1d_continues_each_request_from_its_state():
     np.testing.assert_array_equal(new_states[slots[5:]], states[slots[5:]])  # padding requests
 
 
-@pytest.mark.slow  # the entry's test below interprets it too, over two decodes
+@pytest.mark.slow  # (and the entry's test below, which interprets both kernels)
 def test_pallas_recurrent_kernel_interpreted_matches_the_reference():
     from pallas_kernels.gated_delta.kernel import gated_delta_recurrent as pallas_recurrent
 
@@ -198,6 +198,7 @@ def test_pallas_kernels_lower_for_the_gpu(chunk):
     assert calls == (1 if chunk == 0 else 2)
 
 
+@pytest.mark.slow
 def test_pallas_entry_switches_forms_like_the_reference():
     """The Pallas entry (interpreted) over a batch with a prefill and over a decode-only
     batch, against the recurrent reference."""

@@ -9,6 +9,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -227,6 +228,7 @@ def test_prometheus_counters():
     assert 'jaxinfer:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 1.0' in text
 
 
+@pytest.mark.slow  # (a chi-square over many draws; the engine's own runs in the engine lane)
 def test_rejection_sampling_keeps_the_target_distribution():
     """Proposals drawn from a draft distribution q, verified against p: the tokens follow p
     (chi-square), a row returns its proposal exactly when it was accepted, and the accepted

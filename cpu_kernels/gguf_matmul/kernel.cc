@@ -14,7 +14,8 @@
 // - exact: each group of 32 weights is dequantized in registers to exactly the float32
 //   values gguf's own dequantizer gives (every product of a float16 scale and a small integer
 //   is exact in float32; where gguf rounds a product, this rounds the same product once), then
-//   multiplied with float32 x by FMAs, up to 3 rows of x per pass over the weight row;
+//   multiplied with float32 x by FMAs, up to 3 rows of x per pass over the weight row (Q4_K
+//   on the AVX2 path reads each value from its own dword, x laid out to match: ExactLanes);
 // - int8 activations (llama.cpp's): x is rounded to int8 once per call, per 32 values for the
 //   32-value formats (Q8_0-style: a float scale and the block's sum) and per 256 values for
 //   the k-quants (Q8_K-style: a float scale and sums per 16), and each group is an integer dot
@@ -161,6 +162,11 @@ struct Block {
   float d = 0, dmin = 0;
   uint8_t k_scales[16];  // Q4_K / Q5_K: sc[8], m[8]
   __m256i high;  // Q5_0 / Q5_1 fifth bits; Q5_K: the 32 qh bytes
+  // The exact mode's float scales and offsets, formed for the whole block at once (each the
+  // same single rounding of the same product as one at a time): Q4_K / Q5_K d sc[g] and
+  // -(dmin m[g]) per group; Q6_K d scale per 16 values.
+  alignas(32) float exact_scale[16];
+  alignas(32) float exact_offset[8];
 
   explicit Block(const uint8_t* block) : p(block) {
     if constexpr (F == kQ4_0 || F == kQ5_0 || F == kQ8_0) {
@@ -172,8 +178,19 @@ struct Block {
       d = Half(p);
       dmin = Half(p + 2);
       KScales(p + 4, k_scales);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k_scales));
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+      _mm256_store_ps(exact_scale, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+      _mm256_store_ps(exact_offset, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mn),
+                                                  _mm256_set1_ps(-0.0f)));
     } else {
       d = Half(p + 208);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+      const __m256 dv = _mm256_set1_ps(d);
+      _mm256_store_ps(exact_scale, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
+      _mm256_store_ps(exact_scale + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_srli_si128(bytes, 8)))));
     }
     if constexpr (F == kQ5_0) high = FifthBits(p + 2);
     if constexpr (F == kQ5_1) high = FifthBits(p + 4);
@@ -214,8 +231,8 @@ struct Block {
   // exact: q = v - bias, and the scale of half h (0, 1) and the offset of group g.
   static constexpr int kBias = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32 : 0;
   float scale(int g, int h) const {
-    if constexpr (F == kQ4_K || F == kQ5_K) return d * static_cast<float>(k_scales[g]);
-    if constexpr (F == kQ6_K) return d * static_cast<float>(static_cast<int8_t>(p[192 + 2 * g + h]));
+    if constexpr (F == kQ4_K || F == kQ5_K) return exact_scale[g];
+    if constexpr (F == kQ6_K) return exact_scale[2 * g + h];
     return d;
   }
   // The 32-value formats with unsigned values v (Q8_0's signed ones offset by 128):
@@ -227,7 +244,7 @@ struct Block {
                                     : -128.0f * d;
   }
   float offset(int g) const {
-    if constexpr (F == kQ4_K || F == kQ5_K) return -(dmin * static_cast<float>(k_scales[8 + g]));
+    if constexpr (F == kQ4_K || F == kQ5_K) return exact_offset[g];
     if constexpr (F == kQ4_1 || F == kQ5_1) return dmin;
     return -0.0f;  // adds nothing, not even the sign of a zero product (d (q - bias) = -0.0)
   }
@@ -339,7 +356,24 @@ struct Rows {
   const QuantizedX* qx;
   float* y;  // [M, N]
   int64_t m, n, k;
+  const float* x_lanes = nullptr;  // [M, K] x in LaneOrder, where the exact Q4_K stream runs
 };
+
+// The exact mode's Q4_K rows streamed for few rows of x (ExactLanes) take each value of a
+// 32-byte chunk from its own dword (a shift and a mask, no byte shuffles), so dword lane i of
+// the t-th vector holds value 4 i + t: x is laid out to match once per call, per group of 32:
+// lanes[32 g + 8 t + i] = x[32 g + 4 i + t].
+void LaneOrder(const float* x, int64_t m, int64_t k, std::vector<float>& lanes) {
+  lanes.resize(m * k);
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t g = 0; g < k; g += 32) {
+      const float* from = x + row * k + g;
+      float* to = lanes.data() + row * k + g;
+      for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < 8; ++i) to[8 * t + i] = from[4 * i + t];
+    }
+  }
+}
 
 template <int F, int MR>
 void ExactRows(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
@@ -351,6 +385,7 @@ void ExactRows(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
   const float* x = r.x + m0 * r.k;
   for (int64_t b = 0; b < r.k / kValues<F>; ++b) {
     const Block<F> block(w + b * kBytes<F>);
+#pragma GCC unroll 8
     for (int g = 0; g < kValues<F> / 32; ++g) {
       __m256 wv[4];
       Dequantize<F>(block, g, wv);
@@ -360,6 +395,45 @@ void ExactRows(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i)
           acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + i * r.k + 8 * q), wv[q], acc[i][q]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    r.y[(m0 + i) * r.n + col] = jaxinfer::Sum(_mm256_add_ps(
+        _mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3])));
+  }
+}
+
+// ExactRows for Q4_K against x in LaneOrder: the same exact weights (fma(q, d sc, -(dmin m))),
+// each group's values converted from dwords as they lie.
+template <int MR>
+void ExactLanes(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  __m256 acc[MR][4];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) acc[i][t] = _mm256_setzero_ps();
+  const float* x = r.x_lanes + m0 * r.k;
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int64_t b = 0; b < r.k / 256; ++b) {
+    const Block<kQ4_K> block(w + b * 144);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.p + 16 + 32 * c));
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int g = 2 * c + h;
+        const __m256 scale = _mm256_broadcast_ss(&block.exact_scale[g]);
+        const __m256 offset = _mm256_broadcast_ss(&block.exact_offset[g]);
+        const float* xg = x + b * 256 + 32 * g;
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * t + 4 * h), low4);
+          const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, offset);
+#pragma GCC unroll 4
+          for (int i = 0; i < MR; ++i)
+            acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + i * r.k + 8 * t), wv, acc[i][t]);
+        }
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -1086,6 +1160,14 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnn
       return;
     }
   }
+  if constexpr (F == kQ4_K) {
+    if (r.x_lanes != nullptr) {
+      for (; m0 + 3 <= r.m; m0 += 3) ExactLanes<3>(r, w, col, m0);
+      if (r.m - m0 == 2) ExactLanes<2>(r, w, col, m0);
+      if (r.m - m0 == 1) ExactLanes<1>(r, w, col, m0);
+      return;
+    }
+  }
   for (; m0 + 3 <= r.m; m0 += 3) ExactRows<F, 3>(r, w, col, m0);
   if (r.m - m0 == 2) ExactRows<F, 2>(r, w, col, m0);
   if (r.m - m0 == 1) ExactRows<F, 1>(r, w, col, m0);
@@ -1282,6 +1364,17 @@ ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32
 }
 
 
+// Whether a call streams Q4_K rows exactly on the AVX2 path (ExactLanes), which reads x in
+// LaneOrder.
+bool TakesLanes(const std::vector<Segment>& segments, int64_t m, bool int8_activations,
+                bool avx512_vnni) {
+  if (int8_activations || avx512_vnni || m >= kPanelRows) return false;
+  for (const Segment& s : segments) {
+    if (s.format == kQ4_K) return true;
+  }
+  return false;
+}
+
 // Claims of output rows: a quarter of a segment's rows per thread-sized share (long runs for
 // the prefetchers), at least 8, at most 64 (an LM head).
 constexpr int64_t kMinClaim = 8, kMaxClaim = 64;
@@ -1405,7 +1498,12 @@ ffi::Error GGUFMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (m == 0 || n == 0) return ffi::Error::Success();
   QuantizedX qx;
   if (int8_activations) QuantizeX(pool, x.typed_data(), m, k, segments, avx512_vnni, qx);
-  const Rows rows{x.typed_data(), &qx, y->typed_data(), m, n, k};
+  Rows rows{x.typed_data(), &qx, y->typed_data(), m, n, k};
+  std::vector<float> lanes;
+  if (TakesLanes(segments, m, int8_activations, avx512_vnni)) {
+    LaneOrder(x.typed_data(), m, k, lanes);
+    rows.x_lanes = lanes.data();
+  }
   std::vector<Claim> claims;
   AddClaims(segments, &rows, claims);
   RunClaims(pool, claims, int8_activations, avx512_vnni);
@@ -1455,6 +1553,7 @@ ffi::Error GGUFGroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     std::vector<Segment> segments;
     QuantizedX qx;
     std::vector<float> xg, yg;  // the gathered rows, the rows to scatter
+    std::vector<float> lanes;  // x in LaneOrder (TakesLanes)
     Rows rows{};
     int64_t first = 0;
   };
@@ -1488,6 +1587,10 @@ ffi::Error GGUFGroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
     if (int8_activations) QuantizeX(pool, gx, size, k, group.segments, avx512_vnni, group.qx);
     group.rows = Rows{gx, &group.qx, gy, size, n, k};
+    if (TakesLanes(group.segments, size, int8_activations, avx512_vnni)) {
+      LaneOrder(gx, size, k, group.lanes);
+      group.rows.x_lanes = group.lanes.data();
+    }
     AddClaims(group.segments, &group.rows, claims);
     offset += size;
   }
@@ -1510,6 +1613,7 @@ template <int F>
 void DequantizeRow(const uint8_t* w, int64_t k, float* out) {
   for (int64_t b = 0; b < k / kValues<F>; ++b) {
     const Block<F> block(w + b * kBytes<F>);
+#pragma GCC unroll 8
     for (int g = 0; g < kValues<F> / 32; ++g) {
       __m256 v[4];
       Dequantize<F>(block, g, v);

@@ -15,7 +15,7 @@
 //   values gguf's own dequantizer gives (every product of a float16 scale and a small integer
 //   is exact in float32; where gguf rounds a product, this rounds the same product once), then
 //   multiplied with float32 x by FMAs, up to 3 rows of x per pass over the weight row (Q4_K
-//   on the AVX2 path reads each value from its own dword, x laid out to match: ExactLanes);
+//   on the AVX2 path reads each value from its own dword, x laid out to match: LaneWeights);
 // - int8 activations (llama.cpp's): x is rounded to int8 once per call, per 32 values for the
 //   32-value formats (Q8_0-style: a float scale and the block's sum) and per 256 values for
 //   the k-quants (Q8_K-style: a float scale and sums per 16), and each group is an integer dot
@@ -188,9 +188,10 @@ struct Block {
       d = Half(p + 208);
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
       const __m256 dv = _mm256_set1_ps(d);
-      _mm256_store_ps(exact_scale, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))));
-      _mm256_store_ps(exact_scale + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                              _mm_srli_si128(bytes, 8)))));
+      const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+      _mm256_store_ps(exact_scale, _mm256_mul_ps(dv, low));
+      _mm256_store_ps(exact_scale + 8, _mm256_mul_ps(dv, high));
     }
     if constexpr (F == kQ5_0) high = FifthBits(p + 2);
     if constexpr (F == kQ5_1) high = FifthBits(p + 4);
@@ -359,10 +360,10 @@ struct Rows {
   const float* x_lanes = nullptr;  // [M, K] x in LaneOrder, where the exact Q4_K stream runs
 };
 
-// The exact mode's Q4_K rows streamed for few rows of x (ExactLanes) take each value of a
-// 32-byte chunk from its own dword (a shift and a mask, no byte shuffles), so dword lane i of
-// the t-th vector holds value 4 i + t: x is laid out to match once per call, per group of 32:
-// lanes[32 g + 8 t + i] = x[32 g + 4 i + t].
+// The exact mode's Q4_K rows streamed for few rows of x (ExactRows in lanes) take each value
+// of a 32-byte chunk from its own dword (a shift and a mask, no byte shuffles), so dword lane
+// i of the t-th vector holds value 4 i + t: x is laid out to match once per call, per group
+// of 32: lanes[32 g + 8 t + i] = x[32 g + 4 i + t].
 void LaneOrder(const float* x, int64_t m, int64_t k, std::vector<float>& lanes) {
   lanes.resize(m * k);
   for (int64_t row = 0; row < m; ++row) {
@@ -375,65 +376,49 @@ void LaneOrder(const float* x, int64_t m, int64_t k, std::vector<float>& lanes) 
   }
 }
 
-template <int F, int MR>
+// Q4_K group g's exact weights in LaneOrder: w[t] lane i is value 4 i + t (the same value,
+// fma(q, d sc, -(dmin m)), as Dequantize's), taken from the dword that holds its byte.
+__attribute__((always_inline)) inline void LaneWeights(const Block<kQ4_K>& b, int g,
+                                                       __m256 (&w)[4]) {
+  // Group 2c in the low nibbles of chunk c, group 2c + 1 in the high ones.
+  const __m256i raw =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.p + 16 + 32 * (g >> 1)));
+  const __m256 scale = _mm256_broadcast_ss(&b.exact_scale[g]);
+  const __m256 offset = _mm256_broadcast_ss(&b.exact_offset[g]);
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+#pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t) {
+    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * t + 4 * (g & 1)), low4);
+    w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, offset);
+  }
+}
+
+// kInLanes (Q4_K only): the weights from dwords (LaneWeights) against x in LaneOrder.
+template <int F, int MR, bool kInLanes = false>
 void ExactRows(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
+  static_assert(!kInLanes || F == kQ4_K);
   __m256 acc[MR][4];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_ps();
-  const float* x = r.x + m0 * r.k;
+  const float* x = (kInLanes ? r.x_lanes : r.x) + m0 * r.k;
   for (int64_t b = 0; b < r.k / kValues<F>; ++b) {
     const Block<F> block(w + b * kBytes<F>);
 #pragma GCC unroll 8
     for (int g = 0; g < kValues<F> / 32; ++g) {
       __m256 wv[4];
-      Dequantize<F>(block, g, wv);
+      if constexpr (kInLanes) {
+        LaneWeights(block, g, wv);
+      } else {
+        Dequantize<F>(block, g, wv);
+      }
       const float* xg = x + b * kValues<F> + 32 * g;
 #pragma GCC unroll 4
       for (int q = 0; q < 4; ++q)
 #pragma GCC unroll 4
         for (int i = 0; i < MR; ++i)
           acc[i][q] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + i * r.k + 8 * q), wv[q], acc[i][q]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    r.y[(m0 + i) * r.n + col] = jaxinfer::Sum(_mm256_add_ps(
-        _mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3])));
-  }
-}
-
-// ExactRows for Q4_K against x in LaneOrder: the same exact weights (fma(q, d sc, -(dmin m))),
-// each group's values converted from dwords as they lie.
-template <int MR>
-void ExactLanes(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
-  __m256 acc[MR][4];
-#pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; ++t) acc[i][t] = _mm256_setzero_ps();
-  const float* x = r.x_lanes + m0 * r.k;
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-  for (int64_t b = 0; b < r.k / 256; ++b) {
-    const Block<kQ4_K> block(w + b * 144);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.p + 16 + 32 * c));
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const int g = 2 * c + h;
-        const __m256 scale = _mm256_broadcast_ss(&block.exact_scale[g]);
-        const __m256 offset = _mm256_broadcast_ss(&block.exact_offset[g]);
-        const float* xg = x + b * 256 + 32 * g;
-#pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-          const __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * t + 4 * h), low4);
-          const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, offset);
-#pragma GCC unroll 4
-          for (int i = 0; i < MR; ++i)
-            acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + i * r.k + 8 * t), wv, acc[i][t]);
-        }
-      }
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -1162,9 +1147,9 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnn
   }
   if constexpr (F == kQ4_K) {
     if (r.x_lanes != nullptr) {
-      for (; m0 + 3 <= r.m; m0 += 3) ExactLanes<3>(r, w, col, m0);
-      if (r.m - m0 == 2) ExactLanes<2>(r, w, col, m0);
-      if (r.m - m0 == 1) ExactLanes<1>(r, w, col, m0);
+      for (; m0 + 3 <= r.m; m0 += 3) ExactRows<F, 3, true>(r, w, col, m0);
+      if (r.m - m0 == 2) ExactRows<F, 2, true>(r, w, col, m0);
+      if (r.m - m0 == 1) ExactRows<F, 1, true>(r, w, col, m0);
       return;
     }
   }
@@ -1364,8 +1349,8 @@ ffi::Error Segments(const ffi::Buffer<ffi::U8>& data, const ffi::Buffer<ffi::S32
 }
 
 
-// Whether a call streams Q4_K rows exactly on the AVX2 path (ExactLanes), which reads x in
-// LaneOrder.
+// Whether a call streams Q4_K rows exactly on the AVX2 path (ExactRows in lanes), which reads
+// x in LaneOrder.
 bool TakesLanes(const std::vector<Segment>& segments, int64_t m, bool int8_activations,
                 bool avx512_vnni) {
   if (int8_activations || avx512_vnni || m >= kPanelRows) return false;

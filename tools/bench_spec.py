@@ -282,6 +282,13 @@ def report(method, llm, runs, rates, before, proposing: float) -> None:
         + (f"; suffix index {llm.engine.speculation.host.memory()}" if method == "suffix" else ""),
         flush=True,
     )
+    if control is not None and 1 in control.target:  # (one request sampling: batch 1)
+        table = control.target[1]
+        print(
+            "  step ms by scheduled tokens, one request: "
+            + ", ".join(f"{t} {1e3 * table.seconds[t]:.0f}" for t in table.keys if t <= 17),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

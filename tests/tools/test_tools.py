@@ -278,3 +278,16 @@ def test_soak_runs_and_checks_a_server(tmp_path, tiny_model_dir):
     assert set(report["health"]) == {"200"}
     assert report["idle_after_load"] == {"running": 0, "waiting": 0, "kv_cache_usage": 0}
     assert {"chat", "invalid"} <= set(report["by_kind"])
+
+
+def test_spec_replay_replays_host_proposers_over_recorded_outputs(tmp_path):
+    """An output that copies its prompt but for one edit: each host proposer's replay
+    proposes most of it, in far fewer steps than one a token."""
+    text = list(range(100, 160))
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"edit": [[text, [*text[:20], 999, *text[21:]]]]}))
+    out = run("-m", "tools.spec_replay", f"--record={record}", "--workloads=edit", "--token_ms=0")
+    for method in ("ngram", "suffix"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(method))
+        steps = int(line.split("; ")[1].split(" steps")[0])
+        assert steps <= 16, line

@@ -86,6 +86,38 @@ def test_ngram_realigns_a_copy_after_an_edit():
     assert NgramIndex(3, 5).propose([*tokens, 99], 4) == []
 
 
+def test_ngram_arbitrates_between_a_copy_and_a_fresh_match_by_their_record():
+    """After an edit where a fresh match (99 occurred before 50..53) and the copy gone on
+    past it (realign) propose differently, the fresh match is proposed until the tokens that
+    came after such a step have followed the copy further: then the copy is; and a request
+    whose tokens followed the fresh match goes on proposing it."""
+    prefix = [99, 50, 51, 52, 53, *range(10, 40)]
+
+    def edited(index: NgramIndex) -> list[int]:
+        tokens = [*prefix, 10, 11, 12, 13]
+        assert index.propose(tokens, 4) == [14, 15, 16, 17]
+        tokens += [14, 15, 16, 17, 18]
+        assert index.propose(tokens, 4) == [19, 20, 21, 22]
+        return [*tokens, 19, 20, 99]  # 99 in place of 21
+
+    index = NgramIndex(1, 5)
+    tokens = edited(index)
+    assert index.propose(tokens, 4) == [50, 51, 52, 53]  # no record yet: the fresh match
+    tokens += [22]  # the copy's token came
+    assert index.propose(tokens, 4) == [23, 24, 25, 26]
+    tokens += [23, 24, 25, 26, 27]
+    assert index.propose(tokens, 4) == [28, 29, 30, 31]
+    tokens += [28, 99]  # another edit, 99 in place of 29
+    assert index.propose(tokens, 4) == [30, 31, 32, 33]  # the copy, by its record
+
+    index = NgramIndex(1, 5)
+    tokens = edited(index)
+    assert index.propose(tokens, 4) == [50, 51, 52, 53]
+    tokens += [50, 51]  # the fresh match's tokens came
+    index.propose(tokens, 4)
+    assert index.trust_copy < 0
+
+
 def test_ngram_continues_a_loop_past_its_period():
     assert NgramIndex(1, 3).propose([5, 6, 7, 5, 6], 4) == [7, 5, 6, 7]
     assert NgramIndex(2, 2).propose([1, 2, 3], 2) == []

@@ -17,6 +17,7 @@ from jaxinfer.engine.speculation.state import SpecState
 
 REALIGN_SPAN = 8  # tokens of a copy searched for the token an edit chose (NgramIndex.realign)
 REALIGN_AFTER = 4  # tokens a copy must have had accepted before realign goes on with it
+VERDICT_DECAY = 0.8  # weight of the earlier verdicts in NgramIndex.trust_copy, per verdict
 
 
 class NgramIndex:
@@ -33,6 +34,11 @@ class NgramIndex:
         self.copied_from: int | None = None
         self.proposed_at = 0
         self.copy_run = 0  # its tokens accepted, in a row but for edits realign went past
+        # Where the copy gone on with (realign) and a fresh match's continuation differed:
+        # both proposals and where they were made, judged by the tokens that came next; and
+        # the verdicts so far (decayed; above 0: the copy did better, so it is proposed).
+        self.rivals: tuple[int, list[int], list[int]] | None = None
+        self.trust_copy = 0.0
 
     def extend(self, tokens: list[int]) -> None:
         """Indexes the n-grams that end before the last token (each has a successor)."""
@@ -46,28 +52,53 @@ class NgramIndex:
         of `tokens` found (of at least `min_n` tokens, default the index's), copied as LZ77
         copies a match that overlaps its own output: where the copy reaches the end of
         `tokens` it goes on over the tokens it proposed (a loop of period p, found p tokens
-        back, is proposed for `count` tokens, not p). Where no suffix matches, the last
-        proposal's copy goes on past an edit (realign)."""
+        back, is proposed for `count` tokens, not p). Where no suffix matches, or where the
+        last proposal's copy goes on past an edit (realign) and has done better than fresh
+        matches at this request's edits (arbitrate), the copy is proposed."""
         if count <= 0:
             return []
         end = self.match(tokens, min_n)
-        if end is None:
-            return self._copy(tokens, self.realign(tokens), count, realigned=True)
-        return self._copy(tokens, end, count, realigned=False)
+        return self.arbitrate(tokens, self.follow(tokens, end, count), count, end)
 
-    def realigned(self, tokens: list[int], count: int) -> list[int]:
-        """The last proposal's copy past an edit alone (realign), as `propose` makes it."""
-        return self._copy(tokens, self.realign(tokens), count, realigned=True) if count else []
+    def arbitrate(
+        self, tokens: list[int], fresh: list[int], count: int, end: int | None = None
+    ) -> list[int]:
+        """`fresh` (a match's continuation, that after `end` if given; else another
+        proposer's, kept as the copy where it is what followed the latest occurrence of the
+        longest suffix found), or the last proposal's copy gone on past an edit (realign):
+        the copy where `fresh` is empty, or where the two differ and the copy has done better
+        than the fresh proposals where they differed before (trust_copy), judged by the
+        tokens that came after them."""
+        self._judge(tokens)
+        copy_end = self.realign(tokens)
+        copy = self.follow(tokens, copy_end, count)
+        if copy and fresh and copy != fresh:
+            self.rivals = (len(tokens), fresh, copy)
+        if not fresh or (copy and copy != fresh and self.trust_copy > 0):
+            self._keep(tokens, copy_end, realigned=True)
+            return copy
+        if end is None and fresh:
+            end = self.match(tokens)
+            if self.follow(tokens, end, len(fresh)) != fresh:
+                end = None
+        self._keep(tokens, end, realigned=False)
+        return fresh
 
-    def note(self, tokens: list[int], proposed: list[int]) -> None:
-        """Another proposer proposed `proposed` after `tokens`: kept as a copy (for realign)
-        where it is what followed the latest occurrence of their longest suffix found."""
-        end = self.match(tokens) if proposed else None
-        copies = end is not None and self.follow(tokens, end, len(proposed)) == proposed
-        self._copy(tokens, end if copies else None, 0, realigned=False)
+    def _judge(self, tokens: list[int]) -> None:
+        """The verdict on the last rivals: the one whose leading tokens the tokens since
+        followed further wins (no verdict on a tie)."""
+        if self.rivals is None:
+            return
+        at, fresh, copy = self.rivals
+        self.rivals = None
+        lead_fresh, lead_copy = leading(fresh, tokens[at:]), leading(copy, tokens[at:])
+        if lead_fresh != lead_copy:
+            self.trust_copy = VERDICT_DECAY * self.trust_copy + (
+                1.0 if lead_copy > lead_fresh else -1.0
+            )
 
-    def _copy(self, tokens: list[int], end: int | None, count: int, realigned: bool) -> list[int]:
-        """The proposal after the match that ends at `end`, kept as the copy realign goes on
+    def _keep(self, tokens: list[int], end: int | None, realigned: bool) -> None:
+        """The proposal after the match that ends at `end` kept as the copy realign goes on
         with; copy_run grows where it goes on with the last one's (past an edit, or where
         every token since followed it), else starts again."""
         start, since = self.copied_from, len(tokens) - self.proposed_at
@@ -79,14 +110,12 @@ class NgramIndex:
             self.copy_run = 0
         self.copied_from = None if end is None else end + 1
         self.proposed_at = len(tokens)
-        return self.follow(tokens, end, count)
 
     def realign(self, tokens: list[int]) -> int | None:
-        """Where a copy the last proposal made likely goes on when no n-gram matches: an
-        edit. The tokens since then followed the copy but the last, which the model chose
-        in place of the copy's next token: if that token is in the copy's next REALIGN_SPAN
-        tokens, the copy resumes after it (the model left some out), else after the token
-        it replaced. The end of that match (as `match`), or None: no copy, one that has had
+        """Where a copy the last proposal made likely goes on after an edit. The tokens
+        since then followed the copy but the last, which the model chose in place of the
+        copy's next token: if that token is in the copy's next REALIGN_SPAN tokens, the copy
+        resumes after it (the model left some out), else after the token it replaced. The end of that match (as `match`), or None: no copy, one that has had
         fewer than REALIGN_AFTER tokens accepted (a chance match, as chat's often are), or
         the tokens since then left it before their last."""
         start, since = self.copied_from, len(tokens) - self.proposed_at
@@ -121,6 +150,16 @@ class NgramIndex:
             if end is not None:
                 return end
         return None
+
+
+def leading(proposal: list[int], came: list[int]) -> int:
+    """How many of `proposal`'s leading tokens `came` (the tokens after it) followed."""
+    count = 0
+    for proposed, token in zip(proposal, came, strict=False):
+        if proposed != token:
+            break
+        count += 1
+    return count
 
 
 class NgramProposer:

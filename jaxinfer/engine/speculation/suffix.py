@@ -17,9 +17,10 @@ KEY entries per token where a tree makes up to the depth's nodes, a Python objec
 Two indexes are asked, the request's own (its prompt and output, grown as tokens arrive) and
 the server's (the outputs of recently finished requests, at most `cache_max_tokens` tokens of
 them, oldest evicted first), and the proposal with the larger score (the sum of its tokens'
-path probabilities) wins. Where neither proposes anything, a copy of the request's own text
-that the last proposal made goes on past an edit (jaxinfer.engine.speculation.ngram's
-realign).
+path probabilities) wins. Where neither proposes anything, or where a copy of the request's
+own text that the last proposal made goes on past an edit and has done better than the
+indexes' proposals before, the copy is proposed (jaxinfer.engine.speculation.ngram's
+realign and arbitrate: a short match after an edit proposes few tokens, the copy many).
 
 Proposals are verified like n-gram proposals (jaxinfer.engine.speculation.ngram), so outputs
 are exactly those of decoding without them. The server's index is shared by every request:
@@ -182,7 +183,7 @@ class SuffixIndex:
 @dataclasses.dataclass
 class RequestSuffix:
     """A request's own index, grown as its tokens arrive, and its n-gram index, which goes
-    on with a copy past an edit where the indexes propose nothing (NgramIndex.realign)."""
+    on with a copy past an edit (NgramIndex.arbitrate)."""
 
     own: SuffixIndex
     lookup: NgramIndex
@@ -222,11 +223,7 @@ class SuffixProposer:
         own, own_score = state.index.own.speculate(*args)
         cached, cached_score = self.cache.speculate(*args)
         proposed = own if own_score >= cached_score else cached
-        lookup = state.index.lookup
-        if not proposed:
-            return lookup.realigned(tokens, count)
-        lookup.note(tokens, proposed)
-        return proposed
+        return state.index.lookup.arbitrate(tokens, proposed, count)
 
     def finished(self, output_token_ids: list[int]) -> None:
         """Adds a finished request's output to the server's index, evicting the oldest

@@ -971,11 +971,15 @@ JAXINFER_VNNI512 void IntegerRows512(const Rows& r, const uint8_t* w, int64_t co
 // weight is looked up by its nibble (vpermps) instead of widened and converted.
 template <int F>
 constexpr bool kNibbleTable = F == kQ4_0 || F == kQ4_1 || F == kQ4_K;
+// Rows up to which the 4-bit formats stream on AVX-512 in the exact mode, all in one pass
+// (a short verify step of speculative decoding): past them, the panel path (more rows'
+// accumulators spill).
+constexpr int64_t kStreamRows512 = 6;
 
 template <int F, int MR>
 JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
   __m512 acc[MR][2];
-#pragma GCC unroll 3
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const __m512 levels = _mm512_sub_ps(
       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -992,7 +996,7 @@ JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col,
       const __m512 w1 =
           _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), table);
       const float* xg = x + b * kValues<F> + 32 * g;
-#pragma GCC unroll 3
+#pragma GCC unroll 6
       for (int i = 0; i < MR; ++i) {
         acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k), w0, acc[i][0]);
         acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k + 16), w1, acc[i][1]);
@@ -1139,6 +1143,11 @@ void Column(const Rows& r, const uint8_t* w, int64_t col, bool integer, bool vnn
   }
   if constexpr (kNibbleTable<F>) {
     if (vnni512) {
+      switch (r.m) {
+        case 4: return ExactRows512<F, 4>(r, w, col, 0);
+        case 5: return ExactRows512<F, 5>(r, w, col, 0);
+        case 6: return ExactRows512<F, 6>(r, w, col, 0);
+      }
       for (; m0 + 3 <= r.m; m0 += 3) ExactRows512<F, 3>(r, w, col, m0);
       if (r.m - m0 == 2) ExactRows512<F, 2>(r, w, col, m0);
       if (r.m - m0 == 1) ExactRows512<F, 1>(r, w, col, m0);
@@ -1250,7 +1259,8 @@ JAXINFER_VNNI512 void PanelRows512(const Rows& r, const float* panel, int64_t co
 template <int F>
 void SegmentRows(const Rows& r, const uint8_t* data, int64_t row_bytes, int64_t first,
                  int64_t stop, int64_t out_first, bool integer, bool vnni512) {
-  if (!integer && r.m >= kPanelRows) {
+  const bool streams = kNibbleTable<F> && vnni512 && r.m <= kStreamRows512;
+  if (!integer && r.m >= kPanelRows && !streams) {
     const int width = vnni512 ? kPanel512 : kPanel;
     std::vector<float> panel(width * r.k);
     for (int64_t row = first; row < stop; row += width) {

@@ -84,8 +84,9 @@ def test_exact_mode_gives_the_gguf_packages_values_bit_for_bit(cpu_gguf_matmul, 
 )
 def test_kernel_matches_numpy(cpu_gguf_matmul, fmt, mode, rows):
     """Few rows stream the weight row with every accumulator in registers (int8: 1-4 rows,
-    1-8 on AVX-512 VNNI; exact: 1-3); more take the many-row paths (int8: chunks of 16 rows,
-    on AVX-512 VNNI tiles of 16 or 8 padded with zero rows; exact: float panels). Interleaved
+    1-8 on AVX-512 VNNI; exact: 1-3, the 4-bit formats' 1-6 on AVX-512); more take the
+    many-row paths (int8: chunks of 16 rows, on AVX-512 VNNI tiles of 16 or 8 padded with zero
+    rows; exact: float panels). Interleaved
     layouts on AVX-512 VNNI, int8: tiles of 16 outputs by 6 rows (and 1-5); their other
     modes rebuild the file's rows."""
     k = 768 if fmt in reference.K_QUANTS else 224

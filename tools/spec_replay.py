@@ -141,6 +141,7 @@ def replay(method: str, pairs: list[list[list[int]]]) -> dict[str, float]:
             proposal = proposer.propose(state, tokens, room)[: plan[0]] if plan[0] else []
             if not plan[0]:
                 state.wanted()
+                state.declined()
             hits = 0
             while hits < len(proposal) and proposal[hits] == output[done + hits]:
                 hits += 1

@@ -176,3 +176,22 @@ def test_a_host_proposers_time_is_paid_by_the_plan_before_it_proposes():
             control.observe_host(32, 32 * per_request)
         assert sum(control.plan(32, 32, high, free_room=0, most=32, host_rows=32)) == taken
         assert sum(control.plan(32, 32, high, free_room=0, most=32)) == 32
+
+
+def test_a_request_whose_proposals_a_plan_declines_comes_to_try_one_again():
+    """Step times where one proposal pays at a new request's acceptance (0.5) but not after a
+    rejection: a request whose first proposal was rejected would never propose again (its
+    acceptance moves only with proposals verified); each declined step moves its evidence
+    back toward a new request's, so a plan takes one of its proposals again after some steps
+    (not at once)."""
+    control = control_with({1: 0.087, 2: 0.109, 4: 0.157, 8: 0.237, 16: 0.45})
+    state = SpecState(limit=8)
+    assert control.plan(1, 1, [Candidate(state.acceptance, 8)], 7, 8)[0] > 0
+    state.record(2, 0)  # both rejected
+    state.record(1, 0)
+    declined = 0
+    while not control.plan(1, 1, [Candidate(state.acceptance, 8)], 7, 8)[0]:
+        state.declined()
+        declined += 1
+        assert declined < 64, state.acceptance
+    assert declined > 1

@@ -195,7 +195,9 @@ class Scheduler:
             used, num_sampling, [(r, len(r.spec_token_ids)) for _, r in entries]
         )
         for (index, request), count in zip(entries, counts, strict=True):
-            if count and self.kv.allocate_blocks(request, 1 + count):
+            if not count:
+                request.spec.declined()
+            elif self.kv.allocate_blocks(request, 1 + count):
                 scheduled[index] = (request, 1 + count)
                 budget -= count
         return budget

@@ -82,6 +82,7 @@ def propose_on_host(
         if not any(scheduler.plan_proposals(used, num_sampling, wanted, host_rows=len(wanted))):
             for request, _ in candidates:
                 request.spec.wanted()  # (a resting request's step)
+                request.spec.declined()
             candidates = []
     start = time.perf_counter()
     for request, room in candidates:

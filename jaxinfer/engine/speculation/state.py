@@ -10,6 +10,9 @@ MAX_COOLDOWN = 64  # most steps a request waits before proposing again after bac
 RESET_ACCEPTED = 4  # proposals accepted in one step that reset the cooldown
 ACCEPTANCE_DECAY = 0.8  # weight of the earlier steps in a request's acceptance, per step
 COPYING_ACCEPTED = 4  # a lookup probe's proposals accepted that make a request copying
+# Per step a plan takes none of a request's proposals, its evidence moves back this much
+# toward a new request's (SpecState.declined).
+DECLINED_RELAX = 0.95
 
 
 @dataclasses.dataclass
@@ -66,6 +69,15 @@ class SpecState:
     def acceptance(self) -> float:
         """The chance that the next proposal is accepted, given the ones before it were."""
         return self.accepted / (self.accepted + self.rejections)
+
+    def declined(self) -> None:
+        """A step's plan took none of the request's proposals (their expected gain did not
+        pay for their time): its evidence moves back toward a new request's (one accepted,
+        one rejected), so that a request whose early proposals were rejected, and that so
+        never proposes again, comes to try one again and learns its acceptance anew (its
+        text may have come to a part that copies)."""
+        self.accepted = 1.0 + DECLINED_RELAX * (self.accepted - 1.0)
+        self.rejections = 1.0 + DECLINED_RELAX * (self.rejections - 1.0)
 
     def record_failed_probe(self) -> None:
         self.probe_cooldown = self.probe_backoff

@@ -22,12 +22,20 @@ import os
 import numpy as np
 from absl import app, flags
 
-from jaxinfer.config import SchedulerConfig, SpeculativeConfig
+from jaxinfer.config import EngineOptions, SchedulerConfig, SpeculativeConfig
 from jaxinfer.engine.speculation.control import SpecControl, plan_proposals
 from jaxinfer.engine.speculation.propose import make_proposer
 from tools import bench_spec
 
 FLAGS = flags.FLAGS
+SPECULATIVE = (  # SpeculativeConfig's fields that are engine options of the same name
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "suffix_max_depth",
+    "suffix_cache_max_tokens",
+    "suffix_min_token_prob",
+    "suffix_max_spec_factor",
+)
 flags.DEFINE_string("record", None, "JSON file of recorded outputs (default: per model).")
 flags.DEFINE_list("replay_methods", ["ngram", "suffix"], "Host proposers replayed.")
 flags.DEFINE_float("step_ms", 77.0, "Modelled step time: fixed part (ms).")
@@ -95,24 +103,13 @@ def modelled(tokens: int) -> float:
 
 
 def replay(method: str, pairs: list[list[list[int]]]) -> dict[str, float]:
+    options = EngineOptions()  # (the engine's defaults where a flag is not given)
+    value = {
+        name: getattr(options, name) if FLAGS[name].value is None else FLAGS[name].value
+        for name in SPECULATIVE
+    }
     limit = FLAGS.num_speculative_tokens or 8
-    config = SpeculativeConfig(
-        method=method,
-        num_speculative_tokens=limit,
-        prompt_lookup_min=FLAGS.prompt_lookup_min or 1,
-        prompt_lookup_max=FLAGS.prompt_lookup_max or 5,
-        adaptive=True,
-        **{
-            name: FLAGS[name].value
-            for name in (
-                "suffix_max_depth",
-                "suffix_cache_max_tokens",
-                "suffix_min_token_prob",
-                "suffix_max_spec_factor",
-            )
-            if FLAGS[name].value is not None
-        },
-    )
+    config = SpeculativeConfig(method=method, num_speculative_tokens=limit, adaptive=True, **value)
     scheduler = SchedulerConfig(
         max_num_seqs=1,
         max_num_batched_tokens=512,

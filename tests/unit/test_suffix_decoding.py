@@ -211,3 +211,14 @@ def test_a_copy_goes_on_past_an_edit_where_the_indexes_propose_nothing():
     assert proposer.propose(state, edited, room=8) == [27, 28, 29, 30]
     fresh = proposer.new_state(4)  # (no copy before it: nothing to go on with)
     assert proposer.propose(fresh, edited, room=8) == []
+
+
+def test_a_proposal_from_the_own_text_is_the_copy_realign_goes_on_with():
+    """A proposal the request's own index made from a match shorter than prompt_lookup_min
+    (one token here, so its n-grams find nothing) is still kept as the copy that goes on
+    past an edit (NgramIndex.realign): where it began in the request's tokens."""
+    proposer = SuffixProposer(config(prompt_lookup_min=3, prompt_lookup_max=5))
+    state = proposer.new_state(4)
+    tokens = [*range(10, 40), 50, 51, 25]  # 25: once in the text, followed by 26
+    assert proposer.propose(state, tokens, room=8) == [26]
+    assert state.index.lookup.copied_from == 16  # (26's position)

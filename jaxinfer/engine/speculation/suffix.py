@@ -146,6 +146,21 @@ class SuffixIndex:
                 kept.append(i)
         return kept, best
 
+    def source(self, tokens: list[int], proposal: list[int]) -> int | None:
+        """Where (as `ends`) the latest occurrence of the longest suffix of `tokens` found
+        that goes on with `proposal` ends: the copy a proposal of `speculate` made (None:
+        none, or no proposal)."""
+        ends, _ = self.match(tokens, self.depth // 2)
+        size = len(proposal)
+        return next(
+            (
+                i + self.offset
+                for i in ends
+                if proposal and self.store[i + 1 : i + 1 + size] == proposal
+            ),
+            None,
+        )
+
     def speculate(
         self, tokens: list[int], most: int, min_token_prob: float, max_spec_factor: float
     ) -> tuple[list[int], float]:
@@ -222,8 +237,10 @@ class SuffixProposer:
         args = (tokens, count, config.suffix_min_token_prob, config.suffix_max_spec_factor)
         own, own_score = state.index.own.speculate(*args)
         cached, cached_score = self.cache.speculate(*args)
-        proposed = own if own_score >= cached_score else cached
-        return state.index.lookup.arbitrate(tokens, proposed, count)
+        lookup = state.index.lookup
+        if own_score >= cached_score:  # (the own index's positions are the request's)
+            return lookup.arbitrate(tokens, own, count, state.index.own.source(tokens, own))
+        return lookup.arbitrate(tokens, cached, count)
 
     def finished(self, output_token_ids: list[int]) -> None:
         """Adds a finished request's output to the server's index, evicting the oldest

@@ -24,6 +24,7 @@ from absl import app, flags
 
 from jaxinfer.config import EngineOptions, SchedulerConfig, SpeculativeConfig
 from jaxinfer.engine.speculation.control import SpecControl, plan_proposals
+from jaxinfer.engine.speculation.ngram import leading
 from jaxinfer.engine.speculation.propose import make_proposer
 from tools import bench_spec
 
@@ -139,9 +140,7 @@ def replay(method: str, pairs: list[list[list[int]]]) -> dict[str, float]:
             if not plan[0]:
                 state.wanted()
                 state.declined()
-            hits = 0
-            while hits < len(proposal) and proposal[hits] == output[done + hits]:
-                hits += 1
+            hits = leading(proposal, output[done:])
             state.record(len(proposal), hits)
             steps += 1
             verify_steps += bool(proposal)

@@ -115,9 +115,10 @@ class NgramIndex:
         """Where a copy the last proposal made likely goes on after an edit. The tokens
         since then followed the copy but the last, which the model chose in place of the
         copy's next token: if that token is in the copy's next REALIGN_SPAN tokens, the copy
-        resumes after it (the model left some out), else after the token it replaced. The end of that match (as `match`), or None: no copy, one that has had
-        fewer than REALIGN_AFTER tokens accepted (a chance match, as chat's often are), or
-        the tokens since then left it before their last."""
+        resumes after it (the model left some out), else after the token it replaced. The
+        end of that match (as `match`), or None: no copy, one that has had fewer than
+        REALIGN_AFTER tokens accepted (a chance match, as chat's often are), or the tokens
+        since then left it before their last."""
         start, since = self.copied_from, len(tokens) - self.proposed_at
         if start is None or since < 1 or self.copy_run + since - 1 < REALIGN_AFTER:
             return None

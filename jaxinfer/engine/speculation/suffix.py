@@ -150,15 +150,12 @@ class SuffixIndex:
         """Where (as `ends`) the latest occurrence of the longest suffix of `tokens` found
         that goes on with `proposal` ends: the copy a proposal of `speculate` made (None:
         none, or no proposal)."""
+        if not proposal:
+            return None
         ends, _ = self.match(tokens, self.depth // 2)
         size = len(proposal)
         return next(
-            (
-                i + self.offset
-                for i in ends
-                if proposal and self.store[i + 1 : i + 1 + size] == proposal
-            ),
-            None,
+            (i + self.offset for i in ends if self.store[i + 1 : i + 1 + size] == proposal), None
         )
 
     def speculate(

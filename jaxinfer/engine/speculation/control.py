@@ -24,7 +24,12 @@ measured time per request (SpecControl.host): where that plan takes nothing, not
 looked up. A step whose own token count has no time (measured, or
 between measured counts) takes no proposal (and so measures it); counts it could grow to
 that have none are left out, but one plan in EXPLORE_EVERY takes proposals up to the end of
-the next token bucket, which measures it. Until the draft model's step has been measured,
+the next token bucket, which measures it. And after every EXPLORE_EVERY plans that took
+nothing, the next such plan takes the likeliest proposal anyway (revisit): one more token's
+time and that request's acceptance are measured again, where a step time measured high once
+(a noisy step) or an acceptance from a bad start would keep proposals off for good (a step
+that is never taken is never measured again). At most one step in EXPLORE_EVERY pays for a
+proposal that does not. Until the draft model's step has been measured,
 the scheduler's rule of thumb decides (proposals only where they cost nothing,
 SchedulerConfig.spec_free_tokens).
 """
@@ -92,6 +97,8 @@ class SpecControl:
     planned: int = 0  # steps planned by measured times (not by the rule of thumb)
     declined: int = 0  # of which chose no proposal where the rule of thumb would have some
     explored: int = 0  # of which took proposals into a bucket not measured yet
+    revisited: int = 0  # of which took one proposal after EXPLORE_EVERY declined (revisit)
+    idle: int = 0  # plans with candidates that took none since one took some
 
     def costs(self, num_sampling: int) -> StepCosts:
         return self.target.setdefault(1 << max(num_sampling - 1, 0).bit_length(), StepCosts())
@@ -154,6 +161,7 @@ class SpecControl:
         unknown = [p for p in range(1, total + 1) if costs[p] is None]
         if unknown and self.planned % EXPLORE_EVERY == 0:  # measure the next bucket up
             self.explored += 1
+            self.idle = 0
             bucket = self.bucket(used + unknown[0])
             last = max(p for p in unknown if self.bucket(used + p) == bucket)
             return self._take(candidates, gains[:last])
@@ -171,6 +179,11 @@ class SpecControl:
                 best, best_rate = p, rate
         if best == 0 and min(total, free_room) > 0:
             self.declined += 1
+        final = not (draft_rows or host_rows)  # (else the scheduler plans again after it)
+        if best == 0 and total and self.idle >= EXPLORE_EVERY:  # the likeliest, again
+            best = 1
+            self.revisited += final
+        self.idle = 0 if best and final else self.idle + (best == 0 and total > 0)
         return self._take(candidates, gains[:best])
 
     @staticmethod

@@ -52,7 +52,7 @@ flags.DEFINE_list(
 def record_path() -> str:
     if FLAGS.record:
         return FLAGS.record
-    name = os.path.basename(FLAGS.model.rstrip("/"))
+    name = os.path.basename(FLAGS.model.rstrip("/")) if FLAGS.model else "default"
     return os.path.expanduser(f"~/.cache/jaxinfer/spec_replay/{name}.json")
 
 

@@ -222,21 +222,3 @@ def test_a_proposal_from_the_own_text_is_the_copy_realign_goes_on_with():
     tokens = [*range(10, 40), 50, 51, 25]  # 25: once in the text, followed by 26
     assert proposer.propose(state, tokens, room=8) == [26]
     assert state.index.lookup.copied_from == 16  # (26's position)
-
-
-def test_a_copy_that_goes_further_than_a_short_match_is_proposed():
-    """Past an edit, the request's own index matches only the tokens since it (3 here), so
-    max_spec_factor cuts its proposal to 3; the copy gone on past the edit begins with the
-    same 3 and goes on to the limit, so it is proposed (all of the short one's tokens, more)."""
-    proposer = SuffixProposer(config(prompt_lookup_min=3, prompt_lookup_max=5))
-    state = proposer.new_state(8)
-    tokens = [*range(10, 40), *range(10, 20)]  # a text, then the start of its copy
-    assert proposer.propose(state, tokens, room=8) == [*range(20, 28)]
-    tokens += [*range(20, 29)]
-    assert proposer.propose(state, tokens, room=8) == [*range(29, 37)]
-    tokens += [29, 99]  # 99 in place of 30
-    assert proposer.propose(state, tokens, room=8) == [*range(31, 39)]
-    tokens += [31, 32, 33]
-    assert state.index.own.speculate(tokens, 8, 0.1, 1.0)[0] == [34, 35, 36]
-    assert proposer.propose(state, tokens, room=8) == [34, 35, 36, 37, 38, 39, 10, 11]
-    assert state.index.lookup.rivals is None  # (no rivals: they agree where both propose)

@@ -66,18 +66,15 @@ class NgramIndex:
         """`fresh` (a match's continuation, that after `end` if given; else another
         proposer's, kept as the copy where it is what followed the latest occurrence of the
         longest suffix found), or the last proposal's copy gone on past an edit (realign):
-        the copy where it begins with all of `fresh` and goes further (`fresh` empty, or a
-        suffix match's proposal its frequencies cut short), or where the two differ and the
-        copy has done better than the fresh proposals where they differed before
-        (trust_copy), judged by the tokens that came after them."""
+        the copy where `fresh` is empty, or where the two differ and the copy has done better
+        than the fresh proposals where they differed before (trust_copy), judged by the
+        tokens that came after them."""
         self._judge(tokens)
         copy_end = self.realign(tokens)
         copy = self.follow(tokens, copy_end, count)
-        extends = copy[: len(fresh)] == fresh  # (the copy agrees with fresh, maybe further)
-        if copy and fresh and not extends:
+        if copy and fresh and copy != fresh:
             self.rivals = (len(tokens), fresh, copy)
-        further = extends and len(copy) > len(fresh)
-        if copy and (further or (copy != fresh and self.trust_copy > 0)):
+        if not fresh or (copy and copy != fresh and self.trust_copy > 0):
             self._keep(tokens, copy_end, realigned=True)
             return copy
         if end is None and fresh:

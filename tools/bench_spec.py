@@ -275,7 +275,8 @@ def report(method, llm, runs, rates, before, proposing: float) -> None:
         + "/".join(f"{a / drafts:.2f}" for a in per_position if drafts)
         + f"; proposing {100 * proposing / total:.1f}% of the run"
         + (
-            f"; steps planned {control.planned}, declined {control.declined}"
+            f"; steps planned {control.planned}, declined {control.declined}, "
+            f"revisited {control.revisited}"
             if control is not None
             else ""
         )

@@ -45,7 +45,9 @@ EMA_WEIGHT = 0.2  # weight of the newest step time in a key's average
 # A plan takes proposals only where it expects this many times the tokens per second of none:
 # the step times are noisy averages, and a smaller gain is as likely a loss.
 MARGIN = 1.10
-EXPLORE_EVERY = 32  # a plan in this many tries token counts not measured yet (if any would do)
+# A plan in this many tries token counts not measured yet (if any would do), and after as
+# many plans in a row that took nothing, the next takes one proposal (revisit).
+EXPLORE_EVERY = 32
 
 
 class StepCosts:

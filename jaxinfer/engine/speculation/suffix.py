@@ -146,23 +146,34 @@ class SuffixIndex:
                 kept.append(i)
         return kept, best
 
-    def source(self, tokens: list[int], proposal: list[int]) -> int | None:
-        """Where (as `ends`) the latest occurrence of the longest suffix of `tokens` found
-        that goes on with `proposal` ends: the copy a proposal of `speculate` made (None:
-        none, or no proposal)."""
+    def source(self, ends: list[int], proposal: list[int]) -> int | None:
+        """Where the latest of a match's occurrences (`ends`, as `match`) that goes on with
+        `proposal` ends: the copy a proposal of `continuation` made (None: none, or no
+        proposal)."""
         if not proposal:
             return None
-        ends, _ = self.match(tokens, self.depth // 2)
         size = len(proposal)
-        return next(
-            (i + self.offset for i in ends if self.store[i + 1 : i + 1 + size] == proposal), None
-        )
+        found = (i for i in ends if self.store[i + 1 : i + 1 + size] == proposal)
+        return next((i + self.offset for i in found), None)
 
     def speculate(
         self, tokens: list[int], most: int, min_token_prob: float, max_spec_factor: float
     ) -> tuple[list[int], float]:
         """(proposal, score): the most frequent continuation of the longest suffix found."""
-        ends, length = self.match(tokens, self.depth // 2)
+        return self.continuation(
+            *self.match(tokens, self.depth // 2), most, min_token_prob, max_spec_factor
+        )
+
+    def continuation(
+        self,
+        ends: list[int],
+        length: int,
+        most: int,
+        min_token_prob: float,
+        max_spec_factor: float,
+    ) -> tuple[list[int], float]:
+        """(proposal, score) after a match of `length` tokens whose occurrences end at
+        `ends` (as `match`)."""
         most = min(most, int(max_spec_factor * length + 0.5), self.depth - length)
         store, size = self.store, len(self.store)
         proposal, probability, score = [], 1.0, 0.0
@@ -231,12 +242,14 @@ class SuffixProposer:
         if count <= 0:
             return []
         config = self.config
-        args = (tokens, count, config.suffix_min_token_prob, config.suffix_max_spec_factor)
-        own, own_score = state.index.own.speculate(*args)
-        cached, cached_score = self.cache.speculate(*args)
+        limits = (count, config.suffix_min_token_prob, config.suffix_max_spec_factor)
+        index = state.index.own
+        ends, length = index.match(tokens, index.depth // 2)
+        own, own_score = index.continuation(ends, length, *limits)
+        cached, cached_score = self.cache.speculate(tokens, *limits)
         lookup = state.index.lookup
         if own_score >= cached_score:  # (the own index's positions are the request's)
-            return lookup.arbitrate(tokens, own, count, state.index.own.source(tokens, own))
+            return lookup.arbitrate(tokens, own, count, index.source(ends, own))
         return lookup.arbitrate(tokens, cached, count)
 
     def finished(self, output_token_ids: list[int]) -> None:

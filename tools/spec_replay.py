@@ -9,9 +9,9 @@ The first run records each workload's greedy outputs (tools/bench_spec.py's prom
 Then each method proposes after every step as the engine's does (the same proposer objects
 and SpecState, the plan of jaxinfer.engine.speculation.control over a step time modelled as
 --step_ms + --token_ms per scheduled token), the leading proposals equal to the recorded
-tokens are accepted, and the suffix cache takes each finished output. Reports per workload
-and method: verify steps, tokens per step, acceptance, and the modelled speed-up against no
-speculation. A proposer's change is judged here in seconds, then measured by bench_spec.
+tokens are accepted (the plan before the lookup, then the scheduler's over what it found),
+and the suffix cache takes each finished output. Reports per workload and method: verify
+steps, tokens per step, acceptance, and the modelled speed-up against no speculation. A proposer's change is judged here in seconds, then measured by bench_spec.
 """
 
 from __future__ import annotations
@@ -135,11 +135,16 @@ def replay(method: str, pairs: list[list[list[int]]]) -> dict[str, float]:
             room = len(output) - done - 1
             proposer.index(state, tokens)
             want = min(state.limit if state.length else 0, max(room, 0))
-            plan = plan_proposals(scheduler, control, 1, 1, [(state.acceptance, want)])
-            proposal = proposer.propose(state, tokens, room)[: plan[0]] if plan[0] else []
+            plan = plan_proposals(scheduler, control, 1, 1, [(state.acceptance, want)], host_rows=1)
+            proposal = proposer.propose(state, tokens, room) if plan[0] else []
             if not plan[0]:
                 state.wanted()
                 state.declined()
+            elif proposal:  # (the scheduler's plan over what was found)
+                plan = plan_proposals(scheduler, control, 1, 1, [(state.acceptance, len(proposal))])
+                proposal = proposal[: plan[0]]
+                if not plan[0]:
+                    state.declined()
             hits = leading(proposal, output[done:])
             state.record(len(proposal), hits)
             steps += 1

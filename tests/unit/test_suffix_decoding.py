@@ -222,3 +222,26 @@ def test_a_proposal_from_the_own_text_is_the_copy_realign_goes_on_with():
     tokens = [*range(10, 40), 50, 51, 25]  # 25: once in the text, followed by 26
     assert proposer.propose(state, tokens, room=8) == [26]
     assert state.index.lookup.copied_from == 16  # (26's position)
+
+
+def test_a_guess_from_a_short_match_has_evidence_of_its_own():
+    """A proposal after a match shorter than prompt_lookup_min is weak: its rejection lowers
+    the acceptance weak proposals are planned with, not that of a long match's copy, and
+    never makes the request rest; a copy after a long match is planned with the evidence of
+    long matches."""
+    proposer = SuffixProposer(config(prompt_lookup_min=3, prompt_lookup_max=5))
+    state = proposer.new_state(4)
+    text = [*range(10, 40)]
+    guess = [*text, 50, 51, 25]  # 25: a one-token match, followed by 26 in the text
+    assert proposer.propose(state, guess, room=8) == [26]
+    assert state.weak
+    for _ in range(6):  # rejected again and again
+        state.record(1, 0)
+        assert proposer.propose(state, guess, room=8) == [26] and state.weak
+    assert state.acceptance < 0.2
+    proposer.index(state, guess)  # (a step's proposing starts: no proposal yet)
+    assert not state.weak and state.acceptance == pytest.approx(0.5)  # (the prior)
+    assert state.length == 4 and state.wanted() == 4  # (not resting)
+    copy = [*guess, 77, *range(10, 16)]  # a six-token match: the text's copy
+    assert proposer.propose(state, copy, room=8) == [16, 17, 18, 19]
+    assert not state.weak and state.acceptance == pytest.approx(0.5)

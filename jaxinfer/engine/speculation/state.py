@@ -34,6 +34,14 @@ class SpecState:
     # model's evidence (each proposal is tried only if those before it were accepted).
     accepted: float = 1.0
     rejections: float = 1.0
+    # Whether the proposals made now are weak: a continuation of a match shorter than
+    # prompt_lookup_min (suffix decoding's; set by the proposer, cleared when they are
+    # recorded). Weak proposals keep an evidence of their own and never change the length:
+    # a rejected guess from a one-token match says little about a forty-token copy, so it
+    # must neither lower the acceptance the copy is planned with nor make the request rest.
+    weak: bool = False
+    weak_accepted: float = 1.0
+    weak_rejections: float = 1.0
     # A draft model's: the leading tokens whose K/V its cache holds (DraftModel); steps in a
     # row it could have proposed in and did not; whether it follows the request no more
     # (jaxinfer.engine.speculation.propose: then it proposes nothing for the rest of it).
@@ -67,7 +75,10 @@ class SpecState:
 
     @property
     def acceptance(self) -> float:
-        """The chance that the next proposal is accepted, given the ones before it were."""
+        """The chance that the next proposal is accepted, given the ones before it were (by
+        the evidence of the weak proposals where the proposals made now are weak)."""
+        if self.weak:
+            return self.weak_accepted / (self.weak_accepted + self.weak_rejections)
         return self.accepted / (self.accepted + self.rejections)
 
     def declined(self) -> None:
@@ -78,6 +89,8 @@ class SpecState:
         text may have come to a part that copies)."""
         self.accepted = 1.0 + DECLINED_RELAX * (self.accepted - 1.0)
         self.rejections = 1.0 + DECLINED_RELAX * (self.rejections - 1.0)
+        self.weak_accepted = 1.0 + DECLINED_RELAX * (self.weak_accepted - 1.0)
+        self.weak_rejections = 1.0 + DECLINED_RELAX * (self.weak_rejections - 1.0)
 
     def record_failed_probe(self) -> None:
         self.probe_cooldown = self.probe_backoff
@@ -86,6 +99,12 @@ class SpecState:
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
             return
+        rejected = num_accepted < num_proposed
+        if self.weak:
+            self.weak = False
+            self.weak_accepted = ACCEPTANCE_DECAY * self.weak_accepted + num_accepted
+            self.weak_rejections = ACCEPTANCE_DECAY * self.weak_rejections + rejected
+            return
         if self.lookup_probe:
             self.lookup_probe = False
             if num_accepted >= COPYING_ACCEPTED:
@@ -93,7 +112,7 @@ class SpecState:
             else:
                 self.record_failed_probe()
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
-        self.rejections = ACCEPTANCE_DECAY * self.rejections + (num_accepted < num_proposed)
+        self.rejections = ACCEPTANCE_DECAY * self.rejections + rejected
         if num_accepted >= RESET_ACCEPTED:
             self.backoff = 4
         if num_accepted == num_proposed:

@@ -230,13 +230,16 @@ class SuffixProposer:
         )
 
     def index(self, state: SpecState, tokens: list[int]) -> None:
-        """Indexes the request's tokens not indexed yet (its own index and its n-grams)."""
+        """Indexes the request's tokens not indexed yet (its own index and its n-grams); the
+        step's proposing starts here (no proposal made yet: none weak)."""
+        state.weak = False
         state.index.extend(tokens)
         state.index.lookup.extend(tokens)
 
     def propose(self, state: SpecState, tokens: list[int], room: int) -> list[int]:
         """Up to the request's limit of proposals (at most `room`) after `tokens`, unless
-        it rests (SpecState)."""
+        it rests (SpecState); weak (SpecState.weak) where they continue a match shorter
+        than prompt_lookup_min and are not the copy gone on past an edit."""
         count = state.proposals(room)
         self.index(state, tokens)
         if count <= 0:
@@ -246,11 +249,17 @@ class SuffixProposer:
         index = state.index.own
         ends, length = index.match(tokens, index.depth // 2)
         own, own_score = index.continuation(ends, length, *limits)
-        cached, cached_score = self.cache.speculate(tokens, *limits)
+        cached_ends, cached_length = self.cache.match(tokens, self.cache.depth // 2)
+        cached, cached_score = self.cache.continuation(cached_ends, cached_length, *limits)
         lookup = state.index.lookup
         if own_score >= cached_score:  # (the own index's positions are the request's)
-            return lookup.arbitrate(tokens, own, count, index.source(ends, own))
-        return lookup.arbitrate(tokens, cached, count)
+            fresh = own
+            proposal = lookup.arbitrate(tokens, own, count, index.source(ends, own))
+        else:
+            fresh, length = cached, cached_length
+            proposal = lookup.arbitrate(tokens, cached, count)
+        state.weak = proposal is fresh and length < config.prompt_lookup_min
+        return proposal
 
     def finished(self, output_token_ids: list[int]) -> None:
         """Adds a finished request's output to the server's index, evicting the oldest

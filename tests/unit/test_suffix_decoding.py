@@ -59,6 +59,12 @@ def brute_speculate(sequences, tokens, most, min_token_prob, max_spec_factor, de
     return proposal, score
 
 
+def speculate(index: SuffixIndex, tokens, *limits, **named):
+    """(proposal, score): the continuation of the longest suffix of `tokens` found (at most
+    half the index's depth), as SuffixProposer asks each index."""
+    return index.continuation(*index.match(tokens, index.depth // 2), *limits, **named)
+
+
 def check_entries(index: SuffixIndex) -> None:
     """The index's count of entries, each held position stored, no empty n-gram."""
     assert index.num_entries == sum(len(ends) for ends in index.ends.values())
@@ -89,7 +95,7 @@ def test_proposals_are_a_suffix_trees(seed):
             start = rng.randrange(len(source))
             tokens = source[start : start + rng.randint(1, 12)]
         args = (tokens, rng.randint(1, 10), rng.choice([0.0, 0.1, 0.4]), rng.choice([0.5, 1, 3]))
-        got, score = index.speculate(*args)
+        got, score = speculate(index, *args)
         want, want_score = brute_speculate(sequences, *args, depth)
         assert got == want
         assert score == pytest.approx(want_score)
@@ -104,7 +110,7 @@ def test_own_index_grows_as_tokens_arrive(seed):
     grown = RequestSuffix(SuffixIndex(8), NgramIndex(3, 5))
     for end in (1, 7, 8, 30, 60):  # tokens arrive a few at a time
         grown.extend(tokens[:end])
-        got = grown.own.speculate(tokens[:end], 6, 0.1, 2)
+        got = speculate(grown.own, tokens[:end], 6, 0.1, 2)
         want = brute_speculate([tokens[:end]], tokens[:end], 6, 0.1, 2, 8)
         assert got[0] == want[0] and got[1] == pytest.approx(want[1])
     whole = SuffixIndex(8)
@@ -125,18 +131,18 @@ def test_proposal_follows_the_most_frequent_continuation():
     index = SuffixIndex(16)
     index.add([1, 2, 3, 4, 5, 6] * 3)  # "1 2 3 4 5 6" three times
     index.add([9, 1, 2, 3, 7])  # once: 1 2 3 then 7
-    proposal, score = index.speculate([8, 1, 2, 3], most=10, min_token_prob=0.1, max_spec_factor=1)
+    proposal, score = speculate(index, [8, 1, 2, 3], most=10, min_token_prob=0.1, max_spec_factor=1)
     assert proposal == [4, 5, 6]  # 3 of 4 times; as long as the match (factor 1)
     assert score == pytest.approx(3 * 0.75)
-    longer, _ = index.speculate([8, 1, 2, 3], most=10, min_token_prob=0.1, max_spec_factor=3)
+    longer, _ = speculate(index, [8, 1, 2, 3], most=10, min_token_prob=0.1, max_spec_factor=3)
     assert longer[:4] == [4, 5, 6, 1]
     # A continuation that is a coin toss stops the proposal at the threshold.
     index = SuffixIndex(16)
     for last in range(5):
         index.add([1, 2, 3, 4, last])
-    proposal, _ = index.speculate([1, 2, 3, 4], 10, min_token_prob=0.3, max_spec_factor=2)
+    proposal, _ = speculate(index, [1, 2, 3, 4], 10, min_token_prob=0.3, max_spec_factor=2)
     assert proposal == []
-    proposal, _ = index.speculate([1, 2, 3, 4], 10, min_token_prob=0.1, max_spec_factor=2)
+    proposal, _ = speculate(index, [1, 2, 3, 4], 10, min_token_prob=0.1, max_spec_factor=2)
     assert proposal == [4]  # (a five-way tie: the latest)
 
 
@@ -180,10 +186,10 @@ def test_server_index_proposes_what_recent_outputs_said_and_stays_bounded():
         k: [e - proposer.cache.offset for e in v] for k, v in proposer.cache.ends.items()
     }
     tokens = kept[-1][:5]
-    assert proposer.cache.speculate(tokens, 8, 0.1, 2) == fresh.speculate(tokens, 8, 0.1, 2)
+    assert speculate(proposer.cache, tokens, 8, 0.1, 2) == speculate(fresh, tokens, 8, 0.1, 2)
     proposer.forget()  # (LLMEngine.reset_prefix_cache)
     assert proposer.memory() == {"cached_outputs": 0, "cached_tokens": 0, "entries": 0}
-    assert proposer.cache.speculate(tokens, 8, 0.1, 2) == ([], 0.0)
+    assert speculate(proposer.cache, tokens, 8, 0.1, 2) == ([], 0.0)
     proposer.finished([1, *call])  # and it learns again
     assert proposer.propose(proposer.new_state(8), prompt, room=8) == [9, 10, 11, 12]
 

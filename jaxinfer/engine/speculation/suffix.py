@@ -156,14 +156,6 @@ class SuffixIndex:
         found = (i for i in ends if self.store[i + 1 : i + 1 + size] == proposal)
         return next((i + self.offset for i in found), None)
 
-    def speculate(
-        self, tokens: list[int], most: int, min_token_prob: float, max_spec_factor: float
-    ) -> tuple[list[int], float]:
-        """(proposal, score): the most frequent continuation of the longest suffix found."""
-        return self.continuation(
-            *self.match(tokens, self.depth // 2), most, min_token_prob, max_spec_factor
-        )
-
     def continuation(
         self,
         ends: list[int],

@@ -11,7 +11,8 @@ and SpecState, the plan of jaxinfer.engine.speculation.control over a step time 
 --step_ms + --token_ms per scheduled token), the leading proposals equal to the recorded
 tokens are accepted (the plan before the lookup, then the scheduler's over what it found),
 and the suffix cache takes each finished output. Reports per workload and method: verify
-steps, tokens per step, acceptance, and the modelled speed-up against no speculation. A proposer's change is judged here in seconds, then measured by bench_spec.
+steps, tokens per step, acceptance, and the modelled speed-up against no speculation. A
+proposer's change is judged here in seconds, then measured by bench_spec.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from absl import app, flags
 from jaxinfer.config import EngineOptions, SchedulerConfig, SpeculativeConfig
 from jaxinfer.engine.speculation.control import SpecControl, plan_proposals
 from jaxinfer.engine.speculation.ngram import leading
-from jaxinfer.engine.speculation.propose import make_proposer
+from jaxinfer.engine.speculation.propose import at_most, make_proposer
 from tools import bench_spec
 
 FLAGS = flags.FLAGS
@@ -134,7 +135,7 @@ def replay(method: str, pairs: list[list[list[int]]]) -> dict[str, float]:
             tokens = prompt + output[:done]
             room = len(output) - done - 1
             proposer.index(state, tokens)
-            want = min(state.limit if state.length else 0, max(room, 0))
+            want = min(at_most(state), max(room, 0))
             plan = plan_proposals(scheduler, control, 1, 1, [(state.acceptance, want)], host_rows=1)
             proposal = proposer.propose(state, tokens, room) if plan[0] else []
             if not plan[0]:

@@ -245,11 +245,10 @@ class SuffixProposer:
         cached, cached_score = self.cache.continuation(cached_ends, cached_length, *limits)
         lookup = state.index.lookup
         if own_score >= cached_score:  # (the own index's positions are the request's)
-            fresh = own
-            proposal = lookup.arbitrate(tokens, own, count, index.source(ends, own))
+            fresh, end = own, index.source(ends, own)
         else:
-            fresh, length = cached, cached_length
-            proposal = lookup.arbitrate(tokens, cached, count)
+            fresh, length, end = cached, cached_length, None
+        proposal = lookup.arbitrate(tokens, fresh, count, end)
         state.weak = proposal is fresh and length < config.prompt_lookup_min
         return proposal
 

@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from jaxinfer.config import EngineOptions, SchedulerConfig, SpeculativeConfig
-from jaxinfer.engine.speculation.control import SpecControl, plan_proposals
+from jaxinfer.engine.speculation.control import SpecControl, plan_proposals, record_verdict
 from jaxinfer.engine.speculation.ngram import leading
 from jaxinfer.engine.speculation.propose import at_most, make_proposer
 from tools import bench_spec
@@ -136,23 +136,24 @@ def replay(method: str, pairs: list[list[list[int]]]) -> dict[str, float]:
             room = len(output) - done - 1
             proposer.index(state, tokens)
             want = min(at_most(state), max(room, 0))
-            plan = plan_proposals(scheduler, control, 1, 1, [(state.acceptance, want)], host_rows=1)
+            plan = plan_proposals(scheduler, control, 1, 1, [(state, want)], host_rows=1)
             proposal = proposer.propose(state, tokens, room) if plan[0] else []
             if not plan[0]:
                 state.wanted()
                 state.declined()
             elif proposal:  # (the scheduler's plan over what was found)
-                plan = plan_proposals(scheduler, control, 1, 1, [(state.acceptance, len(proposal))])
+                plan = plan_proposals(scheduler, control, 1, 1, [(state, len(proposal))])
                 proposal = proposal[: plan[0]]
                 if not plan[0]:
                     state.declined()
             hits = leading(proposal, output[done:])
-            state.record(len(proposal), hits)
+            record_verdict(control, state, len(proposal), hits)
             steps += 1
             verify_steps += bool(proposal)
             proposed += len(proposal)
             accepted += hits
             seconds += modelled(1 + len(proposal))
+            control.observe_tokens(1, 1 + hits, modelled(1 + len(proposal)) / 1e3)
             done += hits + 1
         proposer_finished = getattr(proposer, "finished", None)
         if proposer_finished is not None:

@@ -299,7 +299,12 @@ class LLMEngine:
         output_builder.record_pooled(current, self.requests)
         ready = time.perf_counter()
         outputs = self._process(current.scheduler_output, step_output)
-        self.speculation.observe_step(current.scheduler_output, time.perf_counter() - start)
+        spec_stats = self.scheduler.spec_stats
+        self.speculation.observe_step(
+            current.scheduler_output,
+            time.perf_counter() - start,
+            spec_stats.num_accepted_tokens if spec_stats is not None else 0,
+        )
         newest = self._in_flight or current  # the last step this call enqueued, if any
         self.last_step_timing = StepTiming(
             start=start,

@@ -37,7 +37,7 @@ from jaxinfer.engine.scheduling.lora_slots import LoraSlots
 from jaxinfer.engine.scheduling.request import Request, RequestStatus
 from jaxinfer.engine.scheduling.stats import SchedulerStats, SpecStats
 from jaxinfer.engine.scheduling.stopping import sampled_enough, stop_status
-from jaxinfer.engine.speculation.control import SpecControl, plan_proposals
+from jaxinfer.engine.speculation.control import SpecControl, plan_proposals, record_verdict
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -208,7 +208,7 @@ class Scheduler:
         """Proposals to take of each (request, most it could verify) in a step of `used`
         tokens of which `num_sampling` requests sample; `proposer`: the proposer's rows still
         to pay for (draft_rows, host_rows; jaxinfer.engine.speculation.control)."""
-        candidates = [(r.spec.acceptance if r.spec else 0.0, count) for r, count in wanted]
+        candidates = [(r.spec, count) for r, count in wanted]
         return plan_proposals(self.config, self.control, used, num_sampling, candidates, **proposer)
 
     def proposal_room(self) -> tuple[int, int]:
@@ -291,7 +291,7 @@ class Scheduler:
             request.num_computed_tokens -= len(drafts) - accepted
             self.spec_stats.record(len(drafts), accepted)
             if request.spec is not None:
-                request.spec.record(len(drafts), accepted)
+                record_verdict(self.control, request.spec, len(drafts), accepted)
         return sampled[: accepted + 1]
 
     def _release(self, request: Request) -> None:

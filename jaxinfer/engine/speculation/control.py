@@ -1,5 +1,5 @@
-"""Speculation that knows when to stop: each step takes the number of proposals that maximizes
-the expected tokens per second, from the step times the engine measures and each request's
+"""Speculation that knows when to stop: each step takes the proposals that pay for their time
+at the rate the engine's steps give, from the step times it measures and each request's
 acceptance.
 
 The engine measures the time of every step it runs by its T scheduled tokens (StepCosts, a
@@ -8,20 +8,24 @@ that sample: a prompt chunk costs another time than as many decodes). Not by T's
 bucket: where the device runs the bucket's padded shape, the counts in one bucket measure
 alike, but the CPU's kernels skip the padding, and there a proposal in a bucket's padding
 costs about what a decode does. Proposals grow the step to T + P tokens, and, with a draft
-model, cost the draft's one-token steps too. A request that accepts each proposal with
-probability p (its history, SpecState.acceptance) gains p + p^2 + ... + p^k tokens from k
-proposals (the first rejection ends them), so the step's expected tokens are its sampling
-requests plus those gains, and the plan is the total number of proposals P (the largest
-gains first) that maximizes
+model, cost the draft's one-token steps too. The d-th proposal of a request gains the chance
+that it and every one before it are accepted (SpecState.gains: per depth, given the ones
+before it; a copy's deep proposals are likelier than its first), so the step's expected
+tokens are its sampling requests plus the gains of its proposals. The plan takes the largest
+gains first, and of the totals P whose rate is at least MARGIN times the rate without
+proposals, the one that maximizes
 
-    (sampling requests + gains of the P proposals) / (time of T + P tokens + draft steps)
+    sampling requests + gains of the P proposals - price x (time of T + P tokens + draft steps)
 
-where that is at least MARGIN times the rate without proposals. P = 0 when nothing pays: a
-low acceptance (the gains are small) or a slow verify step (the time grows with the tokens:
-a large batch, or any batch on a CPU bound by compute). A host proposer (n-gram, suffix) is
-planned for before it looks up proposals, each candidate at its limit, and pays its lookups'
-measured time per request (SpecControl.host): where that plan takes nothing, nothing is
-looked up. A step whose own token count has no time (measured, or
+with the price of a second the rate the steps that decode and verify give (a moving
+average, SpecControl.rate; at least the rate without proposals). That is the long-run rate's
+best (a step that maximized its own rate would stop a copy's proposals where a deeper one
+still gains more than its time gives elsewhere: Dinkelbach's method, the rate its price).
+P = 0 when nothing pays: a low acceptance (the gains are small) or a slow verify step (the
+time grows with the tokens: a large batch, or any batch on a CPU bound by compute). A host
+proposer (n-gram, suffix) is planned for before it looks up proposals, each candidate at its
+limit, and pays its lookups' measured time per request (SpecControl.host): where that plan
+takes nothing, nothing is looked up. A step whose own token count has no time (measured, or
 between measured counts) takes no proposal (and so measures it); counts it could grow to
 that have none are left out, but one plan in EXPLORE_EVERY takes proposals up to the end of
 the next token bucket, which measures it. And after every EXPLORE_EVERY plans that took
@@ -29,8 +33,8 @@ nothing, the next such plan takes the likeliest proposal anyway (revisit): one m
 time and that request's acceptance are measured again, where a step time measured high once
 (a noisy step) or an acceptance from a bad start would keep proposals off for good (a step
 that is never taken is never measured again). At most one step in EXPLORE_EVERY pays for a
-proposal that does not. Until the draft model's step has been measured,
-the scheduler's rule of thumb decides (proposals only where they cost nothing,
+proposal that does not. Until the draft model's step has been measured, the scheduler's rule
+of thumb decides (proposals only where they cost nothing,
 SchedulerConfig.spec_free_tokens).
 """
 
@@ -40,6 +44,7 @@ import bisect
 import dataclasses
 
 from jaxinfer.config import SchedulerConfig
+from jaxinfer.engine.speculation.state import DepthEvidence, SpecState
 
 EMA_WEIGHT = 0.2  # weight of the newest step time in a key's average
 # A plan takes proposals only where it expects this many times the tokens per second of none:
@@ -48,6 +53,8 @@ MARGIN = 1.10
 # A plan in this many tries token counts not measured yet (if any would do), and after as
 # many plans in a row that took nothing, the next takes one proposal (revisit).
 EXPLORE_EVERY = 32
+# Weight of the earlier steps in the engine's acceptance per depth (DepthEvidence), per step.
+ENGINE_DEPTH_DECAY = 0.98
 
 
 class StepCosts:
@@ -82,8 +89,13 @@ class StepCosts:
 class Candidate:
     """A request that may verify proposals in the next step."""
 
-    acceptance: float  # the chance that each next proposal is accepted (SpecState.acceptance)
-    most: int  # proposals it could verify (its proposals, its limit, the room)
+    # The expected tokens from each proposal it could verify (its proposals, its limit, the
+    # room): the chance that it and every one before it are accepted (SpecState.gains).
+    gains: tuple[float, ...]
+
+    @property
+    def most(self) -> int:
+        return len(self.gains)
 
 
 @dataclasses.dataclass
@@ -94,6 +106,13 @@ class SpecControl:
     # Step times by sampling requests (a power of two: their sample rows and attention cost
     # too), then by scheduled tokens.
     target: dict[int, StepCosts] = dataclasses.field(default_factory=dict)
+    # Tokens and seconds of the steps that only decode and verify, by sampling requests
+    # (moving averages): the rate a plan's time is priced at.
+    rates: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # Every request's proposals' acceptance per depth (SpecState.gains' prior); weak ones not.
+    depths: DepthEvidence = dataclasses.field(
+        default_factory=lambda: DepthEvidence(ENGINE_DEPTH_DECAY)
+    )
     draft: StepCosts = dataclasses.field(default_factory=StepCosts)  # a draft step, by rows
     host: StepCosts = dataclasses.field(default_factory=StepCosts)  # host lookups, per request
     planned: int = 0  # steps planned by measured times (not by the rule of thumb)
@@ -102,8 +121,12 @@ class SpecControl:
     revisited: int = 0  # of which took one proposal after EXPLORE_EVERY declined (revisit)
     idle: int = 0  # plans with candidates that took none since one took some
 
+    @staticmethod
+    def key(num_sampling: int) -> int:
+        return 1 << max(num_sampling - 1, 0).bit_length()
+
     def costs(self, num_sampling: int) -> StepCosts:
-        return self.target.setdefault(1 << max(num_sampling - 1, 0).bit_length(), StepCosts())
+        return self.target.setdefault(self.key(num_sampling), StepCosts())
 
     def bucket(self, num_tokens: int) -> int:
         return self.buckets[
@@ -114,6 +137,20 @@ class SpecControl:
         """A step of `num_tokens` scheduled tokens, `num_sampling` requests sampling, took
         `seconds` (host and device, without proposing the next step's tokens)."""
         self.costs(num_sampling).observe(num_tokens, seconds)
+
+    def observe_tokens(self, num_sampling: int, tokens: int, seconds: float) -> None:
+        """A step that only decoded and verified proposals, `num_sampling` requests sampling,
+        gave `tokens` tokens in `seconds` (its proposing included)."""
+        rate = self.rates.setdefault(self.key(num_sampling), [0.0, 0.0])
+        weight = EMA_WEIGHT if rate[1] else 1.0
+        rate[0] += weight * (tokens - rate[0])
+        rate[1] += weight * (seconds - rate[1])
+
+    def rate(self, num_sampling: int) -> float:
+        """Tokens per second that steps with `num_sampling` requests sampling gave (moving
+        averages of their tokens and seconds); 0 before one is measured."""
+        tokens, seconds = self.rates.get(self.key(num_sampling), (0.0, 0.0))
+        return tokens / seconds if seconds else 0.0
 
     def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
         """The draft proposed for `num_rows` requests in `num_steps` one-token steps."""
@@ -143,11 +180,7 @@ class SpecControl:
         proposer that has not proposed yet, the requests it would propose for (paid once
         the plan takes any proposal)."""
         gains = sorted(
-            (
-                (c.acceptance ** (depth + 1), index)
-                for index, c in enumerate(candidates)
-                for depth in range(c.most)
-            ),
+            ((gain, index) for index, c in enumerate(candidates) for gain in c.gains),
             reverse=True,
         )
         total = min(len(gains), most)
@@ -168,17 +201,21 @@ class SpecControl:
             last = max(p for p in unknown if self.bucket(used + p) == bucket)
             return self._take(candidates, gains[:last])
         proposing = (self.host.estimate(1) or 0.0) * host_rows
-        best, expected, depths = 0, float(num_sampling), {}
-        best_rate = MARGIN * num_sampling / base
+        # (time is priced at the rate the steps give, at least the rate of none)
+        price = max(self.rate(num_sampling), num_sampling / base)
+        least = MARGIN * num_sampling / base
+        best, best_value = 0, num_sampling - price * base
+        expected, depths = float(num_sampling), {}
         for p in range(1, total + 1):
             gain, index = gains[p - 1]
             expected += gain
             depths[index] = depths.get(index, 0) + 1
             if costs[p] is None:
                 continue
-            rate = expected / (costs[p] + draft_step * max(depths.values()) + proposing)
-            if rate > best_rate:
-                best, best_rate = p, rate
+            seconds = costs[p] + draft_step * max(depths.values()) + proposing
+            value = expected - price * seconds
+            if expected / seconds > least and value > best_value:
+                best, best_value = p, value
         if best == 0 and min(total, free_room) > 0:
             self.declined += 1
         final = not (draft_rows or host_rows)  # (else the scheduler plans again after it)
@@ -210,20 +247,33 @@ def plan_proposals(
     control: SpecControl | None,
     used: int,
     num_sampling: int,
-    wanted: list[tuple[float, int]],
+    wanted: list[tuple[SpecState | None, int]],
     draft_rows: int = 0,
     host_rows: int = 0,
 ) -> list[int]:
-    """Proposals to take of each (acceptance, most it could verify) in a step of `used`
-    tokens of which `num_sampling` requests sample: SpecControl's plan where there is one,
-    else the rule of thumb in order (free_room)."""
+    """Proposals to take of each (request's SpecState, most it could verify) in a step of
+    `used` tokens of which `num_sampling` requests sample: SpecControl's plan where there is
+    one (over SpecState.gains), else the rule of thumb in order (free_room)."""
     room = free_room(config, used)
     most = min(config.max_num_batched_tokens - used, config.spec_free_tokens)
     if control is not None:
-        candidates = [Candidate(acceptance, min(count, most)) for acceptance, count in wanted]
+        candidates = [
+            Candidate(spec.gains(min(count, most), control.depths) if spec else ())
+            for spec, count in wanted
+        ]
         return control.plan(used, num_sampling, candidates, room, most, draft_rows, host_rows)
     counts = []
     for _, count in wanted:
         counts.append(min(count, max(room, 0)))
         room -= counts[-1]
     return counts
+
+
+def record_verdict(
+    control: SpecControl | None, spec: SpecState, num_proposed: int, num_accepted: int
+) -> None:
+    """A request's proposals were verified: its evidence, and the engine's (weak ones
+    aside: they keep their own, SpecState.weak)."""
+    if control is not None and not spec.weak:
+        control.depths.record(num_proposed, num_accepted)
+    spec.record(num_proposed, num_accepted)

@@ -220,6 +220,7 @@ class Speculation:
             self.control = SpecControl(config.scheduler.token_buckets)
         self.seconds = 0.0  # spent proposing (host lookups, the draft's steps)
         self._drafted = 0.0  # the draft's steps since the last observed step
+        self._accepted = 0  # proposals accepted since the start, at the last observed step
         self.left_in_row = 0  # requests that left the draft with no proposal taken since
         self.started_without = 0  # new requests started without the draft while it idles
 
@@ -304,11 +305,21 @@ class Speculation:
         if isinstance(self.host, SuffixProposer):
             stats.suffix_cache_entries = self.host.cache.num_entries
 
-    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """A step took `seconds`, the draft's proposing in it included (taken out: the plan
-        pays for the draft by its own times)."""
+    def observe_step(self, output: SchedulerOutput, seconds: float, num_accepted: int) -> None:
+        """A step took `seconds`, the draft's proposing in it included (taken out of its
+        time: the plan pays for the draft by its own times); `num_accepted`: the proposals
+        accepted since the start (SpecStats), of which the ones since the last step are
+        this step's. A step that only decoded and verified measures the rate too."""
         if self.control is not None:
-            num_sampling = sum(item.samples for item in output.scheduled)
-            seconds -= self._drafted
-            self.control.observe_step(output.num_scheduled_tokens, num_sampling, seconds)
+            scheduled = output.scheduled
+            num_sampling = sum(item.samples for item in scheduled)
+            self.control.observe_step(
+                output.num_scheduled_tokens, num_sampling, seconds - self._drafted
+            )
+            if scheduled and all(
+                item.samples and item.num_new_tokens == item.num_sample_rows for item in scheduled
+            ):
+                tokens = num_sampling + num_accepted - self._accepted
+                self.control.observe_tokens(num_sampling, tokens, seconds)
+        self._accepted = num_accepted
         self._drafted = 0.0

@@ -10,9 +10,50 @@ MAX_COOLDOWN = 64  # most steps a request waits before proposing again after bac
 RESET_ACCEPTED = 4  # proposals accepted in one step that reset the cooldown
 ACCEPTANCE_DECAY = 0.8  # weight of the earlier steps in a request's acceptance, per step
 COPYING_ACCEPTED = 4  # a lookup probe's proposals accepted that make a request copying
+# A request's acceptance at a proposal depth starts from this many steps' worth of the
+# engine's there (SpecState.gains): a depth it seldom reached is planned at about the engine's.
+DEPTH_PRIOR = 2.0
+# And the engine's there starts from this many steps' worth of the request's acceptance.
+ENGINE_DEPTH_PRIOR = 1.0
 # Per step a plan takes none of a request's proposals, its evidence moves back this much
 # toward a new request's (SpecState.declined).
 DECLINED_RELAX = 0.95
+
+
+@dataclasses.dataclass
+class DepthEvidence:
+    """Per proposal depth: steps whose proposals reached it (every one before it accepted),
+    and of those the ones that accepted it, decayed by `decay` per step (a depth not reached
+    for long comes back to its prior: a plan that stops before it never measures it again).
+    A copy's deep proposals are accepted more often than its first (once a copy has gone on
+    for some tokens it is likely to go on), which one acceptance for every depth misses."""
+
+    decay: float
+    reached: list[float] = dataclasses.field(default_factory=list)
+    accepted: list[float] = dataclasses.field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        if num_proposed == 0:
+            return
+        reached = min(num_accepted + 1, num_proposed)
+        while len(self.reached) < reached:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for depth in range(len(self.reached)):
+            self.reached[depth] = self.decay * self.reached[depth] + (depth < reached)
+            self.accepted[depth] = self.decay * self.accepted[depth] + (depth < num_accepted)
+
+    def relax(self, factor: float) -> None:
+        """Moves the evidence toward none (its prior)."""
+        self.reached = [factor * n for n in self.reached]
+        self.accepted = [factor * n for n in self.accepted]
+
+    def acceptance(self, depth: int, prior: float, weight: float) -> float:
+        """The chance a proposal at `depth` is accepted, given the ones before it were: the
+        evidence with `weight` steps' worth of `prior` added."""
+        if depth >= len(self.reached):
+            return prior
+        return (self.accepted[depth] + weight * prior) / (self.reached[depth] + weight)
 
 
 @dataclasses.dataclass
@@ -34,6 +75,10 @@ class SpecState:
     # model's evidence (each proposal is tried only if those before it were accepted).
     accepted: float = 1.0
     rejections: float = 1.0
+    # Per proposal depth, the request's own (see DepthEvidence).
+    depths: DepthEvidence = dataclasses.field(
+        default_factory=lambda: DepthEvidence(ACCEPTANCE_DECAY)
+    )
     # Whether the proposals made now are weak: a continuation of a match shorter than
     # prompt_lookup_min (suffix decoding's; set by the proposer, cleared when they are
     # recorded). Weak proposals keep an evidence of their own and never change the length:
@@ -81,6 +126,24 @@ class SpecState:
             return self.weak_accepted / (self.weak_accepted + self.weak_rejections)
         return self.accepted / (self.accepted + self.rejections)
 
+    def gains(self, count: int, engine: DepthEvidence | None = None) -> tuple[float, ...]:
+        """The expected tokens from each of `count` proposals: the chance that it and every
+        one before it are accepted, the product of each depth's acceptance given the ones
+        before it: the request's own evidence from DEPTH_PRIOR steps at the engine's
+        (`engine`, the evidence of every request's proposals, from ENGINE_DEPTH_PRIOR steps at
+        `acceptance`; without it `acceptance`). Nonincreasing. Weak proposals: `acceptance` at every
+        depth."""
+        p = self.acceptance
+        chance, gains = 1.0, []
+        for depth in range(count):
+            if not self.weak:
+                prior = p if engine is None else engine.acceptance(depth, p, ENGINE_DEPTH_PRIOR)
+                chance *= self.depths.acceptance(depth, prior, DEPTH_PRIOR)
+            else:
+                chance *= p
+            gains.append(chance)
+        return tuple(gains)
+
     def declined(self) -> None:
         """A step's plan took none of the request's proposals (their expected gain did not
         pay for their time): its evidence moves back toward a new request's (one accepted,
@@ -91,6 +154,7 @@ class SpecState:
         self.rejections = 1.0 + DECLINED_RELAX * (self.rejections - 1.0)
         self.weak_accepted = 1.0 + DECLINED_RELAX * (self.weak_accepted - 1.0)
         self.weak_rejections = 1.0 + DECLINED_RELAX * (self.weak_rejections - 1.0)
+        self.depths.relax(DECLINED_RELAX)
 
     def record_failed_probe(self) -> None:
         self.probe_cooldown = self.probe_backoff
@@ -113,6 +177,7 @@ class SpecState:
                 self.record_failed_probe()
         self.accepted = ACCEPTANCE_DECAY * self.accepted + num_accepted
         self.rejections = ACCEPTANCE_DECAY * self.rejections + rejected
+        self.depths.record(num_proposed, num_accepted)
         if num_accepted >= RESET_ACCEPTED:
             self.backoff = 4
         if num_accepted == num_proposed:

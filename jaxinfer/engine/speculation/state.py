@@ -44,7 +44,7 @@ class DepthEvidence:
             self.accepted[depth] = self.decay * self.accepted[depth] + (depth < num_accepted)
 
     def relax(self, factor: float) -> None:
-        """Moves the evidence toward none (its prior)."""
+        """Keeps `factor` of the evidence: the rest goes back to the prior."""
         self.reached = [factor * n for n in self.reached]
         self.accepted = [factor * n for n in self.accepted]
 
@@ -129,9 +129,9 @@ class SpecState:
     def gains(self, count: int, engine: DepthEvidence | None = None) -> tuple[float, ...]:
         """The expected tokens from each of `count` proposals: the chance that it and every
         one before it are accepted, the product of each depth's acceptance given the ones
-        before it: the request's own evidence from DEPTH_PRIOR steps at the engine's
-        (`engine`, the evidence of every request's proposals, from ENGINE_DEPTH_PRIOR steps at
-        `acceptance`; without it `acceptance`). Nonincreasing. Weak proposals: `acceptance` at every
+        before it: the request's own evidence, from DEPTH_PRIOR steps at the engine's
+        (`engine`: every request's evidence, from ENGINE_DEPTH_PRIOR steps at `acceptance`;
+        without it, `acceptance`). Nonincreasing. Weak proposals: `acceptance` at every
         depth."""
         p = self.acceptance
         chance, gains = 1.0, []

@@ -85,6 +85,24 @@ class StepCosts:
         return self.seconds[low] + share * (self.seconds[high] - self.seconds[low])
 
 
+@dataclasses.dataclass
+class Throughput:
+    """Tokens and seconds of steps, moving averages (the first step's own at first)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        weight = EMA_WEIGHT if self.seconds else 1.0
+        self.tokens += weight * (tokens - self.tokens)
+        self.seconds += weight * (seconds - self.seconds)
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second; 0 before a step is observed."""
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A request that may verify proposals in the next step."""
@@ -106,9 +124,9 @@ class SpecControl:
     # Step times by sampling requests (a power of two: their sample rows and attention cost
     # too), then by scheduled tokens.
     target: dict[int, StepCosts] = dataclasses.field(default_factory=dict)
-    # Tokens and seconds of the steps that only decode and verify, by sampling requests
-    # (moving averages): the rate a plan's time is priced at.
-    rates: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # The steps that only decode and verify, by sampling requests (as `target`): the rate a
+    # plan's time is priced at.
+    rates: dict[int, Throughput] = dataclasses.field(default_factory=dict)
     # Every request's proposals' acceptance per depth (SpecState.gains' prior); weak ones not.
     depths: DepthEvidence = dataclasses.field(
         default_factory=lambda: DepthEvidence(ENGINE_DEPTH_DECAY)
@@ -141,16 +159,12 @@ class SpecControl:
     def observe_tokens(self, num_sampling: int, tokens: int, seconds: float) -> None:
         """A step that only decoded and verified proposals, `num_sampling` requests sampling,
         gave `tokens` tokens in `seconds` (its proposing included)."""
-        rate = self.rates.setdefault(self.key(num_sampling), [0.0, 0.0])
-        weight = EMA_WEIGHT if rate[1] else 1.0
-        rate[0] += weight * (tokens - rate[0])
-        rate[1] += weight * (seconds - rate[1])
+        self.rates.setdefault(self.key(num_sampling), Throughput()).observe(tokens, seconds)
 
     def rate(self, num_sampling: int) -> float:
         """Tokens per second that steps with `num_sampling` requests sampling gave (moving
         averages of their tokens and seconds); 0 before one is measured."""
-        tokens, seconds = self.rates.get(self.key(num_sampling), (0.0, 0.0))
-        return tokens / seconds if seconds else 0.0
+        return self.rates.get(self.key(num_sampling), Throughput()).rate
 
     def observe_draft(self, num_rows: int, num_steps: int, seconds: float) -> None:
         """The draft proposed for `num_rows` requests in `num_steps` one-token steps."""

@@ -15,6 +15,13 @@ pass vm.max_map_count (65530), where XLA's compiler crashes, so no process runs 
 the engine tests. Every process shares one compilation cache for the run (tests/conftest.py):
 a program compiled by one is loaded by the others.
 
+Most of a tiny model's test is compiling it, and most of compiling is LLVM optimizing the
+code XLA emits: the tiny-model, multi-process and browser lanes run with LLVM's optimization
+off (XLA_FLAGS --xla_backend_optimization_level=0; a quarter less CPU time on the engine
+tests, where running the code is cheap). The default model's lane and the tests of batch
+invariance (marked `invariance`: bit-identical results must hold in the code as served,
+whose vectorized loops may round otherwise) keep XLA's defaults, as does `make check`.
+
     python -m tools.test_lanes [--check] [extra pytest arguments]
 
 Each process's output is shown when its stage ends, and every failed test's line again at the end;
@@ -24,6 +31,7 @@ the exit status is the first failure's.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import subprocess
 import sys
@@ -32,17 +40,23 @@ import time
 
 FAST = "not (engine or slow or default_model or multiprocess or browser)"
 ON_TWO_WORKERS = ("-n", "2", "--dist", "loadfile")
+QUICK_COMPILE = "--xla_backend_optimization_level=0"  # (XLA_FLAGS: LLVM's optimization off)
 
-# Stages in turn; in each, pytest processes side by side, as (marker expression, arguments).
+# Stages in turn; in each, pytest processes side by side, as (marker expression, arguments,
+# whether XLA compiles quickly).
 STAGES = (
     (
-        ("not (default_model or multiprocess or browser)", ("tests", *ON_TWO_WORKERS)),
-        ("default_model and not multiprocess", ("tests",)),
-        ("multiprocess or browser", ("tests",)),
+        (
+            "not (default_model or invariance or multiprocess or browser)",
+            ("tests", *ON_TWO_WORKERS),
+            True,
+        ),
+        ("(default_model or invariance) and not multiprocess", ("tests",), False),
+        ("multiprocess or browser", ("tests",), True),
     ),
 )
 # make check: the fast lane alone, on both cores.
-CHECK = (((FAST, ("tests", *ON_TWO_WORKERS)),),)
+CHECK = (((FAST, ("tests", *ON_TWO_WORKERS), False),),)
 
 
 def command(marker: str, args, cache_dir: str, extra: list[str]) -> str:
@@ -51,6 +65,14 @@ def command(marker: str, args, cache_dir: str, extra: list[str]) -> str:
     words = [sys.executable, "-m", "pytest", "-q", "-m", marker]
     words += [f"--compilation_cache_dir={cache_dir}", *args, *extra]
     return f"({shlex.join(words)} || [ $? -eq 5 ])"
+
+
+def environment(quick: bool) -> dict[str, str]:
+    """The environment of a lane's pytest process (and of the processes its tests start)."""
+    env = dict(os.environ)
+    if quick:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {QUICK_COMPILE}".strip()
+    return env
 
 
 def main() -> int:
@@ -65,13 +87,14 @@ def main() -> int:
         cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxinfer-test-xla-"))
         for stage in stages:
             running = []
-            for marker, stage_args in stage:
+            for marker, stage_args, quick in stage:
                 log = stack.enter_context(tempfile.TemporaryFile(mode="w+"))
                 process = subprocess.Popen(
                     command(marker, stage_args, cache_dir, extra),
                     shell=True,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    env=environment(quick),
                 )
                 running.append((marker, process, log))
             for marker, process, log in running:

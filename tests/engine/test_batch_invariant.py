@@ -12,7 +12,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from tests.support.engines import build_llm
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.invariance]
 
 # max_num_seqs 64: batches of up to 64 requests; 128 tokens a step, so 64 prompts arrive in
 # chunks and the fixed request's prompt shares steps with decodes and other chunks. Steps of

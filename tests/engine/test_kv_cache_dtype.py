@@ -132,7 +132,7 @@ def greedy(model: TeacherForced, kind: str, prompts, steps: int):
 
 
 # Mean KL and top-1 agreement bounds, each near what the formats measure on this text (int8
-# 2.7e-4 and 99.2 %, fp8_e4m3 7.0e-3 and 95.7 %, fp8_e5m2 3.2e-2 and 90.5 %): a format that
+# 3.0e-4 and 98.9 %, fp8_e4m3 7.9e-3 and 94.9 %, fp8_e5m2 3.5e-2 and 91.8 %): a format that
 # got worse shows.
 DEFAULT_MODEL_BOUNDS = {
     "int8": (5e-4, 0.985),
@@ -145,11 +145,11 @@ DEFAULT_MODEL_BOUNDS = {
 def test_int8_keeps_the_default_models_next_token_distributions(model_cache_dir):
     folder = resolve_model(None, model_cache_dir)
     model = TeacherForced(folder, FORMATS)
-    # 8 windows of 256 tokens from fixed text (prose and code: the standard library's source)
+    # 4 windows of 256 tokens from fixed text (prose and code: the standard library's source)
     text = "\n".join(inspect.getsource(m) for m in (heapq, textwrap, fractions, statistics))
     ids = model.tokenizer.encode(text, add_special_tokens=False)
-    stride = (len(ids) - STREAM) // 7
-    results = model.compare([ids[i * stride : i * stride + STREAM] for i in range(8)])
+    stride = (len(ids) - STREAM) // 3
+    results = model.compare([ids[i * stride : i * stride + STREAM] for i in range(4)])
     report("default model", results)
     for kind, (max_kl, min_top1) in DEFAULT_MODEL_BOUNDS.items():
         kl, top1 = results[kind]

@@ -22,7 +22,8 @@ QUESTIONS = ["Why is the sky blue?", "Write a haiku about rain.", "Name three co
 def test_adapters_match_hf_and_peft(model_cache_dir, tmp_path):
     folder = resolve_model(None, model_cache_dir)
     gguf = next(folder.glob("*.gguf")).name
-    every = make_adapter(folder, tmp_path / "every", rank=8, seed=5, scale=3.0, gguf_file=gguf)
+    loaded = base_model(folder, gguf)  # (HF's GGUF loading dequantizes in Python: once)
+    every = make_adapter(folder, tmp_path / "every", rank=8, seed=5, scale=3.0, loaded=loaded)
     attention = make_adapter(
         folder,
         tmp_path / "attention",
@@ -31,7 +32,7 @@ def test_adapters_match_hf_and_peft(model_cache_dir, tmp_path):
         use_rslora=True,
         seed=6,
         scale=3.0,
-        gguf_file=gguf,
+        loaded=loaded,
     )
     llm = build_llm(None, "default", enable_lora=True, max_loras=2, max_lora_rank=16)
     description = llm.engine.describe()
@@ -48,7 +49,7 @@ def test_adapters_match_hf_and_peft(model_cache_dir, tmp_path):
     outputs = llm.generate(
         [p for p, _ in batch], params, use_tqdm=False, lora_request=[lora for _, lora in batch]
     )
-    changed, loaded = 0, base_model(folder, gguf)
+    changed = 0
     for (prompt, lora), output in zip(batch, outputs, strict=True):
         adapter = None if lora is None else {"every": every, "attention": attention}[lora.name]
         theirs = hf_greedy(folder, adapter, prompt, STEPS, loaded=loaded)

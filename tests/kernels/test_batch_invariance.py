@@ -20,7 +20,7 @@ from pallas_kernels.matmul.kernel import matmul as pallas_matmul
 from pallas_kernels.matmul.reference import matmul_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.invariance]
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 33, 64)
 

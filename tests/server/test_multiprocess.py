@@ -114,8 +114,8 @@ def answers(path: Path) -> dict[str, list]:
 
 def test_batch_across_two_processes_answers_as_one_and_resumes(tiny_model_dir, cache_dir, tmp_path):
     source = tmp_path / "in.jsonl"
-    count = 24
-    source.write_text("\n".join(batch_lines(count, max_tokens=48)) + "\n")
+    count = 12
+    source.write_text("\n".join(batch_lines(count, max_tokens=32)) + "\n")
 
     def flags(output):
         return (

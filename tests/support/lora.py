@@ -19,16 +19,19 @@ def make_adapter(
     seed: int = 0,
     scale: float = 1.0,
     gguf_file: str | None = None,
+    loaded=None,
     **config,
 ) -> Path:
     """A PEFT LoRA adapter of the model in `base` with random A and B (PEFT's
     init_lora_weights=False; B times `scale`), saved by PEFT (adapter_config.json and
-    adapter_model.safetensors)."""
+    adapter_model.safetensors). `loaded`: the base model already loaded (a copy is wrapped)."""
+    import copy
+
     import peft
     import torch
 
     torch.manual_seed(seed)
-    model = base_model(base, gguf_file)
+    model = copy.deepcopy(loaded) if loaded is not None else base_model(base, gguf_file)
     lora = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -74,8 +77,8 @@ def hf_greedy(
     loaded=None,
 ):
     """(tokens, [{token: logprob} of the top `top` and the chosen]) of greedy decoding with
-    HF transformers, through the PEFT adapter when given. `loaded`: the base model already
-    loaded (a copy of it is used)."""
+    HF transformers (its KV cache), through the PEFT adapter when given. `loaded`: the base
+    model already loaded (a copy of it is used)."""
     import copy
 
     import peft
@@ -85,11 +88,14 @@ def hf_greedy(
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
     model.eval()
-    ids = list(prompt)
+    ids, cache = list(prompt), None
     tokens, logprobs = [], []
     with torch.no_grad():
         for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            fed = ids if cache is None else ids[-1:]
+            out = model(torch.tensor([fed]), cache=cache, use_cache=True)
+            cache = out.cache
+            logits = out.logits[0, -1].double()
             values = torch.log_softmax(logits, -1)
             token = int(values.argmax())
             best = torch.topk(values, top)

@@ -18,7 +18,6 @@ def make_adapter(
     targets: list[str] = ALL_TARGETS,
     seed: int = 0,
     scale: float = 1.0,
-    gguf_file: str | None = None,
     loaded=None,
     **config,
 ) -> Path:
@@ -31,7 +30,7 @@ def make_adapter(
     import torch
 
     torch.manual_seed(seed)
-    model = copy.deepcopy(loaded) if loaded is not None else base_model(base, gguf_file)
+    model = copy.deepcopy(loaded) if loaded is not None else base_model(base)
     lora = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,

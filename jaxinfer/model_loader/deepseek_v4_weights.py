@@ -35,50 +35,57 @@ from jaxinfer.arch_config import (
 )
 
 
-def load_deepseek_v4(reader, config: LlamaConfig, dtype) -> dict:
-    """The tree above from `reader` (tensors by name: has, get(name, shape, dtype))."""
-    cfg, v4, moe = config, config.compressed, config.moe
-    E, H, D, V = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.vocab_size
-    N, Rq, G, Ro = v4.hc_mult, v4.q_lora_rank, v4.o_groups, v4.o_lora_rank
-    X, I, k = moe.num_experts, moe.intermediate_size, moe.top_k  # noqa: E741
-    Hi, Di = v4.index_heads, v4.index_head_dim
+class _Checkpoint:
+    """The checkpoint's tensors by DeepSeek's names, as this tree's parameters."""
 
-    def name(n: str) -> str:
+    def __init__(self, reader, config: LlamaConfig, dtype):
+        self.reader, self.config, self.dtype = reader, config, dtype
+
+    def name(self, n: str) -> str:
         for candidate in ("model." + n, n):
-            if reader.has(candidate):
+            if self.reader.has(candidate):
                 return candidate
         return n  # (get's error names it)
 
-    def get(n, shape, as_dtype=dtype):
-        return reader.get(name(n), shape, as_dtype)
+    def has(self, n: str) -> bool:
+        return self.reader.has(self.name(n))
 
-    def either(transformers_name, deepseek_name, shape, as_dtype=dtype):
-        n = transformers_name if reader.has(name(transformers_name)) else deepseek_name
-        return get(n, shape, as_dtype)
+    def get(self, n, shape, as_dtype=None):
+        return self.reader.get(self.name(n), shape, self.dtype if as_dtype is None else as_dtype)
 
-    def linear(n, out, inp):  # [out, in] -> [in, out]
-        return get(n + ".weight", (out, inp)).T
+    def either(self, transformers_name, deepseek_name, shape, as_dtype=None):
+        n = transformers_name if self.has(transformers_name) else deepseek_name
+        return self.get(n, shape, as_dtype)
 
-    def hyper(p, kind):
+    def linear(self, n, out, inp):  # [out, in] -> [in, out]
+        return self.get(n + ".weight", (out, inp)).T
+
+    def hyper(self, p, kind):
+        E, N = self.config.hidden_size, self.config.compressed.hc_mult
         size = (2 + N) * N
         return {
-            "fn": get(f"{p}hc_{kind}_fn", (size, N * E), np.float32),
-            "base": get(f"{p}hc_{kind}_base", (size,), np.float32),
-            "scale": get(f"{p}hc_{kind}_scale", (3,), np.float32),
+            "fn": self.get(f"{p}hc_{kind}_fn", (size, N * E), np.float32),
+            "base": self.get(f"{p}hc_{kind}_base", (size,), np.float32),
+            "scale": self.get(f"{p}hc_{kind}_scale", (3,), np.float32),
         }
 
-    def gate_up(p):  # [E, 2, I]
-        return np.stack([linear(p + "w1", I, E), linear(p + "w3", I, E)], axis=1)
+    def gate_up(self, p):  # [E, 2, I]
+        E, I = self.config.hidden_size, self.config.moe.intermediate_size  # noqa: E741
+        return np.stack([self.linear(p + "w1", I, E), self.linear(p + "w3", I, E)], axis=1)
 
-    def layer(i):
-        p = f"layers.{i}."
-        a = p + "attn."
+    def layer(self, p: str) -> dict:
+        """One layer's shared parameters, its tensors named `p` + ("attn_norm.weight", ...)."""
+        cfg, v4 = self.config, self.config.compressed
+        E, H, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        Rq, G, Ro = v4.q_lora_rank, v4.o_groups, v4.o_lora_rank
+        X, I = cfg.moe.num_experts, cfg.moe.intermediate_size  # noqa: E741
+        get, linear, a = self.get, self.linear, p + "attn."
         bias = p + "ffn.gate.bias"
         return {
             "input_norm": get(p + "attn_norm.weight", (E,)),
             "post_attention_norm": get(p + "ffn_norm.weight", (E,)),
-            "attn_hc": hyper(p, "attn"),
-            "ffn_hc": hyper(p, "ffn"),
+            "attn_hc": self.hyper(p, "attn"),
+            "ffn_hc": self.hyper(p, "ffn"),
             "q_a_proj": linear(a + "wq_a", Rq, E),
             "q_a_norm": get(a + "q_norm.weight", (Rq,)),
             "q_b_proj": linear(a + "wq_b", H * D, Rq),
@@ -92,13 +99,32 @@ def load_deepseek_v4(reader, config: LlamaConfig, dtype) -> dict:
             "o_b_proj": linear(a + "wo_b", E, G * Ro),
             "router": linear(p + "ffn.gate", X, E),
             "router_bias": (
-                get(bias, (X,), np.float32) if reader.has(name(bias)) else np.zeros(X, np.float32)
+                get(bias, (X,), np.float32) if self.has(bias) else np.zeros(X, np.float32)
             ),
-            "experts_gate_up": np.stack([gate_up(f"{p}ffn.experts.{e}.") for e in range(X)]),
+            "experts_gate_up": np.stack([self.gate_up(f"{p}ffn.experts.{e}.") for e in range(X)]),
             "experts_down": np.stack([linear(f"{p}ffn.experts.{e}.w2", E, I) for e in range(X)]),
-            "gate_up_proj": gate_up(p + "ffn.shared_experts."),
+            "gate_up_proj": self.gate_up(p + "ffn.shared_experts."),
             "down_proj": linear(p + "ffn.shared_experts.w2", E, I),
         }
+
+    def head(self, p: str) -> dict:
+        """A final collapse's parameters (hc_head), named `p` + "hc_head_fn" and so on."""
+        E, N = self.config.hidden_size, self.config.compressed.hc_mult
+        f32 = np.float32
+        return {
+            "fn": self.either(f"{p}hc_head.hc_fn", f"{p}hc_head_fn", (N, N * E), f32),
+            "base": self.either(f"{p}hc_head.hc_base", f"{p}hc_head_base", (N,), f32),
+            "scale": self.either(f"{p}hc_head.hc_scale", f"{p}hc_head_scale", (1,), f32),
+        }
+
+
+def load_deepseek_v4(reader, config: LlamaConfig, dtype) -> dict:
+    """The tree above from `reader` (tensors by name: has, get(name, shape, dtype))."""
+    checkpoint = _Checkpoint(reader, config, dtype)
+    cfg, v4, moe = config, config.compressed, config.moe
+    E, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    k, Hi, Di, Rq = moe.top_k, v4.index_heads, v4.index_head_dim, v4.q_lora_rank
+    get, linear, either = checkpoint.get, checkpoint.linear, checkpoint.either
 
     def compressor(p, dim, series, ratio):
         return {
@@ -133,7 +159,7 @@ def load_deepseek_v4(reader, config: LlamaConfig, dtype) -> dict:
         return np.ascontiguousarray(np.stack(trees))
 
     types, layers = v4.layer_types, range(cfg.num_hidden_layers)
-    tree = stacked([layer(i) for i in layers])
+    tree = stacked([checkpoint.layer(f"layers.{i}.") for i in layers])
     for key, kind, fn in (
         ("hca", HEAVILY_COMPRESSED_ATTENTION, hca),
         ("csa", COMPRESSED_SPARSE_ATTENTION, csa),
@@ -143,15 +169,36 @@ def load_deepseek_v4(reader, config: LlamaConfig, dtype) -> dict:
     hashed_layers = [i for i in layers if v4.mlp_layer_types[i] == HASH_MOE]
     if hashed_layers:
         tree["hash"] = {"tid2eid": stacked([hashed(i) for i in hashed_layers])}
-    f32 = np.float32
     return {
         "layers": tree,
         "embed": either("embed_tokens.weight", "embed.weight", (V, E)),
         "lm_head": np.ascontiguousarray(get("head.weight", (V, E)).T),
         "norm": get("norm.weight", (E,)),
-        "hc_head": {
-            "fn": either("hc_head.hc_fn", "hc_head_fn", (N, N * E), f32),
-            "base": either("hc_head.hc_base", "hc_head_base", (N,), f32),
-            "scale": either("hc_head.hc_scale", "hc_head_scale", (1,), f32),
-        },
+        "hc_head": checkpoint.head(""),
+    }
+
+
+MTP_PREFIX = "mtp.0."  # the checkpoint's multi-token-prediction layer (DeepSeek's names)
+
+
+def load_deepseek_v4_mtp(reader, config: LlamaConfig, dtype) -> dict | None:
+    """The multi-token-prediction layer's parameters (jaxinfer.models.deepseek_v4_mtp), or
+    None where the checkpoint has none (transformers drops `mtp.*` on load and writes none):
+
+        enorm, hnorm, norm [E]; e_proj, h_proj [E, E] ("in_out"); hc_head {fn, base,
+        scale}; layer: one decoder layer's shared parameters (as one of layers' above)
+
+    Its embedding and LM head are the model's."""
+    checkpoint = _Checkpoint(reader, config, dtype)
+    p, E = MTP_PREFIX, config.hidden_size
+    if not checkpoint.has(p + "e_proj.weight"):
+        return None
+    return {
+        "enorm": checkpoint.get(p + "enorm.weight", (E,)),
+        "hnorm": checkpoint.get(p + "hnorm.weight", (E,)),
+        "norm": checkpoint.get(p + "norm.weight", (E,)),
+        "e_proj": checkpoint.linear(p + "e_proj", E, E),
+        "h_proj": checkpoint.linear(p + "h_proj", E, E),
+        "hc_head": checkpoint.head(p),
+        "layer": checkpoint.layer(p),
     }

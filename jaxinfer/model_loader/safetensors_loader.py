@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from jaxinfer.arch_config import LlamaConfig
 from jaxinfer.layers.weights import mapped
-from jaxinfer.model_loader.deepseek_v4_weights import load_deepseek_v4
+from jaxinfer.model_loader.deepseek_v4_weights import load_deepseek_v4, load_deepseek_v4_mtp
 from jaxinfer.model_loader.hybrid_weights import load_hybrid_layers
 from jaxinfer.model_loader.quantized_checkpoint import read_linear
 from jaxinfer.models.families import family_for_architecture
@@ -106,6 +106,14 @@ def load_llama_params(folder: Path, config: LlamaConfig, dtype, kv_replicas: int
     with contextlib.ExitStack() as stack:
         reader = _TensorReader(checkpoint_files(folder), stack)
         return params_from_reader(reader, config, dtype, kv_replicas)
+
+
+def load_mtp_params(folder: Path, config: LlamaConfig, dtype) -> dict | None:
+    """A DeepSeek-V4 checkpoint's multi-token-prediction layer (load_deepseek_v4_mtp), or
+    None where it has none."""
+    with contextlib.ExitStack() as stack:
+        reader = _TensorReader(checkpoint_files(folder), stack)
+        return load_deepseek_v4_mtp(reader, config, dtype)
 
 
 def params_from_reader(

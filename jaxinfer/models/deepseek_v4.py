@@ -69,7 +69,33 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         if lora is not None:
             raise ValueError("LoRA adapters are not supported on DeepSeek-V4")
         params = nnx.to_pure_dict(nnx.state(self))
-        return deepseek_v4_layers(self.config, params, cache, batch, kernels, partitioner, collect)
+        cache, streams, collected = deepseek_v4_layers(
+            self.config, params, cache, batch, kernels, partitioner, collect
+        )
+        return cache, final_collapse(self.config, params, streams), collected
+
+    def streams(
+        self,
+        cache: CompressedCache,
+        batch: BatchInputs,
+        *,
+        kernels: ModelKernels,
+        partitioner: Partitioner | None = None,
+    ) -> tuple[CompressedCache, jax.Array]:  # (cache, f32[T, N, E])
+        """The residual streams after the last layer, before the final collapse (what the
+        MTP layer takes, jaxinfer.models.deepseek_v4_mtp)."""
+        params = nnx.to_pure_dict(nnx.state(self))
+        cache, streams, _ = deepseek_v4_layers(
+            self.config, params, cache, batch, kernels, partitioner, False
+        )
+        return cache, streams
+
+
+def final_collapse(config: LlamaConfig, params: dict, streams: jax.Array) -> jax.Array:
+    """The streams f32[T, N, E] collapsed by the model's hc_head into the hidden state
+    f32[T, E] that the final norm and LM head read."""
+    head = HeadWeights(**params["hc_head"])
+    return collapse_head(streams, head, eps=config.compressed.hc_eps, norm_eps=config.rms_norm_eps)
 
 
 def _array(w) -> jax.Array:
@@ -88,56 +114,28 @@ def deepseek_v4_layers(
     kernels: ModelKernels,
     partitioner: Partitioner | None,
     collect: bool,
-) -> tuple[CompressedCache, jax.Array, jax.Array | None]:  # (cache, hidden [T, E], [L, T, E])
-    """Every layer: (the cache, the streams collapsed after the last layer, and with
-    `collect` the streams after each layer collapsed by the final head)."""
-    v4, moe = config.compressed, config.moe
+) -> tuple[CompressedCache, jax.Array, jax.Array | None]:  # (cache, [T, N, E], [L, T, E])
+    """Every layer: (the cache, the streams after the last layer, and with `collect` the
+    streams after each layer collapsed by the final head)."""
+    v4 = config.compressed
     layers = params["layers"]
     embed = params["embed"]
     tokens = batch.token_ids
     hidden = embed.rows(tokens, jnp.float32) if is_weight(embed) else embed[tokens]
     streams = jnp.broadcast_to(hidden[:, None], (hidden.shape[0], v4.hc_mult, hidden.shape[1]))
-    head = HeadWeights(**params["hc_head"])
-    eps, norm_eps = v4.hc_eps, config.rms_norm_eps
     hashed_layers = [i for i, t in enumerate(v4.mlp_layer_types) if t == HASH_MOE]
     shared = {k: v for k, v in layers.items() if k not in ("csa", "hca", "hash")}
     kind_of = v4.layer_types
 
     def layer_step(streams, cache, layer, kind, index, hashed_index):
-        """One layer: `layer`, `index` (among its kind's) and `hashed_index` (among the
-        hash-routed layers, -1: none) static or traced; `kind` static."""
-        p = _take(shared, layer)
-        post, comb, x = mix_weights(
-            streams, MixWeights(**p["attn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
-            eps=eps, norm_eps=norm_eps,
+        return decoder_layer(
+            config, _take(shared, layer), layers, streams, cache, layer=layer, index=index,
+            hashed_index=hashed_index, kind=kind, batch=batch, kernels=kernels,
+            partitioner=partitioner,
         )  # fmt: skip
-        x = rms_norm(x, p["input_norm"], norm_eps)
-        out, cache = attention(
-            config, p, layers, x, cache, layer, index, kind=kind, batch=batch, kernels=kernels
-        )
-        streams = expand(post, comb, out, streams)
-        post, comb, x = mix_weights(
-            streams, MixWeights(**p["ffn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
-            eps=eps, norm_eps=norm_eps,
-        )  # fmt: skip
-        x = rms_norm(x, p["post_attention_norm"], norm_eps)
-        logits = x @ p["router"]
-        if isinstance(hashed_index, int) and hashed_index >= 0:  # experts by token id
-            table = layers["hash"]["tid2eid"][hashed_index]
-            weights, experts = route(logits, moe.router, None, table[tokens])
-        else:
-            weights, experts = route(logits, moe.router, p["router_bias"])
-        y = routed_experts(
-            x, weights, experts, Dense(p["experts_gate_up"], -3), Dense(p["experts_down"], -2),
-            kernels, partitioner, limit=moe.swiglu_limit,
-        )  # fmt: skip
-        h = jnp.einsum("te,eci->tci", x, p["gate_up_proj"])  # the shared expert
-        y = y + swiglu(h[:, 0], h[:, 1], moe.swiglu_limit) @ p["down_proj"]
-        streams = expand(post, comb, y, streams)
-        return streams, cache
 
     def head_of(streams):
-        return collapse_head(streams, head, eps=eps, norm_eps=norm_eps)
+        return final_collapse(config, params, streams)
 
     prefix, period = layer_periods(v4)
     collected = []
@@ -168,7 +166,55 @@ def deepseek_v4_layers(
         (streams, cache), per_period = jax.lax.scan(one_period, (streams, cache), starts)
         if collect:  # [repeats, period, T, E] -> one per layer
             collected += list(per_period.reshape(-1, *per_period.shape[2:]))
-    return cache, head_of(streams), jnp.stack(collected) if collect else None
+    return cache, streams, jnp.stack(collected) if collect else None
+
+
+def decoder_layer(
+    config: LlamaConfig,
+    p: dict,  # the layer's own parameters (one layer of layers' shared ones)
+    layers: dict,  # every layer's: the compressed kinds' and hash-routed layers' stacks
+    streams: jax.Array,  # f32[T, N, E]
+    cache: CompressedCache,
+    *,
+    layer: int | jax.Array,  # its layer in the cache's window store
+    index: int | jax.Array,  # its index among its kind's layers
+    hashed_index: int,  # its index among the hash-routed layers (-1: scored routing)
+    kind: str,
+    batch: BatchInputs,
+    kernels: ModelKernels,
+    partitioner: Partitioner | None,
+) -> tuple[jax.Array, CompressedCache]:  # (streams f32[T, N, E], cache)
+    """One decoder layer on the streams: attention, then the MoE, each between a
+    hyper-connection's collapse and expansion."""
+    v4, moe = config.compressed, config.moe
+    eps, norm_eps = v4.hc_eps, config.rms_norm_eps
+    post, comb, x = mix_weights(
+        streams, MixWeights(**p["attn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
+        eps=eps, norm_eps=norm_eps,
+    )  # fmt: skip
+    x = rms_norm(x, p["input_norm"], norm_eps)
+    out, cache = attention(
+        config, p, layers, x, cache, layer, index, kind=kind, batch=batch, kernels=kernels
+    )
+    streams = expand(post, comb, out, streams)
+    post, comb, x = mix_weights(
+        streams, MixWeights(**p["ffn_hc"]), sinkhorn_iters=v4.hc_sinkhorn_iters,
+        eps=eps, norm_eps=norm_eps,
+    )  # fmt: skip
+    x = rms_norm(x, p["post_attention_norm"], norm_eps)
+    logits = x @ p["router"]
+    if hashed_index >= 0:  # experts by token id
+        table = layers["hash"]["tid2eid"][hashed_index]
+        weights, experts = route(logits, moe.router, None, table[batch.token_ids])
+    else:
+        weights, experts = route(logits, moe.router, p["router_bias"])
+    y = routed_experts(
+        x, weights, experts, Dense(p["experts_gate_up"], -3), Dense(p["experts_down"], -2),
+        kernels, partitioner, limit=moe.swiglu_limit,
+    )  # fmt: skip
+    h = jnp.einsum("te,eci->tci", x, p["gate_up_proj"])  # the shared expert
+    y = y + swiglu(h[:, 0], h[:, 1], moe.swiglu_limit) @ p["down_proj"]
+    return expand(post, comb, y, streams), cache
 
 
 def layer_periods(v4) -> tuple[int, int]:

@@ -18,9 +18,10 @@ a program compiled by one is loaded by the others.
 Most of a tiny model's test is compiling it, and most of compiling is LLVM optimizing the
 code XLA emits: the tiny-model, multi-process and browser lanes run with LLVM's optimization
 off (XLA_FLAGS --xla_backend_optimization_level=0: the engine tests run little code, and
-compile much less; docs/benchmarks.md has the suite's times). The default model's lane and the tests of batch
-invariance (marked `invariance`: bit-identical results must hold in the code as served,
-whose vectorized loops may round otherwise) keep XLA's defaults, as does `make check`.
+compile much less; docs/benchmarks.md has the suite's times). The default model's lane and
+the tests of batch invariance (marked `invariance`: bit-identical results must hold in the
+code as served, whose vectorized loops may round otherwise) keep XLA's defaults, as does
+`make check`.
 
     python -m tools.test_lanes [--check] [extra pytest arguments]
 

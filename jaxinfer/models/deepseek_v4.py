@@ -98,6 +98,11 @@ def final_collapse(config: LlamaConfig, params: dict, streams: jax.Array) -> jax
     return collapse_head(streams, head, eps=config.compressed.hc_eps, norm_eps=config.rms_norm_eps)
 
 
+def embed_rows(embed, tokens: jax.Array) -> jax.Array:  # f32[T, E]
+    """The tokens' rows of the embedding (a weight of blocks, or an array [V, E])."""
+    return embed.rows(tokens, jnp.float32) if is_weight(embed) else embed[tokens]
+
+
 def _array(w) -> jax.Array:
     return w.w if isinstance(w, Dense) else w
 
@@ -120,8 +125,7 @@ def deepseek_v4_layers(
     v4 = config.compressed
     layers = params["layers"]
     embed = params["embed"]
-    tokens = batch.token_ids
-    hidden = embed.rows(tokens, jnp.float32) if is_weight(embed) else embed[tokens]
+    hidden = embed_rows(embed, batch.token_ids)
     streams = jnp.broadcast_to(hidden[:, None], (hidden.shape[0], v4.hc_mult, hidden.shape[1]))
     hashed_layers = [i for i, t in enumerate(v4.mlp_layer_types) if t == HASH_MOE]
     shared = {k: v for k, v in layers.items() if k not in ("csa", "hca", "hash")}

@@ -25,8 +25,7 @@ from jaxinfer.layers.compressed_cache import CompressedCache
 from jaxinfer.layers.hyper_connections import HeadWeights, collapse_head
 from jaxinfer.layers.invariant import rms_norm
 from jaxinfer.layers.kernel_registry import ModelKernels
-from jaxinfer.layers.weights import is_weight
-from jaxinfer.models.deepseek_v4 import decoder_layer
+from jaxinfer.models.deepseek_v4 import decoder_layer, embed_rows
 from jaxinfer.models.inputs import BatchInputs
 from jaxinfer.models.llama import lm_head
 from jaxinfer.models.params import head_name
@@ -46,8 +45,7 @@ def mtp_streams(
     partitioner: Partitioner | None = None,
 ) -> tuple[CompressedCache, jax.Array]:  # (cache, streams f32[T, N, E])
     eps = config.rms_norm_eps
-    tokens = batch.token_ids
-    embedded = embed.rows(tokens, jnp.float32) if is_weight(embed) else embed[tokens]
+    embedded = embed_rows(embed, batch.token_ids)
     embedded = jnp.where(batch.positions[:, None] == 0, 0.0, embedded)  # [T, E]
     embedded = rms_norm(embedded, mtp["enorm"], eps) @ mtp["e_proj"]
     streams = rms_norm(previous, mtp["hnorm"], eps) @ mtp["h_proj"] + embedded[:, None]

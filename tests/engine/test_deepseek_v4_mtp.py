@@ -126,10 +126,7 @@ def test_without_mtp_tensors_there_is_no_mtp_layer(tmp_path):
 @pytest.mark.parametrize("chunks", [(LENGTH,), (11, 7, 12)], ids=["whole", "chunked"])
 def test_mtp_logits_match_the_reference(checkpoint, chunks):
     folder, expected, previous, tokens = checkpoint
-    config = read_config(folder / "config.json")
-    mtp = jax.tree.map(jnp.asarray, load_mtp_params(folder, config, np.float32))
-    params = as_weights(config, load_llama_params(folder, config, np.float32))
-    params = jax.tree.map(jnp.asarray, params)
+    config, mtp, params = loaded(folder)
     kernels = ModelKernels()  # (the references)
     blocks = -(-LENGTH // BLOCK)
     table = np.random.default_rng(6).permutation(np.arange(1, 2 * blocks))[:blocks]
@@ -162,10 +159,7 @@ def test_the_models_streams_are_what_it_takes(checkpoint):
     """The model's streams before its final collapse (DeepseekV4ForCausalLM.streams) are
     HF's, and the MTP layer on them gives the reference's logits."""
     folder, expected, previous, tokens = checkpoint
-    config = read_config(folder / "config.json")
-    mtp = jax.tree.map(jnp.asarray, load_mtp_params(folder, config, np.float32))
-    params = as_weights(config, load_llama_params(folder, config, np.float32))
-    params = jax.tree.map(jnp.asarray, params)
+    config, mtp, params = loaded(folder)
     model = DeepseekV4ForCausalLM(config, params)
     kernels = ModelKernels()
     cache = allocate(config, 16, BLOCK, {"csa": 8, "hca": 8}, num_slots=1, max_model_len=32)
@@ -191,6 +185,14 @@ def test_the_models_streams_are_what_it_takes(checkpoint):
     np.testing.assert_allclose(
         np.asarray(logits), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()
     )
+
+
+def loaded(folder):
+    """(the config, the MTP layer's parameters, the model's), on the device."""
+    config = read_config(folder / "config.json")
+    mtp = jax.tree.map(jnp.asarray, load_mtp_params(folder, config, np.float32))
+    params = as_weights(config, load_llama_params(folder, config, np.float32))
+    return config, mtp, jax.tree.map(jnp.asarray, params)
 
 
 def batch_of(tokens: np.ndarray, at: np.ndarray, table: np.ndarray) -> BatchInputs:

@@ -58,6 +58,29 @@ def check_compressed(options: EngineOptions, arch: LlamaConfig) -> None:
     refuse_options(options, refused, f"DeepSeek-V4 ({arch.architecture}, compressed attention)")
 
 
+NO_MTP_LAYER = (
+    "speculative_method 'mtp': the checkpoint has no multi-token-prediction layer (no mtp.0.* "
+    "tensors; transformers' save_pretrained drops them)"
+)
+
+
+def check_mtp(options: EngineOptions, arch: LlamaConfig) -> None:
+    """A ValueError where speculative_method "mtp" cannot run: it needs a DeepSeek-V4 model
+    (whose checkpoint has the layer: jaxinfer.engine.startup.start), on one device."""
+    if options.speculative_method != "mtp":
+        return
+    if arch.compressed is None:
+        raise ValueError(
+            "speculative_method 'mtp' runs a DeepSeek-V4 checkpoint's multi-token-prediction "
+            f"layer; {arch.architecture} has none (use ngram, suffix or draft)"
+        )
+    if options.tensor_parallel_size > 1:
+        raise ValueError(
+            "speculative_method 'mtp' runs on one device (its layer is not split over "
+            f"tensor_parallel_size {options.tensor_parallel_size} yet)"
+        )
+
+
 def compressed_attention_kernel(
     options: EngineOptions,
     platform,
@@ -122,9 +145,15 @@ def size_pools(
 ) -> CompressedPools:
     """The window's blocks: every running request's window and a full step's tokens, or
     options.num_kv_blocks; each compressed kind's: the rest of the budget, the same tokens of
-    context for each kind (with num_kv_blocks: as many tokens as those blocks hold)."""
+    context for each kind (with num_kv_blocks: as many tokens as those blocks hold). With
+    speculative_method "mtp" the MTP layer's window store counts as one window layer more,
+    and the streams it reads (a full step's) come out of the budget first."""
     block = options.block_size
-    window_bytes = arch.num_hidden_layers * block * arch.head_dim * jnp.dtype(dtype).itemsize
+    mtp = options.speculative_method == "mtp"  # (its layer's window store, a step's streams)
+    layers = arch.num_hidden_layers + mtp
+    window_bytes = layers * block * arch.head_dim * jnp.dtype(dtype).itemsize
+    if mtp:
+        budget -= options.max_num_batched_tokens * arch.compressed.hc_mult * arch.hidden_size * 4
     compressed = compressed_specs_of(specs)
     if options.num_kv_blocks:
         num_blocks = options.num_kv_blocks

@@ -15,7 +15,7 @@ from jaxinfer.config.cache_specs import (
     num_attention_layers,
     state_bytes_per_request,
 )
-from jaxinfer.config.compressed import size_pools
+from jaxinfer.config.compressed import check_mtp, size_pools
 from jaxinfer.config.options import EngineOptions, quantization_of
 from jaxinfer.config.resolved import ResolvedOptions
 from jaxinfer.layers.compressed_cache import entry_columns
@@ -95,7 +95,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "none", "ngram", "suffix" or "draft"
+    method: str  # "none", "ngram", "suffix", "draft" or "mtp"
     num_speculative_tokens: int  # most proposals per request and step (0 when off)
     prompt_lookup_min: int
     prompt_lookup_max: int
@@ -217,6 +217,7 @@ def build_engine_config(
     # The model's view: each KV head copied `replicas` times (so every device holds one).
     arch = dataclasses.replace(arch, num_key_value_heads=arch.num_key_value_heads * replicas)
     check_expert_split(arch, tp, options.expert_parallel)
+    check_mtp(options, arch)
     if options.enable_lora and replicas > 1:
         raise ValueError(
             f"enable_lora: tensor_parallel_size {tp} copies the model's KV heads, which LoRA's "
@@ -287,7 +288,9 @@ def build_engine_config(
             token_buckets=token_buckets(options.max_num_batched_tokens, options.token_buckets),
             num_speculative_tokens=num_speculative,
             spec_free_tokens=resolved.speculative_free_tokens,
-            spec_lookahead=num_speculative if options.speculative_method == "draft" else 0,
+            spec_lookahead=(
+                num_speculative if options.speculative_method in ("draft", "mtp") else 0
+            ),
         ),
         resolved=resolved,
         parallel=ParallelConfig(

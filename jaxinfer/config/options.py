@@ -25,7 +25,7 @@ MATMUL_IMPLS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 GGUF_MODES = ("auto", "on", "off")
 LOAD_FORMATS = ("auto", "dummy")
 REASONING_STYLES = ("qwen3", "deepseek_r1")
-SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft", "mtp")
 WARMUPS = ("auto", "all", "background")
 LORA_RANKS = (8, 16, 32, 64, 128, 256)
 
@@ -200,7 +200,8 @@ class EngineOptions:
         "in one step); suffix (suffix decoding: the most frequent continuation of the "
         "longest suffix found in a tree of the request's tokens or of recent outputs); or "
         "draft (a smaller model with the same tokenizer, draft_model, proposes them token "
-        "by token).",
+        "by token); or mtp (a DeepSeek-V4 checkpoint's multi-token-prediction layer proposes "
+        "them from the model's own residual streams).",
         SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = option(

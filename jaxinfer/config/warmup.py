@@ -19,6 +19,8 @@ def warmup(
         why.append("per-layer execution compiles a bucket's programs by running them")
     if options.speculative_method == "draft":
         why.append("a draft model's programs are compiled with the target's")
+    if options.speculative_method == "mtp":
+        why.append("the MTP layer's programs are compiled with the model's")
     if options.warmup == "background" and why:
         raise ValueError("warmup 'background' cannot be used here: " + "; ".join(why))
     if options.warmup != "auto":

@@ -48,15 +48,13 @@ class LLMEngine:
         self.reasoning = ReasoningParser(style) if style is not None else None
         self.eos_token_ids, self.draft = started.eos_token_ids, started.draft
         self.partitioner, self.gguf_weights = started.partitioner, started.gguf_weights
-        self.batch_builder, self.background_compile = (
-            started.batch_builder,
-            started.background_compile,
-        )
+        self.batch_builder = started.batch_builder
+        self.background_compile = started.background_compile
         self.warmup_seconds, self.warmup_programs = started.warmup_seconds, started.warmup_programs
         self.warmup_cache_hits = started.warmup_cache_hits
         arch, folder = self.config.model.arch, started.folder
         self.kv_cache_manager = KVCacheManager.for_engine(self.config)
-        self.speculation = Speculation(self.config, self.draft)
+        self.speculation = Speculation(self.config, started.proposer)
         self.loras = LoraAdapters(self.config, self.runner) if self.config.lora else None
         self.scheduler = Scheduler(
             self.config.scheduler,
@@ -320,9 +318,9 @@ class LLMEngine:
 
     def _needs_tokens_on_host(self) -> bool:
         """True when a running request's next step depends on the tokens of the step in
-        flight (grammars, multi-token bad words, proposals): then that step is processed
-        first."""
-        return any(
+        flight (grammars, multi-token bad words, proposals, the MTP layer's runs): then that
+        step is processed first."""
+        return self.speculation.follows_every_step or any(
             (r.constraints is not None and r.constraints.depends_on_tokens)
             or (r.spec is not None and r.spec.limit > 0)
             for r in self.scheduler.running
@@ -370,7 +368,9 @@ class LLMEngine:
             metrics.last_token_time = now
             detokenize(request, self._detokenizers[request.request_id], self.scheduler, finished)
         if self.speculation.on:
-            self.speculation.propose(self.scheduler, self.batch_builder.rows, self.runner)
+            self.speculation.propose(
+                self.scheduler, self.batch_builder.rows, self.runner, scheduler_output
+            )
         for request in finished:
             request.metrics.finished_time = now
             self.speculation.finished(request)

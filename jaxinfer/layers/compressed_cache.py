@@ -13,10 +13,14 @@
   projections, sized for the proposals a step verifies: pallas_kernels.compressor.reference
   .CompressorState, .ring_size), in state slots by request row (batch.state_rows), as a
   hybrid's recurrent state is.
+- `mtp` (with speculative_method "mtp", else empty): the multi-token-prediction layer's own
+  window store "window" [1, NB, BS, D] (jaxinfer.models.deepseek_v4_mtp), and "streams"
+  [Tmax, N, E], the model's residual streams of the latest step's tokens before its final
+  collapse, which the MTP layer reads after the step (jaxinfer.engine.speculation.mtp).
 
 L: layers, NB / BS: window blocks and positions per block, Lc / Lh: CSA / HCA layers,
 NBk / B: a store's blocks and entries per block, D: head dim, Di: the indexer's, S: slots,
-m: the kind's ratio.
+m: the kind's ratio, N / E: streams and hidden size, Tmax: the largest step.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ KIND_KEYS = {COMPRESSED_SPARSE_ATTENTION: "csa", HEAVILY_COMPRESSED_ATTENTION: "
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["window", "entries", "states"],
+    data_fields=["window", "entries", "states", "mtp"],
     meta_fields=["entry_columns"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +54,8 @@ class CompressedCache:
     states: dict  # "csa" / "hca" / "index": CompressorState, stacked [Lk, S, W, F]
     # (key, first column, end column): each kind's table in the block tables' columns
     entry_columns: tuple[tuple[str, int, int], ...]
+    mtp: dict = dataclasses.field(default_factory=dict)  # "window": [1, NB, BS, D],
+    #                                                      "streams": f32[Tmax, N, E]
 
     def entry_table(self, block_tables: jax.Array, key: str) -> jax.Array:  # i32[R, MBk]
         _, start, end = next(c for c in self.entry_columns if c[0] == key)
@@ -82,9 +88,11 @@ def allocate(
     dtype=jnp.float32,
     zeros=jnp.zeros,  # (shape, dtype) -> array: where the arrays are made (a mesh's)
     num_speculative_tokens: int = 0,  # the most proposals a step verifies (the rings' spare)
+    mtp_tokens: int = 0,  # the largest step, with an MTP layer (else 0: none)
 ) -> CompressedCache:
     """A zeroed cache: `entry_blocks[key]` blocks of `block_size` entries per compressed
-    store, `num_slots` compressor states per compressed layer."""
+    store, `num_slots` compressor states per compressed layer; with `mtp_tokens`, the MTP
+    layer's window store and the streams of a step of that many tokens."""
     v4, d = config.compressed, config.head_dim
     window = zeros((config.num_hidden_layers, num_blocks, block_size, d), dtype)
     entries, states = {}, {}
@@ -100,8 +108,12 @@ def allocate(
             di = v4.index_head_dim
             entries["index"] = zeros((layers, entry_blocks[key], block_size, di), dtype)
             states["index"] = _state(layers, num_slots, ring, di * series, zeros)
+    mtp = {}
+    if mtp_tokens:
+        mtp["window"] = zeros((1, num_blocks, block_size, d), dtype)
+        mtp["streams"] = zeros((mtp_tokens, v4.hc_mult, config.hidden_size), jnp.float32)
     return CompressedCache(
-        window, entries, states, entry_columns(config, block_size, max_model_len)
+        window, entries, states, entry_columns(config, block_size, max_model_len), mtp
     )
 
 

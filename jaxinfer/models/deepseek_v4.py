@@ -72,6 +72,9 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         cache, streams, collected = deepseek_v4_layers(
             self.config, params, cache, batch, kernels, partitioner, collect
         )
+        if cache.mtp:  # (kept for the MTP layer, which runs over the step's tokens after it)
+            kept = cache.mtp["streams"].at[: streams.shape[0]].set(streams.astype(jnp.float32))
+            cache = dataclasses.replace(cache, mtp={**cache.mtp, "streams": kept})
         return cache, final_collapse(self.config, params, streams), collected
 
     def streams(

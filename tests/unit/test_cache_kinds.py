@@ -277,3 +277,14 @@ def test_compressed_pools_split_the_budget_for_the_same_context_in_every_kind():
     )  # num_kv_blocks: the window's, and every kind sized for the 80 tokens they hold
     assert with_blocks.num_blocks == 11
     assert dict(with_blocks.entry_blocks) == {"csa": 80 // 32 + 1 + 1, "hca": 80 // 64 + 1 + 1}
+    # speculative_method mtp: the MTP layer's window store (a window layer more) and the
+    # streams of a step (32 tokens of 4 streams of 32 floats) are paid for first
+    mtp = size_pools(
+        arch, specs, dataclasses.replace(options, speculative_method="mtp"),
+        int(0.01 * (1 << 30)), jnp.float32,
+    )  # fmt: skip
+    blocks = dict(mtp.entry_blocks)
+    window = mtp.num_blocks * 7 * 8 * 16 * 4
+    entries = (blocks["csa"] * 2 * (16 + 8) + blocks["hca"] * 2 * 16) * 8 * 4
+    streams = 32 * 4 * 32 * 4
+    assert 0.98 * (1 << 30) * 0.01 < window + entries + streams <= 1.001 * (1 << 30) * 0.01

@@ -36,6 +36,9 @@ def allocate_kv_cache(
             config.model.dtype,
             zeros=partitioner.zeros,  # whole on every device
             num_speculative_tokens=config.scheduler.num_speculative_tokens,
+            mtp_tokens=(
+                config.scheduler.max_num_batched_tokens if config.speculative.method == "mtp" else 0
+            ),
         )
     shape = (
         arch.num_kv_layers,

@@ -40,8 +40,8 @@ from jaxinfer.sampling_params import MAX_LOGPROBS
 
 
 class Draft(Protocol):
-    """What the runner asks of a draft model (jaxinfer.engine.speculation.draft_model): to run
-    over each step's batch too, and its q for the sampler to verify against."""
+    """What the runner asks of a draft model or MTP layer (jaxinfer.engine.speculation): to run
+    over a step's batch too (the MTP's at warm-up alone), and its q to verify against."""
 
     draft_probs: jax.Array  # f32[S * K, V], q by request row
 
@@ -232,7 +232,7 @@ class ModelRunner:
         self._set_penalty_rows = jax.jit(set_penalty_rows, donate_argnums=0)
         self._set_bias_rows = jax.jit(set_bias_rows, donate_argnums=0)
         self._set_bitmask_rows = jax.jit(set_bitmask_rows, donate_argnums=0)
-        self._assemble = jax.jit(assemble_batch)
+        self.assemble = jax.jit(assemble_batch)
         self.sample_program = jax.jit(
             functools.partial(
                 _sample_and_record,
@@ -337,15 +337,15 @@ class ModelRunner:
                 self.lora,
             )
         else:
-            batch = self._assemble(inputs, self.block_table, self.last_tokens)
+            batch = self.assemble(inputs, self.block_table, self.last_tokens)
             hidden = self.hidden_states(batch)
             logits = self._logits(self.top_params, hidden, batch)
-        self.last_hidden = hidden  # [T, E], for the step's embedding requests (pooling.py)
+        self.last_hidden, self.last_inputs = hidden, inputs  # (pooling.py; the MTP layer)
         draft_probs = None
         if self.draft is not None:
             if draft_inputs is not None:  # (else the draft's own steps wrote its K/V)
                 if draft_inputs is not inputs or self.layer_execution == "scan":
-                    batch = self._assemble(draft_inputs, self.block_table, self.last_tokens)
+                    batch = self.assemble(draft_inputs, self.block_table, self.last_tokens)
                 self.draft.extend(batch)
             draft_probs = self.draft.draft_probs
         sampled, self.last_tokens, self.sampler_state = self.sample_program(
@@ -367,7 +367,7 @@ class ModelRunner:
         """Applies the step's row updates and builds its device batch (nothing waits)."""
         self.apply_updates(step.updates)
         inputs, sampling = jax.device_put((step.inputs, step.sampling), self.partitioner.replicated)
-        return self._assemble(inputs, self.block_table, self.last_tokens), inputs, sampling
+        return self.assemble(inputs, self.block_table, self.last_tokens), inputs, sampling
 
     def load_lora(self, slot: int, contents: dict) -> None:
         """Puts an adapter into slot `slot` (contents: jaxinfer.layers.lora.slot_contents',

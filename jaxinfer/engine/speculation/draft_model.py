@@ -158,6 +158,47 @@ def draw_proposals(
     return tokens, draft_probs.at[rows.rows * num_speculative + step].set(q)
 
 
+def padding_rows(size: int, padding_row: int) -> DraftRows:
+    """`size` rows of padding (`padding_row`: the device row padding requests take)."""
+    return DraftRows(
+        rows=np.full(size, padding_row, np.int32),
+        tokens=np.zeros(size, np.int32),
+        previous=np.zeros(size, np.int32),
+        positions=np.zeros(size, np.int32),
+        limits=np.zeros(size, np.int32),
+        sampling=SamplingMetadata.neutral(size, padding_row),
+        num_seqs=np.zeros(1, np.int32),
+    )
+
+
+def request_rows(
+    requests: list[tuple[int, Request, int]],  # (device row, request, limit)
+    buckets: tuple[int, ...],  # the request buckets
+    padding_row: int,
+    vocab_size: int,
+) -> DraftRows:
+    """The requests' rows, padded to a request bucket: each one's last two tokens, the last
+    one's position, its limit and its sampling parameters."""
+    rows = padding_rows(buckets[np.searchsorted(buckets, len(requests))], padding_row)
+    rows.num_seqs[0] = len(requests)
+    sampling = rows.sampling
+    for i, (row, request, limit) in enumerate(requests):
+        rows.rows[i] = row
+        rows.tokens[i] = request.all_token_ids[-1]
+        rows.previous[i] = request.all_token_ids[-2]
+        rows.positions[i] = request.num_tokens - 1
+        rows.limits[i] = limit
+        sampling.fill(
+            slice(i, i + 1),
+            request.sampling_params,
+            vocab_size,
+            request.bias is not None,
+            request.seed,
+            request.num_output_tokens,
+        )
+    return rows
+
+
 class DraftModel:
     """The draft: its own runner (model and KV cache), the q of its latest proposals, and the
     one-token step it repeats to propose."""
@@ -215,7 +256,7 @@ class DraftModel:
         """Each request's proposals after its last token (as many as wanted); the draft must
         hold the K/V of all but its last two tokens (SpecState.draft_computed), and then
         holds it up to the last proposal but one."""
-        host_rows = self._rows(requests)
+        host_rows = request_rows(requests, self.buckets, self.padding_row, self.vocab_size)
         tokens = np.stack([host_rows.previous, host_rows.tokens], axis=1).reshape(-1)  # [R * 2]
         rows = jax.device_put(host_rows)  # (once, not by every step's programs)
         proposed = []
@@ -227,42 +268,11 @@ class DraftModel:
         host = np.stack(jax.device_get(proposed), axis=1)  # [R, steps]
         return [host[i, :count].tolist() for i, (_, _, count) in enumerate(requests)]
 
-    def _padding_rows(self, size: int) -> DraftRows:
-        return DraftRows(
-            rows=np.full(size, self.padding_row, np.int32),
-            tokens=np.zeros(size, np.int32),
-            previous=np.zeros(size, np.int32),
-            positions=np.zeros(size, np.int32),
-            limits=np.zeros(size, np.int32),
-            sampling=SamplingMetadata.neutral(size, self.padding_row),
-            num_seqs=np.zeros(1, np.int32),
-        )
-
-    def _rows(self, requests: list[tuple[int, Request, int]]) -> DraftRows:
-        rows = self._padding_rows(self.buckets[np.searchsorted(self.buckets, len(requests))])
-        rows.num_seqs[0] = len(requests)
-        sampling = rows.sampling
-        for i, (row, request, wanted) in enumerate(requests):
-            rows.rows[i] = row
-            rows.tokens[i] = request.all_token_ids[-1]
-            rows.previous[i] = request.all_token_ids[-2]
-            rows.positions[i] = request.num_tokens - 1
-            rows.limits[i] = wanted
-            sampling.fill(
-                slice(i, i + 1),
-                request.sampling_params,
-                self.vocab_size,
-                request.bias is not None,
-                request.seed,
-                request.num_output_tokens,
-            )
-        return rows
-
     def warmup(self, block_table: jax.Array, bias: jax.Array) -> None:
         """Compiles the steps of every request bucket (all padding rows): the first, two
         tokens a row, and the later ones."""
         for size in self.buckets:
-            rows = self._padding_rows(size)
+            rows = padding_rows(size, self.padding_row)
             for width in (2, 1):
                 tokens = np.zeros(size * width, np.int32)
                 self._step(block_table, rows, tokens, np.int32(0), bias)

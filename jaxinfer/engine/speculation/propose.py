@@ -1,11 +1,10 @@
 """Each step's proposals: which running requests propose (caught up to their last token, with
-room left), and what they propose, by n-grams, suffix indexes or the draft model."""
+room left), and what they propose, by n-grams, suffix indexes, the draft model or the MTP
+layer."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterator
 
 from jaxinfer.config import EngineConfig, SpeculativeConfig
 from jaxinfer.engine.execution.model_runner import ModelRunner
@@ -14,8 +13,10 @@ from jaxinfer.engine.execution.step import ScheduledRequest, SchedulerOutput
 from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.engine.scheduling.scheduler import Scheduler
 from jaxinfer.engine.scheduling.stats import SpecStats
+from jaxinfer.engine.speculation.candidates import DraftRun, proposal_candidates
 from jaxinfer.engine.speculation.control import SpecControl
 from jaxinfer.engine.speculation.draft_model import DraftModel
+from jaxinfer.engine.speculation.mtp import MtpProposer, propose_with_mtp
 from jaxinfer.engine.speculation.ngram import NgramIndex, NgramProposer
 from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.engine.speculation.suffix import SuffixProposer
@@ -41,25 +42,6 @@ def make_proposer(config: SpeculativeConfig) -> HostProposer | None:
     if config.method == "suffix":
         return SuffixProposer(config)
     raise ValueError(f"unknown speculative_method {config.method!r}")
-
-
-def proposal_candidates(
-    running: list[Request], max_model_len: int
-) -> Iterator[tuple[Request, int]]:
-    """(request, room) for each running request that proposes and is caught up to its last
-    token; room: the proposals max_tokens and max_model_len leave it."""
-    for request in running:
-        if (
-            request.spec is None
-            or request.num_output_placeholders
-            or request.num_tokens - request.num_computed_tokens != 1
-        ):
-            continue
-        room = max_model_len - 1 - request.num_tokens
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        yield request, room
 
 
 def propose_on_host(
@@ -94,16 +76,6 @@ def propose_on_host(
 def at_most(spec: SpecState) -> int:
     """The most proposals a request's host proposer makes now (none while it rests)."""
     return spec.limit if spec.length else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftRun:
-    """What one step's proposing with the draft model did."""
-
-    rows: int = 0  # requests it ran for
-    steps: int = 0  # its one-token steps
-    proposing: int = 0  # requests that propose in the next step
-    left: int = 0  # requests that left it (draft_off) in this step
 
 
 def propose_with_draft(
@@ -211,12 +183,14 @@ class Speculation:
     SpecControl that plans each step's proposals from measured times, and the seconds spent
     proposing."""
 
-    def __init__(self, config: EngineConfig, draft: DraftModel | None):
+    def __init__(self, config: EngineConfig, proposer: DraftModel | MtpProposer | None):
+        """`proposer`: the draft model or MTP layer (speculative_method draft, mtp)."""
         self.config = config
-        self.draft = draft
-        self.host = None if draft is not None else make_proposer(config.speculative)
+        self.draft = proposer if isinstance(proposer, DraftModel) else None
+        self.mtp = proposer if isinstance(proposer, MtpProposer) else None
+        self.host = None if proposer is not None else make_proposer(config.speculative)
         self.control = None
-        if (draft is not None or self.host is not None) and config.speculative.adaptive:
+        if (proposer is not None or self.host is not None) and config.speculative.adaptive:
             self.control = SpecControl(config.scheduler.token_buckets)
         self.seconds = 0.0  # spent proposing (host lookups, the draft's steps)
         self._drafted = 0.0  # the draft's steps since the last observed step
@@ -226,14 +200,20 @@ class Speculation:
 
     @property
     def on(self) -> bool:
-        return self.draft is not None or self.host is not None
+        return self.draft is not None or self.mtp is not None or self.host is not None
+
+    @property
+    def follows_every_step(self) -> bool:
+        """Whether the proposer runs over every step's outputs (the MTP layer), so that a
+        step is processed before the next is dispatched."""
+        return self.mtp is not None
 
     def new_state(self, requested: int | None) -> SpecState:
         """A request's state; `requested`: its own limit (None: the engine's)."""
         limit = self.config.speculative.num_speculative_tokens
         if requested is not None:
             limit = min(limit, requested)
-        state = (self.draft or self.host).new_state(limit)
+        state = (self.draft or self.mtp or self.host).new_state(limit)
         speculative = self.config.speculative
         if self.draft is not None and speculative.draft_prompt_lookup:
             state.index = NgramIndex(speculative.prompt_lookup_min, speculative.prompt_lookup_max)
@@ -242,10 +222,23 @@ class Speculation:
             state.draft_off = self.started_without % PROBE_EVERY != 0  # (one in 16 probes)
         return state
 
-    def propose(self, scheduler: Scheduler, rows: RowTable, runner: ModelRunner) -> None:
-        """Sets the proposals of each running request caught up to its last token."""
+    def propose(
+        self,
+        scheduler: Scheduler,
+        rows: RowTable,
+        runner: ModelRunner,
+        output: SchedulerOutput,
+    ) -> None:
+        """Sets the proposals of each running request caught up to its last token; `output`:
+        the schedule of the step just processed."""
         start = time.perf_counter()
-        if self.draft is None:
+        if self.mtp is not None:
+            block_size = self.config.cache.block_size
+            run = propose_with_mtp(self.mtp, scheduler, block_size, rows, output)
+            self._drafted += time.perf_counter() - start
+            if self.control is not None and run.steps:
+                self.control.observe_draft(run.rows, run.steps, time.perf_counter() - start)
+        elif self.draft is None:
             propose_on_host(self.host, scheduler, self.control)
         else:
             block_size = self.config.cache.block_size

@@ -1,5 +1,5 @@
 """Start-up: from options to a model ready to serve. Resolves and configures the model, loads
-its weights (and a draft model's), calibrates a quantized KV cache, warms up the token buckets
+its weights (and a draft model's or MTP layer's), calibrates a quantized KV cache, warms up the token buckets
 (the first ones, or all) and leaves the rest to a background compiler."""
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ import json
 import logging
 from pathlib import Path
 
+import jax
+
 from jaxinfer.arch_config import LINEAR_ATTENTION
 from jaxinfer.config import EngineConfig, EngineOptions
 from jaxinfer.config.cache_specs import describe_spec
+from jaxinfer.config.compressed import NO_MTP_LAYER
 from jaxinfer.config.configure import configure
 from jaxinfer.engine.execution.batch_builder import BatchBuilder
 from jaxinfer.engine.execution.model_runner import ModelRunner
 from jaxinfer.engine.speculation.draft_model import DraftModel, load_draft
+from jaxinfer.engine.speculation.mtp import MtpProposer
 from jaxinfer.engine.startup import compilation_cache, kv_calibration
 from jaxinfer.engine.startup.background_compile import BackgroundCompiler, first_buckets
 from jaxinfer.engine.startup.warmup import warmup, warmup_units
@@ -24,6 +28,7 @@ from jaxinfer.layers.kernel_registry import KernelRegistry
 from jaxinfer.layers.state_cache import state_bytes_per_slot
 from jaxinfer.model_loader.load import load_model
 from jaxinfer.model_loader.model_cache import resolve_model, source_gguf
+from jaxinfer.model_loader.safetensors_loader import load_mtp_params
 from jaxinfer.parallel.mesh import make_mesh
 from jaxinfer.parallel.sharding import Partitioner
 from jaxinfer.tokenizer import TokenizerWrapper
@@ -42,6 +47,7 @@ class StartedModel:
     partitioner: Partitioner
     gguf_weights: list[str]  # weights kept with GGUF blocks (or taken from them)
     draft: DraftModel | None  # speculative decoding's draft model
+    proposer: DraftModel | MtpProposer | None  # its draft model or MTP layer
     batch_builder: BatchBuilder
     runner: ModelRunner
     warmup_seconds: float
@@ -64,6 +70,11 @@ def start_model(
         options, folder, kernels, gguf_source, draft_folder=draft_folder
     )
     resolved = config.resolved
+    mtp = None  # speculative decoding's MTP layer (it runs on the model's runner and cache)
+    if config.speculative.method == "mtp":
+        mtp = load_mtp_params(folder, config.model.arch, config.model.dtype)
+        if mtp is None:
+            raise ValueError(NO_MTP_LAYER)
     if resolved.compilation_cache_dir is not None:
         compilation_cache.enable(Path(resolved.compilation_cache_dir))
     arch = config.model.arch
@@ -108,6 +119,10 @@ def start_model(
             config, graphdef, state, model_kernels, partitioner, tokenizer
         ),
     )
+    proposer = draft
+    if mtp is not None:
+        placed = jax.device_put(mtp, partitioner.replicated)
+        proposer = runner.draft = MtpProposer(config, runner, placed)
     buckets = config.scheduler.token_buckets
     first = buckets if resolved.warmup == "all" else first_buckets(buckets)
     with compilation_cache.CompileCounter() as counter:
@@ -137,6 +152,7 @@ def start_model(
         partitioner=partitioner,
         gguf_weights=gguf_weights,
         draft=draft,
+        proposer=proposer,
         batch_builder=batch_builder,
         runner=runner,
         warmup_seconds=warmup_seconds,

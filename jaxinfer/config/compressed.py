@@ -66,18 +66,13 @@ NO_MTP_LAYER = (
 
 def check_mtp(options: EngineOptions, arch: LlamaConfig) -> None:
     """A ValueError where speculative_method "mtp" cannot run: it needs a DeepSeek-V4 model
-    (whose checkpoint has the layer: jaxinfer.engine.startup.start), on one device."""
+    (whose checkpoint has the layer: jaxinfer.engine.startup.start)."""
     if options.speculative_method != "mtp":
         return
     if arch.compressed is None:
         raise ValueError(
             "speculative_method 'mtp' runs a DeepSeek-V4 checkpoint's multi-token-prediction "
             f"layer; {arch.architecture} has none (use ngram, suffix or draft)"
-        )
-    if options.tensor_parallel_size > 1:
-        raise ValueError(
-            "speculative_method 'mtp' runs on one device (its layer is not split over "
-            f"tensor_parallel_size {options.tensor_parallel_size} yet)"
         )
 
 

@@ -294,15 +294,18 @@ def served(tmp_path_factory):
     return reference, hf_greedy(reference.folder, PROMPTS, 16)
 
 
-def test_mtp_speculation_gives_hugging_faces_tokens_and_the_layers_proposals(served):
-    """Through the engine, under chunked prefill and preemption: the tokens are HF's greedy
-    ones, and every proposal the MTP layer made is the reference's argmax: the first from the
-    model's streams at the request's last computed position, each further one from the
-    layer's own streams and the proposal before it."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["one_device", "tp2"])
+def test_mtp_speculation_gives_hugging_faces_tokens_and_the_layers_proposals(served, tp):
+    """Through the engine, under chunked prefill and preemption, on one device and with the
+    model split over two (the MTP layer whole on each): the tokens are HF's greedy ones, and
+    every proposal the MTP layer made is the reference's argmax: the first from the model's
+    streams at the request's last computed position, each further one from the layer's own
+    streams and the proposal before it."""
     reference, expected = served
     engine = build_engine(
         reference.folder,
         "tiny",
+        tensor_parallel_size=tp,
         num_kv_blocks=10,
         speculative_method="mtp",
         num_speculative_tokens=3,
@@ -395,8 +398,7 @@ def test_mtp_sampling_keeps_the_models_distribution(served, monkeypatch):
     assert pvalue > 1e-3
 
 
-def test_mtp_needs_a_deepseek_v4_checkpoint_with_its_layer(served, tmp_path, tiny_model_dir):
-    reference, _ = served
+def test_mtp_needs_a_deepseek_v4_checkpoint_with_its_layer(tmp_path, tiny_model_dir):
     plain = tmp_path / "plain"
     random_model(LAYER_TYPES[:2], vocab_size=320).save_pretrained(plain)
     write_tiny_tokenizer(plain, 320)
@@ -405,5 +407,3 @@ def test_mtp_needs_a_deepseek_v4_checkpoint_with_its_layer(served, tmp_path, tin
         build_llm(tiny_model_dir, "tiny", **mtp)
     with pytest.raises(ValueError, match="no multi-token-prediction layer"):
         build_llm(plain, "tiny", **mtp)
-    with pytest.raises(ValueError, match="runs on one device"):
-        build_llm(reference.folder, "tiny", tensor_parallel_size=2, **mtp)

@@ -10,6 +10,7 @@ shuffled window blocks (the MTP's own window store carried between them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -370,19 +371,19 @@ def test_mtp_sampling_keeps_the_models_distribution(served, monkeypatch):
     without speculation (chi-square), where a verifier that keeps every proposal is told
     apart."""
     reference, _ = served
-    options = dict(max_num_seqs=32, max_num_batched_tokens=64)
-    plain = build_llm(reference.folder, "tiny", **options)
     spec = build_llm(
         reference.folder,
         "tiny",
-        **options,
+        max_num_seqs=32,
+        max_num_batched_tokens=64,
         speculative_method="mtp",
         num_speculative_tokens=3,
         speculative_adaptive=False,
     )
     # (4 tokens: the 2nd and 3rd are a first and a second proposal's verdicts)
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, logit_bias=BIAS)
-    expected = pairs(plain, params, range(NUM_SAMPLES))
+    plain = dataclasses.replace(params, num_speculative_tokens=0)  # (no proposals)
+    expected = pairs(spec, plain, range(NUM_SAMPLES))
     with monkeypatch.context() as patch:
         patch.setattr(Scheduler, "_verify", accept_all)
         biased = pairs(spec, params, range(NUM_SAMPLES, 2 * NUM_SAMPLES))

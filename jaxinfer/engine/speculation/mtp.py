@@ -221,14 +221,16 @@ def propose_with_mtp(
     rows: RowTable,
     output: SchedulerOutput,
 ) -> DraftRun:
-    """The MTP layer over the last step's tokens (always: its window store must hold every
-    position), then its proposals for each running request caught up to its last token
+    """The MTP layer over the last step's tokens (always, where a running request proposes:
+    its window store must hold every position), then its proposals for each running request caught up to its last token
     whose last computed position was in that step, as many as the scheduler's plan takes,
     within what max_tokens, max_model_len and the request's blocks leave it (the layer
     writes its entries at the last token's position and each proposal's but the final
     one's). `output`: the step's schedule (ModelRunner.last_inputs: its inputs)."""
     inputs = mtp.runner.last_inputs
     running = {request.request_id: request for request in scheduler.running}
+    if all(request.spec is None for request in running.values()):
+        return DraftRun()  # (none proposes, now or later: a preempted one starts over)
     next_tokens = np.zeros(inputs.num_tokens, np.int32)  # each position's next token
     last_rows = {}  # request id -> the flat row of its last computed position
     for index, item in enumerate(output.scheduled):

@@ -295,18 +295,15 @@ def served(tmp_path_factory):
     return reference, hf_greedy(reference.folder, PROMPTS, 16)
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["one_device", "tp2"])
-def test_mtp_speculation_gives_hugging_faces_tokens_and_the_layers_proposals(served, tp):
-    """Through the engine, under chunked prefill and preemption, on one device and with the
-    model split over two (the MTP layer whole on each): the tokens are HF's greedy ones, and
-    every proposal the MTP layer made is the reference's argmax: the first from the model's
-    streams at the request's last computed position, each further one from the layer's own
-    streams and the proposal before it."""
+def test_mtp_speculation_gives_hugging_faces_tokens_and_the_layers_proposals(served):
+    """Through the engine, under chunked prefill and preemption: the tokens are HF's greedy
+    ones, and every proposal the MTP layer made is the reference's argmax: the first from the
+    model's streams at the request's last computed position, each further one from the
+    layer's own streams and the proposal before it."""
     reference, expected = served
     engine = build_engine(
         reference.folder,
         "tiny",
-        tensor_parallel_size=tp,
         num_kv_blocks=10,
         speculative_method="mtp",
         num_speculative_tokens=3,
@@ -341,7 +338,8 @@ def test_mtp_speculation_gives_hugging_faces_tokens_and_the_layers_proposals(ser
 def test_mtp_proposals_that_hold_are_accepted(tmp_path):
     """A checkpoint whose MTP layer predicts the model's tokens (MtpCheckpoint's `exact`):
     nearly every proposal is accepted, several per step, and the tokens are HF's greedy
-    ones, under chunked prefill and preemption, with nothing compiled after warm-up."""
+    ones, under chunked prefill and preemption, with nothing compiled after warm-up; the
+    model split over two devices (the MTP layer whole on each)."""
     (tmp_path / "exact").mkdir()
     reference = MtpCheckpoint(tmp_path / "exact", tmp_path / "whole", exact=True, vocab_size=320)
     write_tiny_tokenizer(reference.folder, 320)
@@ -349,6 +347,7 @@ def test_mtp_proposals_that_hold_are_accepted(tmp_path):
     llm = build_llm(
         reference.folder,
         "tiny",
+        tensor_parallel_size=2,
         num_kv_blocks=10,
         speculative_method="mtp",
         num_speculative_tokens=4,

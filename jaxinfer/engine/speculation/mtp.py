@@ -14,8 +14,9 @@ position, with the layer's own output streams in place of the model's. Proposals
 as a draft model's are (draft_model.draw_proposals: the argmax when greedy, else a draw from
 q, kept for the rejection sampler).
 
-The extend runs after every step of every request (the layer's window store must hold each
-position before a query reads it), whether or not a request proposes in the next step.
+The extend runs after every step, over every request in it, whether or not one proposes
+next (the layer's window store must hold each position before a query reads it); only where
+no running request proposes at all (none will need the entries) is it left out.
 
 R: proposing requests (padded), T: the step's tokens, N / E: streams and hidden size,
 S: request rows, K: num_speculative_tokens, V: vocabulary, MB: blocks per request row.
@@ -131,11 +132,17 @@ class MtpProposer:
         )  # [S * K, V]
         bound = functools.partial
         kernels = runner.kernels
-        self._extend = jax.jit(bound(extend, arch, kernels), donate_argnames=("cache",))
-        self._head = jax.jit(bound(head, arch, kernels))
+        # (the cache keeps its placement: the model's step, compiled for it, takes it next)
+        cache = jax.tree.map(lambda a: a.sharding, runner.kv_cache)
+        whole = runner.partitioner.replicated
+        self._extend = jax.jit(
+            bound(extend, arch, kernels), donate_argnames=("cache",), out_shardings=cache
+        )
+        self._head = jax.jit(bound(head, arch, kernels), out_shardings=(whole, whole))
         self._step = jax.jit(
             bound(step, arch, kernels, block_size=config.cache.block_size),
             donate_argnames=("cache",),
+            out_shardings=(cache, whole, whole),
         )
         self._draw = jax.jit(
             bound(
@@ -221,12 +228,13 @@ def propose_with_mtp(
     rows: RowTable,
     output: SchedulerOutput,
 ) -> DraftRun:
-    """The MTP layer over the last step's tokens (always, where a running request proposes:
-    its window store must hold every position), then its proposals for each running request caught up to its last token
-    whose last computed position was in that step, as many as the scheduler's plan takes,
-    within what max_tokens, max_model_len and the request's blocks leave it (the layer
-    writes its entries at the last token's position and each proposal's but the final
-    one's). `output`: the step's schedule (ModelRunner.last_inputs: its inputs)."""
+    """The MTP layer over the last step's tokens (where a running request proposes: its
+    window store must hold every position), then its proposals for each running request
+    caught up to its last token whose last computed position was in that step, as many as
+    the scheduler's plan takes, within what max_tokens, max_model_len and the request's
+    blocks leave it (its steps write entries at the last token's position and each
+    proposal's but the final two's). `output`: the step's schedule (ModelRunner.last_inputs:
+    its inputs)."""
     inputs = mtp.runner.last_inputs
     running = {request.request_id: request for request in scheduler.running}
     if all(request.spec is None for request in running.values()):
@@ -251,10 +259,10 @@ def propose_with_mtp(
     mtp.extend_step(inputs, next_tokens)
     wanted = []
     for request, room in proposal_candidates(scheduler.running, scheduler.config.max_model_len):
-        slots = len(request.block_ids) * block_size - request.num_tokens + 1
-        if request.request_id not in last_rows or slots < 1:
+        if request.request_id not in last_rows:
             continue
-        count = min(request.spec.length, room, slots) if request.spec.wanted() else 0
+        slots = len(request.block_ids) * block_size - request.num_tokens + 1  # (from the last)
+        count = min(request.spec.length, room, slots + 1) if request.spec.wanted() else 0
         if count > 0:
             wanted.append((request, count))
     if not wanted:

@@ -1,6 +1,6 @@
 """Start-up: from options to a model ready to serve. Resolves and configures the model, loads
-its weights (and a draft model's or MTP layer's), calibrates a quantized KV cache, warms up the token buckets
-(the first ones, or all) and leaves the rest to a background compiler."""
+its weights (and a draft model's or MTP layer's), calibrates a quantized KV cache, warms up
+the token buckets (the first ones, or all) and leaves the rest to a background compiler."""
 
 from __future__ import annotations
 

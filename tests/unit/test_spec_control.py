@@ -31,19 +31,19 @@ def control_with(costs: dict[int, float], num_sampling: int = 1) -> SpecControl:
     return control
 
 
-def value_of(control, used, num_sampling, candidates, counts, draft_rows=0):
+def value_of(control, used, num_sampling, candidates, counts, draft_rows=0, draft_free=0):
     """(rate, value) of giving each candidate `counts` proposals: tokens per second, and the
     expected tokens less the time at the plan's price."""
     gain = sum(sum(c.gains[:k]) for c, k in zip(candidates, counts, strict=True))
     seconds = control.costs(num_sampling).estimate(used + sum(counts))
     if draft_rows and max(counts):
-        seconds += control.draft.estimate(draft_rows) * max(counts)
+        seconds += control.draft.estimate(draft_rows) * max(max(counts) - draft_free, 0)
     none = num_sampling / control.costs(num_sampling).estimate(used)
     price = max(control.rate(num_sampling), none)
     return (num_sampling + gain) / seconds, num_sampling + gain - price * seconds
 
 
-def brute_force(control, used, num_sampling, candidates, most, draft_rows=0):
+def brute_force(control, used, num_sampling, candidates, most, draft_rows=0, draft_free=0):
     """The best value over every way of giving each candidate 0..most proposals whose rate
     gains MARGIN over none's (none's value where none does)."""
     none = num_sampling / control.costs(num_sampling).estimate(used)
@@ -51,7 +51,9 @@ def brute_force(control, used, num_sampling, candidates, most, draft_rows=0):
     for counts in itertools.product(*(range(c.most + 1) for c in candidates)):
         if sum(counts) > most or not sum(counts):
             continue
-        rate, value = value_of(control, used, num_sampling, candidates, counts, draft_rows)
+        rate, value = value_of(
+            control, used, num_sampling, candidates, counts, draft_rows, draft_free
+        )
         if rate > MARGIN * none:
             best = max(best, value)
     return best
@@ -144,12 +146,15 @@ def test_plan_is_as_good_as_brute_force(seed):
     most = rng.randint(0, 8)
     if seed % 2:  # (the steps' rate, the price of their time, above none's)
         control.observe_tokens(2, 4, 0.011)
-    for draft_rows in (0, 3):
-        counts = control.plan(used, 2, candidates, free_room=0, most=most, draft_rows=draft_rows)
+    # (draft_free 1: the MTP layer's first proposal costs no step of its own)
+    for draft_rows, free in ((0, 0), (3, 0), (3, 1)):
+        counts = control.plan(
+            used, 2, candidates, free_room=0, most=most, draft_rows=draft_rows, draft_free=free
+        )
         assert sum(counts) <= most
         assert all(k <= c.most for k, c in zip(counts, candidates, strict=True))
-        best = brute_force(control, used, 2, candidates, most, draft_rows)
-        got = value_of(control, used, 2, candidates, counts, draft_rows)[1]
+        best = brute_force(control, used, 2, candidates, most, draft_rows, free)
+        got = value_of(control, used, 2, candidates, counts, draft_rows, free)[1]
         # The plan takes the largest gains first: optimal without a draft; with one, its
         # steps are paid by depth, which can favour spreading over requests.
         assert got == pytest.approx(best) if not draft_rows else got >= best - 0.5

@@ -34,6 +34,6 @@ class DraftRun:
     """What one step's proposing with the draft model or MTP layer did."""
 
     rows: int = 0  # requests it ran for
-    steps: int = 0  # its one-token steps (the MTP layer's run over the step counts as one)
+    steps: int = 0  # its one-token steps (the MTP layer's run over the step not counted)
     proposing: int = 0  # requests that propose in the next step
     left: int = 0  # requests that left it (draft_off) in this step

@@ -185,6 +185,7 @@ class SpecControl:
         most: int,
         draft_rows: int = 0,
         host_rows: int = 0,
+        draft_free: int = 0,
     ) -> list[int]:
         """Proposals per candidate for a step of `used` tokens of which `num_sampling`
         requests sample. `free_room`: what the rule of thumb would take (used where times
@@ -192,7 +193,8 @@ class SpecControl:
         the sample rows). `draft_rows`: with a draft model, the rows it proposes for (its
         steps are paid per proposal depth, for every row at once). `host_rows`: with a host
         proposer that has not proposed yet, the requests it would propose for (paid once
-        the plan takes any proposal)."""
+        the plan takes any proposal). `draft_free`: proposal depths that cost no step of
+        the draft's (the MTP layer's first, from its run over the step, which runs anyway)."""
         gains = sorted(
             ((gain, index) for index, c in enumerate(candidates) for gain in c.gains),
             reverse=True,
@@ -226,7 +228,8 @@ class SpecControl:
             depths[index] = depths.get(index, 0) + 1
             if costs[p] is None:
                 continue
-            seconds = costs[p] + draft_step * max(depths.values()) + proposing
+            steps = max(max(depths.values()) - draft_free, 0)
+            seconds = costs[p] + draft_step * steps + proposing
             value = expected - price * seconds
             if expected / seconds > least and value > best_value:
                 best, best_value = p, value
@@ -264,6 +267,7 @@ def plan_proposals(
     wanted: list[tuple[SpecState | None, int]],
     draft_rows: int = 0,
     host_rows: int = 0,
+    draft_free: int = 0,
 ) -> list[int]:
     """Proposals to take of each (request's SpecState, most it could verify) in a step of
     `used` tokens of which `num_sampling` requests sample: SpecControl's plan where there is
@@ -275,7 +279,9 @@ def plan_proposals(
             Candidate(spec.gains(min(count, most), control.depths) if spec else ())
             for spec, count in wanted
         ]
-        return control.plan(used, num_sampling, candidates, room, most, draft_rows, host_rows)
+        return control.plan(
+            used, num_sampling, candidates, room, most, draft_rows, host_rows, draft_free
+        )
     counts = []
     for _, count in wanted:
         counts.append(min(count, max(room, 0)))

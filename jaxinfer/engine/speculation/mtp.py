@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,7 @@ class MtpProposer:
         self.config = config
         self.runner = runner
         self.mtp = mtp
+        self.steps_seconds = 0.0  # the latest proposals' one-token steps took
         arch = config.model.arch
         self.num_speculative = config.speculative.num_speculative_tokens
         self.vocab_size = arch.vocab_size
@@ -186,7 +188,11 @@ class MtpProposer:
         logits, streams = self._head(self.mtp, runner.top_params, runner.kv_cache, flat)
         tokens, self.draft_probs = self._draw(logits, rows, bias, self.draft_probs, np.int32(0))
         proposed = [tokens]
-        for index in range(1, max(count for _, _, count, _ in requests)):
+        steps = max(count for _, _, count, _ in requests) - 1
+        if steps:  # (its steps timed apart from the run over the step, which runs anyway)
+            jax.block_until_ready(tokens)
+        start = time.perf_counter()
+        for index in range(1, steps + 1):
             runner.kv_cache, logits, streams = self._step(
                 self.mtp,
                 runner.top_params,
@@ -201,7 +207,8 @@ class MtpProposer:
                 logits, rows, bias, self.draft_probs, np.int32(index)
             )
             proposed.append(tokens)
-        host = np.stack(jax.device_get(proposed), axis=1)  # [R, steps]
+        host = np.stack(jax.device_get(proposed), axis=1)  # [R, steps + 1]
+        self.steps_seconds = time.perf_counter() - start
         return [host[i, :count].tolist() for i, (_, _, count, _) in enumerate(requests)]
 
     def warmup(self, block_table: jax.Array, bias: jax.Array) -> None:
@@ -268,7 +275,9 @@ def propose_with_mtp(
     if not wanted:
         return DraftRun()
     used, num_sampling = scheduler.proposal_room()
-    counts = scheduler.plan_proposals(used, num_sampling, wanted, draft_rows=len(wanted))
+    counts = scheduler.plan_proposals(
+        used, num_sampling, wanted, draft_rows=len(wanted), draft_free=1
+    )  # (the first proposal costs a row of the LM head: the run over the step is paid)
     chosen = []
     for (request, _), count in zip(wanted, counts, strict=True):
         if count:
@@ -282,5 +291,5 @@ def propose_with_mtp(
     proposals = mtp.propose(mtp.runner.sampler_state.bias, chosen)
     for (_, request, _, _), tokens in zip(chosen, proposals, strict=True):
         request.spec_token_ids = tokens
-    steps = max(count for _, _, count, _ in chosen)
+    steps = max(count for _, _, count, _ in chosen) - 1
     return DraftRun(len(chosen), steps, len(chosen))

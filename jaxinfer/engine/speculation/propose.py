@@ -237,7 +237,7 @@ class Speculation:
             run = propose_with_mtp(self.mtp, scheduler, block_size, rows, output)
             self._drafted += time.perf_counter() - start
             if self.control is not None and run.steps:
-                self.control.observe_draft(run.rows, run.steps, time.perf_counter() - start)
+                self.control.observe_draft(run.rows, run.steps, self.mtp.steps_seconds)
         elif self.draft is None:
             propose_on_host(self.host, scheduler, self.control)
         else:

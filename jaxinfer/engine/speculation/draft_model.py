@@ -199,30 +199,22 @@ def request_rows(
     return rows
 
 
-class DraftModel:
-    """The draft: its own runner (model and KV cache), the q of its latest proposals, and the
-    one-token step it repeats to propose."""
+class ModelProposer:
+    """What a proposer that runs a model (a draft model, DeepSeek-V4's MTP layer,
+    jaxinfer.engine.speculation.mtp) keeps for its draws: the q of its latest proposals by
+    request row, its request buckets and the jitted draw."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, target: EngineConfig):
-        """`config`: the draft's (the target's cache and scheduler); `runner`: it, built
-        without sampler state; `target`: the target's config."""
-        self.config = config
-        self.runner = runner
+    def __init__(self, target: EngineConfig, partitioner):
+        """`target`: the model's config; `partitioner`: where q is kept."""
         self.num_speculative = target.speculative.num_speculative_tokens
         self.vocab_size = target.model.arch.vocab_size
         sched = target.scheduler
         self.padding_row = sched.max_num_seqs  # (jaxinfer.engine.execution.row_table.RowTable)
         self.buckets = tuple(sorted({sched.request_bucket(t) for t in sched.token_buckets}))
-        self.draft_probs = runner.partitioner.zeros(
+        self.draft_probs = partitioner.zeros(
             ((sched.max_num_seqs + 1) * self.num_speculative, self.vocab_size),
             jnp.float32,
         )  # [S * K, V]
-        self._decode_batch = {
-            width: jax.jit(
-                functools.partial(decode_batch, block_size=target.cache.block_size, width=width)
-            )
-            for width in (1, 2)
-        }
         self._draw = jax.jit(
             functools.partial(
                 draw_proposals,
@@ -234,6 +226,24 @@ class DraftModel:
 
     def new_state(self, limit: int) -> SpecState:
         return SpecState(limit=limit, accepted=PRIOR_ACCEPTED)
+
+
+class DraftModel(ModelProposer):
+    """The draft: its own runner (model and KV cache), the q of its latest proposals, and the
+    one-token step it repeats to propose."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, target: EngineConfig):
+        """`config`: the draft's (the target's cache and scheduler); `runner`: it, built
+        without sampler state; `target`: the target's config."""
+        super().__init__(target, runner.partitioner)
+        self.config = config
+        self.runner = runner
+        self._decode_batch = {
+            width: jax.jit(
+                functools.partial(decode_batch, block_size=target.cache.block_size, width=width)
+            )
+            for width in (1, 2)
+        }
 
     def extend(self, batch: BatchInputs) -> None:
         """Writes the draft's K/V for a target step's tokens (of the requests it follows)."""

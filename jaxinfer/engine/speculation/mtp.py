@@ -29,7 +29,6 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig
@@ -41,14 +40,12 @@ from jaxinfer.engine.scheduling.request import Request
 from jaxinfer.engine.scheduling.scheduler import Scheduler
 from jaxinfer.engine.speculation.candidates import DraftRun, proposal_candidates
 from jaxinfer.engine.speculation.draft_model import (
-    PRIOR_ACCEPTED,
     DraftRows,
+    ModelProposer,
     decode_batch,
-    draw_proposals,
     padding_rows,
     request_rows,
 )
-from jaxinfer.engine.speculation.state import SpecState
 from jaxinfer.layers.compressed_cache import CompressedCache
 from jaxinfer.layers.kernel_registry import ModelKernels
 from jaxinfer.models.deepseek_v4_mtp import mtp_logits, mtp_streams
@@ -112,26 +109,19 @@ def step(
     return cache, mtp_logits(config, mtp, params, streams, kernels), streams
 
 
-class MtpProposer:
+class MtpProposer(ModelProposer):
     """The MTP layer's parameters, the q of its latest proposals, and its programs; it runs
     on the model's runner, whose cache holds its window store and the step's streams."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, mtp: dict):
         """`mtp`: the layer's parameters (model_loader.safetensors_loader.load_mtp_params),
         placed on the runner's mesh."""
+        super().__init__(config, runner.partitioner)
         self.config = config
         self.runner = runner
         self.mtp = mtp
         self.steps_seconds = 0.0  # the latest proposals' one-token steps took
         arch = config.model.arch
-        self.num_speculative = config.speculative.num_speculative_tokens
-        self.vocab_size = arch.vocab_size
-        sched = config.scheduler
-        self.padding_row = sched.max_num_seqs  # (jaxinfer.engine.execution.row_table.RowTable)
-        self.buckets = tuple(sorted({sched.request_bucket(t) for t in sched.token_buckets}))
-        self.draft_probs = runner.partitioner.zeros(
-            ((sched.max_num_seqs + 1) * self.num_speculative, self.vocab_size), jnp.float32
-        )  # [S * K, V]
         bound = functools.partial
         kernels = runner.kernels
         # (the cache keeps its placement: the model's step, compiled for it, takes it next)
@@ -146,17 +136,6 @@ class MtpProposer:
             donate_argnames=("cache",),
             out_shardings=(cache, whole, whole),
         )
-        self._draw = jax.jit(
-            bound(
-                draw_proposals,
-                num_speculative=self.num_speculative,
-                batch_invariant=config.resolved.batch_invariant,
-            ),
-            donate_argnames=("draft_probs",),
-        )
-
-    def new_state(self, limit: int) -> SpecState:
-        return SpecState(limit=limit, accepted=PRIOR_ACCEPTED)
 
     def extend(self, batch: BatchInputs) -> None:
         """The layer over a step's batch whose tokens are each position's next token."""

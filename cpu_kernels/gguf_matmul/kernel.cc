@@ -978,9 +978,13 @@ constexpr int64_t kStreamRows512 = 6;
 
 template <int F, int MR>
 JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col, int64_t m0) {
-  __m512 acc[MR][2];
+  // Two accumulators a row for few rows (the FMAs' latency), one for more (the registers).
+  constexpr int kAcc = MR <= 3 ? 2 : 1;
+  __m512 acc[MR][kAcc];
 #pragma GCC unroll 6
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int a = 0; a < kAcc; ++a) acc[i][a] = _mm512_setzero_ps();
   const __m512 levels = _mm512_sub_ps(
       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_ps(static_cast<float>(Block<F>::kBias)));
@@ -999,12 +1003,14 @@ JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col,
 #pragma GCC unroll 6
       for (int i = 0; i < MR; ++i) {
         acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k), w0, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k + 16), w1, acc[i][1]);
+        acc[i][kAcc - 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k + 16), w1, acc[i][kAcc - 1]);
       }
     }
   }
   for (int i = 0; i < MR; ++i) {
-    r.y[(m0 + i) * r.n + col] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+    __m512 sum = acc[i][0];
+    if constexpr (kAcc == 2) sum = _mm512_add_ps(sum, acc[i][1]);
+    r.y[(m0 + i) * r.n + col] = _mm512_reduce_add_ps(sum);
   }
 }
 
@@ -1213,15 +1219,18 @@ void PanelRows(const Rows& r, const float* panel, int64_t col0) {
   }
 }
 
-// The same on AVX-512 (taken with the VNNI paths): 16 floats a vector, tiles of up to 4 rows
-// by 4 weight rows.
+// The same on AVX-512 (taken with the VNNI paths): 16 floats a vector, tiles of up to 6 rows
+// by 4 weight rows (24 accumulators, the 4 weight vectors and one of x in the 32 registers).
+// The rows are split into tiles as even as the maximum allows (9 rows: 5 and 4), as a tile of
+// one row reads its 4 weight vectors for 4 FMAs and costs most of a full tile.
 constexpr int kPanel512 = 4;
+constexpr int64_t kPanelTile512 = 6;
 
 template <int MR, int NC>
 JAXINFER_VNNI512_INLINE void PanelTile512(const Rows& r, const float* panel, int64_t m0,
                                           int64_t col0) {
   __m512 acc[MR][NC];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -1230,7 +1239,7 @@ JAXINFER_VNNI512_INLINE void PanelTile512(const Rows& r, const float* panel, int
     __m512 w[NC];
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) w[c] = _mm512_loadu_ps(panel + c * r.k + kk);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * r.k + kk);
 #pragma GCC unroll 4
@@ -1242,15 +1251,27 @@ JAXINFER_VNNI512_INLINE void PanelTile512(const Rows& r, const float* panel, int
 }
 
 template <int NC>
+JAXINFER_VNNI512_INLINE void PanelTileRows512(const Rows& r, const float* panel, int64_t m0,
+                                              int64_t rows, int64_t col0) {
+  switch (rows) {
+    case 6: return PanelTile512<6, NC>(r, panel, m0, col0);
+    case 5: return PanelTile512<5, NC>(r, panel, m0, col0);
+    case 4: return PanelTile512<4, NC>(r, panel, m0, col0);
+    case 3: return PanelTile512<3, NC>(r, panel, m0, col0);
+    case 2: return PanelTile512<2, NC>(r, panel, m0, col0);
+    case 1: return PanelTile512<1, NC>(r, panel, m0, col0);
+  }
+}
+
+template <int NC>
 JAXINFER_VNNI512 void PanelRows512(const Rows& r, const float* panel, int64_t col0) {
   for (int64_t c0 = 0; c0 < r.m; c0 += kPanelChunk) {
-    const int64_t stop = std::min(r.m, c0 + kPanelChunk);
-    int64_t m0 = c0;
-    for (; m0 + 4 <= stop; m0 += 4) PanelTile512<4, NC>(r, panel, m0, col0);
-    switch (stop - m0) {
-      case 3: PanelTile512<3, NC>(r, panel, m0, col0); break;
-      case 2: PanelTile512<2, NC>(r, panel, m0, col0); break;
-      case 1: PanelTile512<1, NC>(r, panel, m0, col0); break;
+    const int64_t rows = std::min(r.m, c0 + kPanelChunk) - c0;
+    const int64_t tiles = (rows + kPanelTile512 - 1) / kPanelTile512;
+    for (int64_t t = 0, m0 = c0; t < tiles; ++t) {
+      const int64_t size = rows / tiles + (t < rows % tiles ? 1 : 0);
+      PanelTileRows512<NC>(r, panel, m0, size, col0);
+      m0 += size;
     }
   }
 }

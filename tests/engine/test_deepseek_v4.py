@@ -197,7 +197,7 @@ def test_engine_generates_hugging_faces_tokens_under_chunking_and_preemption(
     # 16 tokens a step (every prompt chunked); 9 window blocks of 8 positions and entry
     # pools for 72 tokens of context, for 4 running requests of up to 53 tokens: requests
     # are preempted and recomputed from their first token
-    llm = build_llm(folder, "tiny", num_kv_blocks=10, async_scheduling=async_scheduling)
+    llm = build_llm(folder, "tiny_one_bucket", num_kv_blocks=10, async_scheduling=async_scheduling)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert llm.engine.stats().num_preemptions > 0, "the small pools must preempt"
@@ -208,7 +208,7 @@ def test_engine_generates_hugging_faces_tokens_under_chunking_and_preemption(
 
 def test_n_samples_each_keep_their_own_compressor_state_and_describe(served):
     folder, expected = served
-    llm = build_llm(folder, "tiny", max_num_seqs=8)
+    llm = build_llm(folder, "tiny_one_bucket", max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3)
     outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     for output, tokens in zip(outputs, expected[:2], strict=True):
@@ -246,7 +246,7 @@ def test_options_deepseek_v4_cannot_run_with_are_refused(served, option):
     if option.get("speculative_method") == "draft":
         option = option | {"draft_model": str(served[0])}
     with pytest.raises(ValueError, match="is not supported on DeepSeek-V4"):
-        build_llm(served[0], "tiny", **option)
+        build_llm(served[0], "tiny_one_bucket", **option)
 
 
 def test_speculation_through_the_compressors_gives_hugging_faces_tokens(served):
@@ -259,7 +259,7 @@ def test_speculation_through_the_compressors_gives_hugging_faces_tokens(served):
     expected = hf_greedy(folder, prompts, 24)
     llm = build_llm(
         folder,
-        "tiny",
+        "tiny_one_bucket",
         num_kv_blocks=9,
         speculative_method="ngram",
         num_speculative_tokens=6,
@@ -284,7 +284,9 @@ def test_split_over_devices_generates_hugging_faces_tokens(served, tp, expert_pa
     columns, the vocabulary and the query heads split (the K=V head, the compressors and the
     indexer whole on every device)."""
     folder, expected = served
-    llm = build_llm(folder, "tiny", tensor_parallel_size=tp, expert_parallel=expert_parallel)
+    llm = build_llm(
+        folder, "tiny_one_bucket", tensor_parallel_size=tp, expert_parallel=expert_parallel
+    )
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     gate_up = llm.engine.runner.state["layers"]["experts_gate_up"].get_value().w
@@ -304,7 +306,7 @@ def test_the_pallas_kernels_swap_in_under_jit(served):
     from pallas_kernels.compressor import kernel
 
     folder, expected = served
-    llm = build_llm(folder, "tiny", compressed_attention_impl="pallas_interpret")
+    llm = build_llm(folder, "tiny_one_bucket", compressed_attention_impl="pallas_interpret")
     assert llm.engine.describe()["resolved"]["compressed_attention"]["value"] == "pallas_interpret"
     assert llm.engine.runner.kernels.compressor.func is kernel.compress
     outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
@@ -315,7 +317,9 @@ def test_compressed_attention_impl_is_refused_for_other_models(tmp_path):
     from tests.support.models import make_tiny_model
 
     with pytest.raises(ValueError, match="compressed_attention_impl applies to DeepSeek-V4"):
-        build_llm(make_tiny_model(tmp_path), "tiny", compressed_attention_impl="reference")
+        build_llm(
+            make_tiny_model(tmp_path), "tiny_one_bucket", compressed_attention_impl="reference"
+        )
 
 
 def test_a_budget_sized_cache_serves_contexts_past_the_windows_pool(served):
@@ -325,7 +329,7 @@ def test_a_budget_sized_cache_serves_contexts_past_the_windows_pool(served):
     folder, _ = served
     prompt = list(np.random.default_rng(9).integers(3, 320, size=150))
     llm = build_llm(
-        folder, "tiny", num_kv_blocks=None, kv_cache_memory_gb=0.0005, max_model_len=192
+        folder, "tiny_one_bucket", num_kv_blocks=None, kv_cache_memory_gb=0.0005, max_model_len=192
     )
     assert llm.engine.kv_cache_manager.pool.num_blocks * 8 < 150
     outputs = llm.generate([prompt], GREEDY, use_tqdm=False)

@@ -10,6 +10,9 @@ from pathlib import Path
 # - "quick": buckets 2 and 6, for tests that need any engine at all;
 # - "tiny": every prompt is chunked (16 tokens a step), buckets 2 and 16 (steps of one or two
 #   tokens take the kernels' few-row paths);
+# - "tiny_one_bucket": "tiny" with one bucket (16), for the models whose step costs most to
+#   compile (DeepSeek-V4): steps of one or two tokens pad to 16 there (the few-row paths are
+#   the other families' tests' concern);
 # - "served": the server, batch and robustness tests' (prompts of up to 64 tokens in a step);
 # - "default": the default model's engine and server tests (model None: the default model),
 #   buckets 1, 2, 16, 32 and 128;
@@ -27,6 +30,14 @@ PRESETS = {
     "tiny": dict(
         max_num_batched_tokens=16,
         token_buckets=(2, 16),
+        max_num_seqs=4,
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=96,
+    ),
+    "tiny_one_bucket": dict(
+        max_num_batched_tokens=16,
+        token_buckets=(16,),
         max_num_seqs=4,
         block_size=8,
         num_kv_blocks=64,

@@ -78,6 +78,23 @@ def default_llm(model_cache_dir):
 
 
 @pytest.fixture(scope="session")
+def default_hf_model(model_cache_dir):
+    """HF transformers' float32 model of the default model's GGUF file, loaded once (its GGUF
+    loading dequantizes in Python); tests that change it take a copy."""
+    import torch
+    import transformers
+
+    from jaxinfer.model_loader.model_cache import resolve_model
+
+    folder = resolve_model(None, model_cache_dir)
+    gguf_file = next(folder.glob("*.gguf")).name
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(make_llm):
     """The "tiny" engine, shared by the tests that compare others against it."""
     return make_llm("tiny")

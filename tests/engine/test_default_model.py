@@ -6,13 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from cpu_kernels.build import can_build
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.execution.step import SchedulerOutput
 from jaxinfer.layers.weights import Int4, Int8
-from jaxinfer.model_loader.model_cache import resolve_model
 from tests.support.checks import check_logprobs_close
 from tests.support.engines import build_llm, layer_weights, scheduled
 from tools.quant_accuracy import agreement, token_streams
@@ -38,13 +36,8 @@ def llm(default_llm):
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_cache_dir):
-    folder = resolve_model(None, model_cache_dir)
-    gguf_file = next(folder.glob("*.gguf")).name
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(default_hf_model):
+    return default_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from jaxinfer import LoRARequest, SamplingParams
 from jaxinfer.model_loader.model_cache import resolve_model
 from tests.support.checks import check_logprobs_close
 from tests.support.engines import build_llm
-from tests.support.lora import base_model, hf_greedy, make_adapter, ours
+from tests.support.lora import hf_greedy, make_adapter, ours
 
 pytestmark = pytest.mark.default_model
 
@@ -19,10 +19,9 @@ STEPS = 16
 QUESTIONS = ["Why is the sky blue?", "Write a haiku about rain.", "Name three colours."]
 
 
-def test_adapters_match_hf_and_peft(model_cache_dir, tmp_path):
+def test_adapters_match_hf_and_peft(model_cache_dir, default_hf_model, tmp_path):
     folder = resolve_model(None, model_cache_dir)
-    gguf = next(folder.glob("*.gguf")).name
-    loaded = base_model(folder, gguf)  # (HF's GGUF loading dequantizes in Python: once)
+    loaded = default_hf_model  # (copied for each adapter and run)
     every = make_adapter(folder, tmp_path / "every", rank=8, seed=5, scale=3.0, loaded=loaded)
     attention = make_adapter(
         folder,

@@ -1003,7 +1003,8 @@ JAXINFER_VNNI512 void ExactRows512(const Rows& r, const uint8_t* w, int64_t col,
 #pragma GCC unroll 6
       for (int i = 0; i < MR; ++i) {
         acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k), w0, acc[i][0]);
-        acc[i][kAcc - 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k + 16), w1, acc[i][kAcc - 1]);
+        acc[i][kAcc - 1] =
+            _mm512_fmadd_ps(_mm512_loadu_ps(xg + i * r.k + 16), w1, acc[i][kAcc - 1]);
       }
     }
   }

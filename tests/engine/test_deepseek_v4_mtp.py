@@ -40,8 +40,8 @@ pytestmark = pytest.mark.engine
 
 BLOCK = 4  # positions per window block
 LENGTH = 30  # past the tiny model's window of 8
-# Seeds per chi-square sample: half the other methods' tests' (a verifier that keeps every
-# proposal gave p = 2e-59 with these; the real one's p is well above the bar)
+# Seeds per chi-square sample: half the other methods' tests' (enough here for a verifier that
+# keeps every proposal to fall far below the test's bar)
 NUM_SAMPLES = 600
 
 

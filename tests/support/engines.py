@@ -35,14 +35,6 @@ PRESETS = {
         num_kv_blocks=64,
         max_model_len=96,
     ),
-    "tiny_one_bucket": dict(
-        max_num_batched_tokens=16,
-        token_buckets=(16,),
-        max_num_seqs=4,
-        block_size=8,
-        num_kv_blocks=64,
-        max_model_len=96,
-    ),
     "served": dict(
         max_num_batched_tokens=64,
         token_buckets=(8, 64),
@@ -70,6 +62,8 @@ PRESETS = {
     ),
 }
 
+
+PRESETS["tiny_one_bucket"] = {**PRESETS["tiny"], "token_buckets": (16,)}
 
 TINY_OPTIONS = PRESETS["tiny"]
 
